@@ -1,0 +1,371 @@
+"""Tests of mha.attention: semantics, parity with Flax, transformations."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mha import attention as att
+from mha.attention import MultiHeadAttention, dot_product_attention
+
+# float32 reductions over a few hundred terms: 1e-5 absolute is ~100 ulps.
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _inputs(*shape, seed=0):
+  return jax.random.normal(jax.random.key(seed), shape)
+
+
+def _init(layer, *args, **kwargs):
+  return layer.init(jax.random.key(42), *args, **kwargs)
+
+
+def _lengths_mask(valid_lens, length):
+  """[B] lengths -> Flax-style key mask [B, 1, 1, L]."""
+  return (np.arange(length)[None, :] < np.asarray(valid_lens)[:, None])[
+      :, None, None, :]
+
+
+# ----------------------------------------------------------------- shapes
+
+
+@pytest.mark.parametrize("batch", [(), (3,), (2, 3)])
+def test_shapes_any_number_of_batch_dims(batch):
+  x = _inputs(*batch, 5, 16)
+  layer = MultiHeadAttention(num_heads=4, out_features=12)
+  params = _init(layer, x)
+  out, weights = layer.apply(params, x)
+  assert out.shape == batch + (5, 12)
+  assert weights.shape == batch + (4, 5, 5)
+
+
+def test_cross_attention_shapes():
+  q, kv = _inputs(2, 3, 8), _inputs(2, 7, 6, seed=1)
+  layer = MultiHeadAttention(num_heads=2, qkv_features=10)
+  params = _init(layer, q, kv)
+  out, weights = layer.apply(params, q, kv)
+  assert out.shape == (2, 3, 8)
+  assert weights.shape == (2, 2, 3, 7)
+
+
+def test_parameter_tree_matches_flax():
+  x = _inputs(2, 5, 16)
+  ours = _init(MultiHeadAttention(num_heads=4, qkv_features=8), x)
+  theirs = _init(nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=8),
+                 x)
+  assert (jax.tree.map(jnp.shape, ours) == jax.tree.map(jnp.shape, theirs))
+
+
+# ---------------------------------------------------------- masks, weights
+
+
+def test_masked_keys_get_exact_zero_and_rows_sum_to_one():
+  x = _inputs(3, 6, 16)
+  layer = MultiHeadAttention(num_heads=4)
+  params = _init(layer, x)
+  valid_lens = jnp.array([2, 6, 4])
+  _, weights = layer.apply(params, x, valid_lens=valid_lens)
+  key_ok = _lengths_mask(valid_lens, 6)
+  masked = np.broadcast_to(~key_ok, weights.shape)
+  assert np.all(np.asarray(weights)[masked] == 0.0)
+  np.testing.assert_allclose(weights.sum(-1), 1.0, **TOL)
+
+
+def test_valid_lens_per_query_form():
+  x = _inputs(2, 4, 8)
+  layer = MultiHeadAttention(num_heads=2)
+  params = _init(layer, x)
+  per_query = jnp.array([[1, 2, 3, 4], [4, 4, 1, 1]])
+  _, weights = layer.apply(params, x, valid_lens=per_query)
+  key_ok = np.arange(4)[None, None, :] < np.asarray(per_query)[..., None]
+  assert np.all(np.asarray(weights)[np.broadcast_to(
+      ~key_ok[:, None], weights.shape)] == 0.0)
+  np.testing.assert_allclose(weights.sum(-1), 1.0, **TOL)
+
+
+def test_fully_masked_rows_are_zero_not_nan_nor_uniform():
+  x = _inputs(2, 4, 8)
+  layer = MultiHeadAttention(num_heads=2)
+  params = _init(layer, x)
+  mask = jnp.ones((2, 1, 4, 4), bool).at[0, :, 1, :].set(False)
+  for return_weights in (True, False):
+    out, weights = layer.apply(params, x, mask=mask,
+                               return_weights=return_weights)
+    assert np.all(np.isfinite(out))
+    # The row's context is zero, so its output is the out-projection bias.
+    np.testing.assert_allclose(out[0, 1], params["params"]["out"]["bias"],
+                               **TOL)
+    if return_weights:
+      assert np.all(weights[0, :, 1] == 0.0)
+  # valid_lens of 0 masks every key of that sequence.
+  _, weights = layer.apply(params, x, valid_lens=jnp.array([0, 4]))
+  assert np.all(weights[0] == 0.0)
+
+  # Gradients through a fully masked row stay finite.
+  def loss(p):
+    out, w = layer.apply(p, x, mask=mask)
+    return jnp.sum(out ** 2) + jnp.sum(w)
+  grads = jax.grad(loss)(params)
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+def test_mask_helpers():
+  np.testing.assert_array_equal(
+      att.causal_mask(3)[0],
+      [[1, 0, 0], [1, 1, 0], [1, 1, 1]])
+  tokens = jnp.array([[5, 3, 0]])
+  m = att.padding_mask_from_tokens(tokens)
+  assert m.shape == (1, 1, 3, 3)
+  np.testing.assert_array_equal(m[0, 0], [[1, 1, 0], [1, 1, 0], [0, 0, 0]])
+  np.testing.assert_array_equal(
+      att.padding_mask_from_lengths(jnp.array([2]), 3)[0, 0, 0], [1, 1, 0])
+  combined = att.combine_masks(att.causal_mask(3), m, None)
+  np.testing.assert_array_equal(combined[0, 0],
+                                [[1, 0, 0], [1, 1, 0], [0, 0, 0]])
+  assert att.combine_masks(None, None) is None
+
+
+# ---------------------------------------------------------- parity with Flax
+
+
+@pytest.mark.parametrize("use_mask", [False, True])
+def test_parity_with_flax_self_attention(use_mask):
+  x = _inputs(3, 6, 16)
+  flax_layer = nn.MultiHeadDotProductAttention(num_heads=4)
+  params = _init(flax_layer, x)  # a Flax checkpoint loads into ours
+  mask = jnp.asarray(_lengths_mask([6, 3, 1], 6)) if use_mask else None
+  theirs, inter = flax_layer.apply(params, x, mask=mask, sow_weights=True,
+                                   mutable=["intermediates"])
+  their_weights = inter["intermediates"]["attention_weights"][0]
+  ours, weights = MultiHeadAttention(num_heads=4).apply(params, x, mask=mask)
+  np.testing.assert_allclose(ours, theirs, **TOL)
+  np.testing.assert_allclose(weights, their_weights, **TOL)
+
+
+def test_parity_with_flax_cross_attention_and_options():
+  q, k, v = _inputs(2, 3, 8), _inputs(2, 7, 6, seed=1), _inputs(2, 7, 5,
+                                                                 seed=2)
+  kwargs = dict(num_heads=2, qkv_features=12, out_features=4)
+  flax_layer = nn.MultiHeadDotProductAttention(**kwargs)
+  params = _init(flax_layer, q, k, v)
+  mask = jnp.asarray(_lengths_mask([7, 4], 7))
+  theirs = flax_layer.apply(params, q, k, v, mask=mask)
+  ours, weights = MultiHeadAttention(**kwargs).apply(params, q, k, v,
+                                                     valid_lens=jnp.array(
+                                                         [7, 4]))
+  np.testing.assert_allclose(ours, theirs, **TOL)
+  assert weights.shape == (2, 2, 3, 7)
+
+
+def test_parity_with_flax_without_bias():
+  x = _inputs(2, 5, 8)
+  kwargs = dict(num_heads=2, use_bias=False)
+  params = _init(MultiHeadAttention(**kwargs), x)
+  theirs = nn.MultiHeadDotProductAttention(**kwargs).apply(params, x)
+  ours, _ = MultiHeadAttention(**kwargs).apply(params, x)
+  np.testing.assert_allclose(ours, theirs, **TOL)
+
+
+# ------------------------------------------------------------- head mask
+
+
+def _slice_heads(params, keep):
+  """The parameters of a layer that has only the heads in ``keep``."""
+  p = params["params"]
+  out = {name: {"kernel": p[name]["kernel"][:, keep],
+                "bias": p[name]["bias"][keep]}
+         for name in ("query", "key", "value")}
+  out["out"] = {"kernel": p["out"]["kernel"][keep], "bias": p["out"]["bias"]}
+  return {"params": out}
+
+
+def test_head_mask_zero_equals_slicing_the_head_out():
+  x = _inputs(2, 5, 16)
+  layer = MultiHeadAttention(num_heads=4)
+  params = _init(layer, x)
+  valid_lens = jnp.array([5, 3])
+  head_mask = jnp.array([1.0, 0.0, 1.0, 0.0])
+  masked, weights = layer.apply(params, x, valid_lens=valid_lens,
+                                head_mask=head_mask)
+  keep = np.array([0, 2])
+  sliced_layer = MultiHeadAttention(num_heads=2, qkv_features=8,
+                                    out_features=16)
+  sliced, sliced_weights = sliced_layer.apply(
+      _slice_heads(params, keep), x, valid_lens=valid_lens)
+  np.testing.assert_allclose(masked, sliced, **TOL)
+  np.testing.assert_allclose(weights[:, keep], sliced_weights, **TOL)
+
+
+def test_zero_heads_layer_is_the_masked_layer():
+  x = _inputs(2, 5, 16)
+  layer = MultiHeadAttention(num_heads=4)
+  params = _init(layer, x)
+  masked, _ = layer.apply(params, x, head_mask=jnp.zeros(4))
+  empty = MultiHeadAttention(num_heads=0, qkv_features=0, out_features=16)
+  empty_params = {"params": {"out": {"bias": params["params"]["out"]["bias"]}}}
+  assert (jax.tree.map(jnp.shape, _init(empty, x)) ==
+          jax.tree.map(jnp.shape, empty_params))
+  out, weights = empty.apply(empty_params, x)
+  np.testing.assert_allclose(out, masked, **TOL)
+  assert weights.shape == (2, 0, 5, 5)
+
+
+def test_head_mask_gradient_is_finite_and_matches_finite_difference():
+  x = _inputs(2, 5, 16)
+  layer = MultiHeadAttention(num_heads=4)
+  params = _init(layer, x)
+
+  def loss(head_mask):
+    out, _ = layer.apply(params, x, head_mask=head_mask)
+    return jnp.sum(out ** 2)
+
+  ones = jnp.ones(4)
+  grad = jax.grad(loss)(ones)
+  assert np.all(np.isfinite(grad)) and np.any(grad != 0)
+  eps = 1e-2  # loss is quadratic in the gate: central differences are exact
+  fd = [(loss(ones.at[h].add(eps)) - loss(ones.at[h].add(-eps))) / (2 * eps)
+        for h in range(4)]
+  np.testing.assert_allclose(grad, fd, rtol=1e-3, atol=1e-3)
+
+
+# -------------------------------------------------------- transformations
+
+
+def test_vmap_over_batch_equals_batched_call():
+  x = _inputs(3, 5, 8)
+  layer = MultiHeadAttention(num_heads=2)
+  params = _init(layer, x)
+  valid_lens = jnp.array([5, 2, 3])
+  batched = layer.apply(params, x, valid_lens=valid_lens)
+  mapped = jax.vmap(lambda xi, vl: layer.apply(params, xi, valid_lens=vl))(
+      x, valid_lens)
+  for a, b in zip(batched, mapped):
+    np.testing.assert_allclose(a, b, **TOL)
+
+
+def test_vmap_over_head_masks_equals_loop():
+  x = _inputs(2, 5, 8)
+  layer = MultiHeadAttention(num_heads=4, qkv_features=8)
+  params = _init(layer, x)
+  masks = 1.0 - jnp.eye(4)  # leave-one-out
+  run = lambda hm: layer.apply(params, x, head_mask=hm)[0]
+  mapped = jax.jit(jax.vmap(run))(masks)
+  for i in range(4):
+    np.testing.assert_allclose(mapped[i], run(masks[i]), **TOL)
+
+
+def test_vmap_over_stacked_parameters_equals_loop():
+  x = _inputs(2, 5, 8)
+  layer = MultiHeadAttention(num_heads=2)
+  stacked = jax.vmap(lambda k: layer.init(k, x))(
+      jax.random.split(jax.random.key(0), 3))
+  mapped_out, mapped_w = jax.vmap(lambda p: layer.apply(p, x))(stacked)
+  for i in range(3):
+    p = jax.tree.map(lambda a: a[i], stacked)
+    out, w = layer.apply(p, x)
+    np.testing.assert_allclose(mapped_out[i], out, **TOL)
+    np.testing.assert_allclose(mapped_w[i], w, **TOL)
+
+
+def test_jit_equals_no_jit():
+  x = _inputs(2, 5, 8)
+  layer = MultiHeadAttention(num_heads=2)
+  params = _init(layer, x)
+  kwargs = dict(valid_lens=jnp.array([3, 5]), head_mask=jnp.array([1.0, .5]))
+  eager = layer.apply(params, x, **kwargs)
+  jitted = jax.jit(lambda p, x: layer.apply(p, x, **kwargs))(params, x)
+  for a, b in zip(eager, jitted):
+    np.testing.assert_allclose(a, b, **TOL)
+
+
+def test_grad_through_everything_is_finite():
+  x = _inputs(2, 5, 8)
+  layer = MultiHeadAttention(num_heads=2)
+  params = _init(layer, x)
+
+  def loss(p, x, hm):
+    out, w = layer.apply(p, x, valid_lens=jnp.array([2, 5]), head_mask=hm)
+    return jnp.sum(out ** 2) + jnp.sum(w ** 2)
+
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(params, x, jnp.ones(2))
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+# ------------------------------------------------------- dropout, fused path
+
+
+def test_dropout_only_when_not_deterministic():
+  x = _inputs(2, 6, 16)
+  layer = MultiHeadAttention(num_heads=4, dropout_rate=0.5)
+  params = _init(layer, x)
+  reference, ref_w = MultiHeadAttention(num_heads=4).apply(params, x)
+  det, det_w = layer.apply(params, x, deterministic=True)
+  np.testing.assert_allclose(det, reference, **TOL)
+  rngs = {"dropout": jax.random.key(1)}
+  noisy, noisy_w = layer.apply(params, x, deterministic=False, rngs=rngs)
+  assert not np.allclose(noisy, reference, atol=1e-3)
+  # The returned weights are the softmax before dropout.
+  np.testing.assert_allclose(noisy_w, ref_w, **TOL)
+  again, _ = layer.apply(params, x, deterministic=False, rngs=rngs)
+  np.testing.assert_array_equal(noisy, again)
+  # Dropout also works on the no-weights path (it falls back to the
+  # explicit computation) and never returns weights there.
+  out, w = layer.apply(params, x, deterministic=False, rngs=rngs,
+                       return_weights=False)
+  assert w is None
+  np.testing.assert_array_equal(out, noisy)
+
+
+def test_dot_product_attention_dropout_needs_rng():
+  q = _inputs(4, 2, 3)
+  with pytest.raises(ValueError, match="dropout_rng"):
+    dot_product_attention(q, q, q, dropout_rate=0.1, deterministic=False)
+
+
+@pytest.mark.parametrize("batch", [(), (2,), (2, 3)])
+def test_fused_path_equals_weights_path(batch):
+  x = _inputs(*batch, 6, 16)
+  layer = MultiHeadAttention(num_heads=4)
+  params = _init(layer, x)
+  valid_lens = jnp.full(batch, 4)
+  mask = jnp.ones(batch + (1, 6, 6), bool).at[..., 2, :].set(False)
+  kwargs = dict(valid_lens=valid_lens, mask=mask,
+                head_mask=jnp.array([1.0, 0.0, 0.5, 1.0]))
+  with_weights, _ = layer.apply(params, x, **kwargs)
+  fused, none = layer.apply(params, x, return_weights=False, **kwargs)
+  assert none is None
+  np.testing.assert_allclose(fused, with_weights, **TOL)
+
+
+# ------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda L, x: L(num_heads=3).init(jax.random.key(0), x),
+     r"qkv_features \(16\) must be divisible by num_heads \(3\)"),
+    (lambda L, x: L(num_heads=4).init(jax.random.key(0), x,
+                                      _inputs(3, 5, 16)),
+     r"inputs_q.*\(2, 5, 16\).*inputs_k.*\(3, 5, 16\)"),
+    (lambda L, x: L(num_heads=4).init(jax.random.key(0), x,
+                                      valid_lens=jnp.ones((3,), int)),
+     r"`valid_lens` has shape \(3,\)"),
+    (lambda L, x: L(num_heads=4).init(jax.random.key(0), x,
+                                      head_mask=jnp.ones(3)),
+     r"`head_mask` has shape \(3,\).*\[4\]"),
+    (lambda L, x: L(num_heads=4).init(jax.random.key(0), x,
+                                      mask=jnp.ones((2, 1, 5, 4), bool)),
+     r"`mask` has shape \(2, 1, 5, 4\)"),
+])
+def test_bad_shapes_raise_value_error_naming_the_argument(call, match):
+  x = _inputs(2, 5, 16)
+  with pytest.raises(ValueError, match=match):
+    call(MultiHeadAttention, x)
+
+
+def test_bad_shapes_raise_at_trace_time_under_jit():
+  x = _inputs(2, 5, 16)
+  layer = MultiHeadAttention(num_heads=4)
+  params = _init(layer, x)
+  with pytest.raises(ValueError, match="head_mask"):
+    jax.jit(lambda p: layer.apply(p, x, head_mask=jnp.ones(5)))(params)

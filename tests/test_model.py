@@ -1,0 +1,149 @@
+"""Tests of mha.model: shapes, padding, head masks, pruned configs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mha.model import Transformer, TransformerConfig
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+CFG = TransformerConfig(vocab_size=11, num_layers=2, num_heads=4, d_model=32,
+                        mlp_dim=64, max_len=8)
+TOKENS = jnp.array([[3, 1, 4, 1, 5, 0, 0, 0],
+                    [9, 2, 6, 5, 3, 5, 8, 9]])
+
+
+def _init(cfg=CFG, tokens=TOKENS):
+  return Transformer(cfg).init(jax.random.key(0), tokens)
+
+
+def test_shapes_and_attention_per_layer():
+  params = _init()
+  logits, attention = Transformer(CFG).apply(params, TOKENS)
+  assert logits.shape == (2, 8, 11)
+  assert len(attention) == 2
+  assert all(a.shape == (2, 4, 8, 8) for a in attention)
+  # Padding keys get zero weight, padding queries attend to nothing.
+  a = np.asarray(attention[0][0])
+  assert np.all(a[:, :, 5:] == 0) and np.all(a[:, 5:, :] == 0)
+  np.testing.assert_allclose(a[:, :5].sum(-1), 1.0, **TOL)
+
+
+def test_unbatched_and_vmapped_calls_equal_batched():
+  params = _init()
+  model = Transformer(CFG)
+  batched, _ = model.apply(params, TOKENS)
+  single, _ = model.apply(params, TOKENS[1])
+  np.testing.assert_allclose(single, batched[1], **TOL)
+  mapped, _ = jax.vmap(lambda t: model.apply(params, t))(TOKENS)
+  np.testing.assert_allclose(mapped, batched, **TOL)
+
+
+def test_padding_invariance():
+  params = _init()
+  model = Transformer(CFG)
+  logits, _ = model.apply(params, TOKENS)
+  # Shorter padding (a shorter array) gives the same valid logits.
+  short, _ = model.apply(params, TOKENS[:1, :6])
+  np.testing.assert_allclose(short[0, :5], logits[0, :5], **TOL)
+  # Another batch row's content never leaks into this one.
+  other = TOKENS.at[1].set(jnp.array([1, 1, 1, 0, 0, 0, 0, 0]))
+  changed, _ = model.apply(params, other)
+  np.testing.assert_allclose(changed[0, :5], logits[0, :5], **TOL)
+
+
+def test_finite_gradients_for_params_and_head_mask():
+  params = _init()
+  model = Transformer(CFG)
+
+  def loss(p, hm):
+    logits, attention = model.apply(p, TOKENS, head_mask=hm)
+    return jnp.mean(logits ** 2) + sum(jnp.sum(a) for a in attention)
+
+  g_params, g_mask = jax.jit(jax.grad(loss, argnums=(0, 1)))(
+      params, jnp.ones((2, 4)))
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(g_params))
+  assert g_mask.shape == (2, 4) and np.all(np.isfinite(g_mask))
+  assert np.any(g_mask != 0)
+
+
+def test_head_mask_array_and_sequence_agree_and_vmap():
+  params = _init()
+  model = Transformer(CFG)
+  hm = jnp.array([[1.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.5]])
+  a, _ = model.apply(params, TOKENS, head_mask=hm)
+  b, _ = model.apply(params, TOKENS, head_mask=[hm[0], hm[1]])
+  np.testing.assert_allclose(a, b, **TOL)
+  masks = jnp.stack([hm, jnp.ones_like(hm)])
+  mapped, _ = jax.vmap(lambda m: model.apply(params, TOKENS, head_mask=m))(
+      masks)
+  np.testing.assert_allclose(mapped[0], a, **TOL)
+
+
+def test_return_weights_false_gives_same_logits():
+  params = _init()
+  model = Transformer(CFG)
+  a, _ = model.apply(params, TOKENS)
+  b, attention = model.apply(params, TOKENS, return_weights=False)
+  np.testing.assert_allclose(a, b, **TOL)
+  assert attention == (None, None)
+
+
+def test_dropout_only_when_not_deterministic():
+  cfg = TransformerConfig(**{**CFG.__dict__, "dropout_rate": 0.3,
+                             "attention_dropout_rate": 0.3})
+  params = _init(cfg)
+  model = Transformer(cfg)
+  det, _ = model.apply(params, TOKENS)
+  det_ref, _ = Transformer(CFG).apply(params, TOKENS)
+  np.testing.assert_allclose(det, det_ref, **TOL)
+  noisy, _ = model.apply(params, TOKENS, deterministic=False,
+                         rngs={"dropout": jax.random.key(3)})
+  assert not np.allclose(noisy, det, atol=1e-3)
+
+
+def test_per_layer_heads_with_an_empty_layer():
+  cfg = TransformerConfig(vocab_size=11, num_layers=3, num_heads=(2, 0, 3),
+                          head_dim=8, d_model=32, mlp_dim=64, max_len=8)
+  params = _init(cfg)
+  attn = params["params"]["layer_1"]["attention"]
+  assert set(attn) == {"out"} and set(attn["out"]) == {"bias"}
+  logits, attention = Transformer(cfg).apply(
+      params, TOKENS, head_mask=[jnp.ones(2), jnp.ones(0), jnp.ones(3)])
+  assert logits.shape == (2, 8, 11)
+  assert [a.shape[1] for a in attention] == [2, 0, 3]
+  assert params["params"]["layer_2"]["attention"]["query"]["kernel"].shape == (
+      32, 3, 8)
+
+
+@pytest.mark.parametrize("positional, pre_norm", [("sinusoidal", True),
+                                                  ("learned", False)])
+def test_variants_run(positional, pre_norm):
+  cfg = TransformerConfig(**{**CFG.__dict__, "positional": positional,
+                             "pre_norm": pre_norm})
+  params = _init(cfg)
+  logits, _ = Transformer(cfg).apply(params, TOKENS)
+  assert np.all(np.isfinite(logits))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_heads=3), r"d_model \(32\) must be divisible by num_heads \(3\)"),
+    (dict(num_heads=(2, 2, 2)), r"num_heads has 3 entries"),
+    (dict(num_heads=(2, 2)), r"head_dim is required"),
+    (dict(positional="rope"), r"positional must be one of"),
+])
+def test_bad_config(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    TransformerConfig(**{**CFG.__dict__, **kwargs})
+
+
+def test_bad_inputs():
+  params = _init()
+  model = Transformer(CFG)
+  with pytest.raises(ValueError, match=r"`tokens` has shape \(1, 9\)"):
+    model.apply(params, jnp.ones((1, 9), jnp.int32))
+  with pytest.raises(ValueError, match=r"`head_mask` has shape \(2, 3\)"):
+    model.apply(params, TOKENS, head_mask=jnp.ones((2, 3)))
+  with pytest.raises(ValueError, match=r"3 per-layer entries"):
+    model.apply(params, TOKENS, head_mask=[jnp.ones(4)] * 3)
