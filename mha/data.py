@@ -1,0 +1,414 @@
+"""Toy per-position sequence-to-sequence tasks, stored as a real TFDS dataset.
+
+Every task maps an input sequence ``x`` of length ``n`` (uniform in
+``[min_len, max_len]``, symbols ``1..num_symbols``, ``0`` = padding) to a target
+sequence of the same length, one target token per input position:
+
+* ``reverse``:   ``target[i] = x[n - 1 - i]``
+* ``sort``:      ``target = sorted(x[:n])``
+* ``histogram``: ``target[i] = #{j < n : x[j] == x[i]}`` (a count in ``1..max_len``)
+
+Inputs and targets are padded with ``0`` up to ``max_len``.
+
+The data is generated deterministically from ``DataSpec.seed`` with numpy,
+written to disk by ``tfds`` in the ``array_record`` format and read back with
+``builder.as_data_source()`` (random access, no TensorFlow needed or imported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+from typing import Iterator
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+TASKS: tuple[str, ...] = ("reverse", "sort", "histogram")
+
+# Bump when the generation code changes so that stale prepared data on disk is
+# never silently reused (the version is part of the on-disk path).
+_VERSION = "1.0.0"
+_SPLITS: tuple[str, ...] = ("train", "validation", "test")
+_READ_CHUNK = 4096  # records per `__getitems__` call when reading a split.
+
+
+# --------------------------------------------------------------------------
+# Spec and vocabulary
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+  """Everything that determines the dataset contents."""
+
+  task: str = "reverse"
+  num_symbols: int = 10
+  min_len: int = 1
+  max_len: int = 16
+  num_train_examples: int = 20000
+  num_eval_examples: int = 1000  # size of EACH of validation and test
+  seed: int = 0  # data-generation seed
+
+  def __post_init__(self) -> None:
+    if self.task not in TASKS:
+      raise ValueError(f"Unknown task {self.task!r}; expected one of {TASKS}.")
+    if self.num_symbols < 1:
+      raise ValueError(f"num_symbols must be >= 1, got {self.num_symbols}.")
+    if not 1 <= self.min_len <= self.max_len:
+      raise ValueError(
+          f"Need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}."
+      )
+    if self.num_train_examples < 1 or self.num_eval_examples < 1:
+      raise ValueError("num_train_examples and num_eval_examples must be >= 1.")
+    if self.seed < 0:
+      raise ValueError(f"seed must be >= 0 (numpy seeding), got {self.seed}.")
+
+
+def vocab_size(task: str, num_symbols: int, max_len: int) -> int:
+  """Size of the token space covering inputs and targets (including pad 0).
+
+  Args:
+    task: one of `TASKS`.
+    num_symbols: input symbols are ``1..num_symbols``.
+    max_len: maximum sequence length.
+
+  Returns:
+    ``num_symbols + 1`` for reverse/sort (targets are input symbols);
+    ``max(num_symbols, max_len) + 1`` for histogram (targets are counts in
+    ``1..max_len``).
+  """
+  if task in ("reverse", "sort"):
+    return num_symbols + 1
+  if task == "histogram":
+    return max(num_symbols, max_len) + 1
+  raise ValueError(f"Unknown task {task!r}; expected one of {TASKS}.")
+
+
+# --------------------------------------------------------------------------
+# Generation (pure numpy, vectorised)
+# --------------------------------------------------------------------------
+
+
+def _sample_inputs(
+    rng: np.random.Generator, spec: DataSpec, num: int
+) -> tuple[np.ndarray, np.ndarray]:
+  """Samples `num` padded input rows [num, max_len] int32 and their lengths."""
+  lengths = rng.integers(spec.min_len, spec.max_len + 1, size=num)
+  tokens = rng.integers(1, spec.num_symbols + 1, size=(num, spec.max_len))
+  mask = np.arange(spec.max_len)[None, :] < lengths[:, None]
+  return np.where(mask, tokens, 0).astype(np.int32), lengths.astype(np.int32)
+
+
+def _compute_targets(task: str, inputs: np.ndarray) -> np.ndarray:
+  """Per-position targets [N, L] int32 for padded `inputs` [N, L] (0 = pad)."""
+  inputs = np.asarray(inputs, dtype=np.int32)
+  n_rows, max_len = inputs.shape
+  mask = inputs != 0
+  lengths = mask.sum(axis=1)
+  pos = np.arange(max_len)[None, :]
+  if task == "reverse":
+    src = np.clip(lengths[:, None] - 1 - pos, 0, max_len - 1)
+    out = np.take_along_axis(inputs, src, axis=1)
+  elif task == "sort":
+    big = np.iinfo(np.int32).max
+    out = np.sort(np.where(mask, inputs, big), axis=1)
+  elif task == "histogram":
+    out = np.empty_like(inputs)
+    chunk = max(1, (1 << 22) // max(1, max_len * max_len))  # bound memory
+    for s in range(0, n_rows, chunk):
+      x = inputs[s : s + chunk]
+      m = mask[s : s + chunk]
+      eq = (x[:, :, None] == x[:, None, :]) & m[:, None, :]
+      out[s : s + chunk] = eq.sum(axis=2)
+  else:
+    raise ValueError(f"Unknown task {task!r}; expected one of {TASKS}.")
+  return np.where(mask, out, 0).astype(np.int32)
+
+
+def _row_keys(inputs: np.ndarray) -> list[bytes]:
+  """Hashable keys identifying each row's valid prefix (padding is all 0)."""
+  inputs = np.ascontiguousarray(inputs, dtype=np.int32)
+  return [row.tobytes() for row in inputs]
+
+
+def _generate_arrays(spec: DataSpec) -> dict[str, dict[str, np.ndarray]]:
+  """Generates all splits for `spec`: {split: {inputs, targets, length}}.
+
+  Deterministic in `spec` only. The train split is sampled i.i.d.; validation
+  and test are sampled by rejection so that their valid prefixes never occur in
+  train, and test's never occur in validation. Within a split, repeats are
+  allowed (same distribution as train, restricted to unseen sequences).
+  """
+  sizes = {
+      "train": spec.num_train_examples,
+      "validation": spec.num_eval_examples,
+      "test": spec.num_eval_examples,
+  }
+  seen: set[bytes] = set()
+  out: dict[str, dict[str, np.ndarray]] = {}
+  for split_id, split in enumerate(_SPLITS):
+    rng = np.random.default_rng([spec.seed, split_id])
+    need = sizes[split]
+    if split == "train":
+      inputs, lengths = _sample_inputs(rng, spec, need)
+    else:
+      parts_x, parts_l, have = [], [], 0
+      for _ in range(1000):
+        if have >= need:
+          break
+        cand_x, cand_l = _sample_inputs(rng, spec, max(2 * (need - have), 256))
+        keep = np.fromiter(
+            (k not in seen for k in _row_keys(cand_x)), bool, len(cand_x)
+        )
+        parts_x.append(cand_x[keep][: need - have])
+        parts_l.append(cand_l[keep][: need - have])
+        have += len(parts_x[-1])
+      if have < need:
+        raise ValueError(
+            f"Could not sample {need} {split} sequences unseen in earlier "
+            f"splits for {spec}; the sequence space is too small."
+        )
+      inputs, lengths = np.concatenate(parts_x), np.concatenate(parts_l)
+    seen.update(_row_keys(inputs))
+    out[split] = {
+        "inputs": inputs,
+        "targets": _compute_targets(spec.task, inputs),
+        "length": lengths,
+    }
+  return out
+
+
+# --------------------------------------------------------------------------
+# TFDS builder
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class ToySeq2SeqConfig(tfds.core.BuilderConfig):
+  """BuilderConfig carrying the `DataSpec` fields."""
+
+  task: str = "reverse"
+  num_symbols: int = 10
+  min_len: int = 1
+  max_len: int = 16
+  num_train_examples: int = 20000
+  num_eval_examples: int = 1000
+  seed: int = 0
+
+  @property
+  def spec(self) -> DataSpec:
+    """The `DataSpec` this config generates."""
+    return DataSpec(**{
+        f.name: getattr(self, f.name) for f in dataclasses.fields(DataSpec)
+    })
+
+  @classmethod
+  def from_spec(cls, name: str, spec: DataSpec) -> "ToySeq2SeqConfig":
+    """Config named `name` carrying `spec`."""
+    return cls(
+        name=name,
+        description=f"Toy per-position seq2seq: {spec}",
+        **dataclasses.asdict(spec),
+    )
+
+
+class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """Toy per-position sequence-to-sequence tasks (reverse, sort, histogram).
+
+  Not registered in the global tfds registry (build it with `make_builder`),
+  so re-importing this module (e.g. as `__main__`) cannot collide.
+  """
+
+  name = "toy_seq2seq"
+  # tfds derives `code_path` (used only to look for a download-checksums file)
+  # via `importlib_resources`, which is not installed here; there is nothing to
+  # download, so no code path / checksums file is needed.
+  code_path = None
+  VERSION = tfds.core.Version(_VERSION)
+  RELEASE_NOTES = {_VERSION: "Initial release."}
+  BUILDER_CONFIGS = [
+      ToySeq2SeqConfig.from_spec(task, DataSpec(task=task)) for task in TASKS
+  ]
+  DEFAULT_BUILDER_CONFIG_NAME = "reverse"
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    spec = self.builder_config.spec
+    return self.dataset_info_from_configs(
+        description=(
+            "Toy per-position seq2seq tasks for encoder-only Transformers. "
+            "Symbols 1..num_symbols, 0 = padding."
+        ),
+        features=tfds.features.FeaturesDict({
+            "inputs": tfds.features.Tensor(
+                shape=(spec.max_len,), dtype=np.int32
+            ),
+            "targets": tfds.features.Tensor(
+                shape=(spec.max_len,), dtype=np.int32
+            ),
+            "length": tfds.features.Scalar(dtype=np.int32),
+        }),
+        supervised_keys=("inputs", "targets"),
+        disable_shuffling=True,  # keep the generation order on disk.
+    )
+
+  def _split_generators(self, dl_manager):  # pylint: disable=unused-argument
+    del dl_manager
+    arrays = _generate_arrays(self.builder_config.spec)
+    return {split: self._generate_examples(arrays[split]) for split in _SPLITS}
+
+  def _generate_examples(self, arrays: dict[str, np.ndarray]):
+    for i in range(len(arrays["inputs"])):
+      yield i, {
+          "inputs": arrays["inputs"][i],
+          "targets": arrays["targets"][i],
+          "length": arrays["length"][i],
+      }
+
+
+def _spec_hash(spec: DataSpec) -> str:
+  """Short stable hash of `spec` (independent of Python's `hash()`)."""
+  blob = json.dumps(dataclasses.asdict(spec), sort_keys=True).encode()
+  return hashlib.sha256(blob).hexdigest()[:10]
+
+
+def config_name(spec: DataSpec) -> str:
+  """Builder config name for `spec` (see `make_builder`)."""
+  if spec == DataSpec(task=spec.task):
+    return spec.task
+  return f"{spec.task}_{_spec_hash(spec)}"
+
+
+def make_builder(spec: DataSpec, data_dir: str) -> ToySeq2Seq:
+  """Builder for `spec` rooted at `data_dir`.
+
+  A spec equal to a task's default BuilderConfig uses that config's name
+  ('reverse', ...); any other spec gets its own config named
+  f"{task}_{short hash of the spec}" so that prepared data for different specs
+  never collide on disk (``data_dir/toy_seq2seq/<config>/<version>/``).
+  """
+  name = config_name(spec)
+  if name == spec.task:
+    # tfds requires predefined configs to be passed by name (or by identity).
+    return ToySeq2Seq(data_dir=data_dir, config=name)
+  return ToySeq2Seq(
+      data_dir=data_dir, config=ToySeq2SeqConfig.from_spec(name, spec)
+  )
+
+
+# --------------------------------------------------------------------------
+# In-memory splits and batching
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Split:
+  """One split held in memory."""
+
+  inputs: np.ndarray  # [N, max_len] int32
+  targets: np.ndarray  # [N, max_len] int32
+
+  def __len__(self) -> int:
+    return int(self.inputs.shape[0])
+
+  @property
+  def lengths(self) -> np.ndarray:
+    """[N] int32 number of valid (non-padding) positions per example."""
+    return (self.inputs != 0).sum(axis=1).astype(np.int32)
+
+
+def _read_split(source, max_len: int) -> Split:
+  """Reads a whole data source into memory, `_READ_CHUNK` records per call."""
+  n = len(source)
+  inputs = np.zeros((n, max_len), np.int32)
+  targets = np.zeros((n, max_len), np.int32)
+  for start in range(0, n, _READ_CHUNK):
+    idx = list(range(start, min(n, start + _READ_CHUNK)))
+    records = source.__getitems__(idx)
+    inputs[start : start + len(idx)] = np.stack([r["inputs"] for r in records])
+    targets[start : start + len(idx)] = np.stack([r["targets"] for r in records])
+  inputs.setflags(write=False)
+  targets.setflags(write=False)
+  return Split(inputs=inputs, targets=targets)
+
+
+def load_splits(spec: DataSpec, data_dir: str) -> dict[str, Split]:
+  """Prepares the dataset if needed and reads all splits into memory.
+
+  Preparation uses ``download_and_prepare(file_format='array_record')``;
+  reading goes through ``builder.as_data_source()`` (random access via
+  ArrayRecord, no TensorFlow), in chunks of ``__getitems__``.
+
+  Returns:
+    {'train': Split, 'validation': Split, 'test': Split}.
+  """
+  builder = make_builder(spec, os.fspath(data_dir))
+  if not builder.is_prepared():
+    print(
+        f"Preparing toy_seq2seq/{builder.builder_config_name} ({spec}) "
+        f"in {builder.data_dir}",
+        flush=True,
+    )
+    builder.download_and_prepare(file_format="array_record")
+  sources = builder.as_data_source()
+  return {
+      split: _read_split(sources[split], spec.max_len) for split in _SPLITS
+  }
+
+
+@functools.lru_cache(maxsize=8)
+def _epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+  perm = np.random.default_rng([seed, epoch]).permutation(n)
+  perm.setflags(write=False)
+  return perm
+
+
+def train_batch(
+    split: Split, *, seed: int, step: int, batch_size: int
+) -> dict[str, np.ndarray]:
+  """The batch for training step `step` (0-based).
+
+  A pure, deterministic function of (seed, step): epoch-based shuffling without
+  replacement, where epoch ``e`` visits the examples in the order
+  ``np.random.default_rng([seed, e]).permutation(N)`` and batches are
+  consecutive windows of the concatenation of all epochs' permutations (so a
+  batch crossing an epoch boundary takes the tail of one permutation and the
+  head of the next).
+
+  Returns:
+    {'inputs': [B, L] int32, 'targets': [B, L] int32}.
+  """
+  n = len(split)
+  if n == 0:
+    raise ValueError("Cannot draw training batches from an empty split.")
+  if step < 0 or batch_size < 1:
+    raise ValueError(f"Need step >= 0 and batch_size >= 1: {step}, {batch_size}")
+  flat = step * batch_size + np.arange(batch_size, dtype=np.int64)
+  epochs, pos = np.divmod(flat, n)
+  idx = np.empty(batch_size, dtype=np.int64)
+  for e in np.unique(epochs):
+    sel = epochs == e
+    idx[sel] = _epoch_permutation(int(seed), int(e), n)[pos[sel]]
+  return {"inputs": split.inputs[idx], "targets": split.targets[idx]}
+
+
+def eval_batches(split: Split, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+  """Deterministic in-order batches covering `split` exactly once.
+
+  The last partial batch is padded to `batch_size` with all-zero rows (pure
+  padding: no valid tokens, so metrics ignore them); every batch has shape
+  [batch_size, max_len] (a single compilation).
+  """
+  if batch_size < 1:
+    raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+  n = len(split)
+  for start in range(0, n, batch_size):
+    x = split.inputs[start : start + batch_size]
+    y = split.targets[start : start + batch_size]
+    if len(x) < batch_size:
+      pad = ((0, batch_size - len(x)), (0, 0))
+      x, y = np.pad(x, pad), np.pad(y, pad)
+    yield {"inputs": np.asarray(x, np.int32), "targets": np.asarray(y, np.int32)}
