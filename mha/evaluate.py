@@ -1,0 +1,127 @@
+"""Metrics of a model on a split: loss, token accuracy, exact match.
+
+Metrics are computed as sums plus counts on the device and divided on the
+host, so batches of padding rows (the last, padded eval batch) count nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mha import data
+from mha.model import Transformer
+
+Array = jax.Array
+Metrics = dict[str, Array]
+
+
+def metric_sums(logits: Array, targets: Array, inputs: Array) -> Metrics:
+  """Sums and counts over the valid (non-padding) positions of a batch.
+
+  Args:
+    logits: ``[B, L, V]``.
+    targets: ``[B, L]`` int.
+    inputs: ``[B, L]`` int, 0 = padding (defines the valid positions).
+
+  Returns:
+    ``loss_sum``, ``correct`` and ``tokens`` (token-level sums), and
+    ``exact`` and ``sequences`` (sequences with every valid position right,
+    and the number of non-empty sequences).
+  """
+  valid = inputs != 0
+  ce = optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), targets)
+  right = (jnp.argmax(logits, -1) == targets) & valid
+  nonempty = jnp.any(valid, axis=-1)
+  return {
+      "loss_sum": jnp.sum(jnp.where(valid, ce, 0.0)),
+      "correct": jnp.sum(right),
+      "tokens": jnp.sum(valid),
+      "exact": jnp.sum(jnp.all(right | ~valid, axis=-1) & nonempty),
+      "sequences": jnp.sum(nonempty),
+  }
+
+
+def summarize(sums: Mapping[str, np.ndarray | float]) -> dict[str, float]:
+  """Turns :func:`metric_sums` totals into ``loss``, ``token_accuracy``,
+  ``exact_match``."""
+  tokens = max(float(sums["tokens"]), 1.0)
+  return {
+      "loss": float(sums["loss_sum"]) / tokens,
+      "token_accuracy": float(sums["correct"]) / tokens,
+      "exact_match": float(sums["exact"]) / max(float(sums["sequences"]), 1.0),
+  }
+
+
+@functools.partial(jax.jit, static_argnames="model")
+def eval_step(model: Transformer, params, batch: Mapping[str, Array]) -> Metrics:
+  """Metric sums of ``model`` on one batch (deterministic, no weights)."""
+  logits, _ = model.apply({"params": params}, batch["inputs"],
+                          return_weights=False)
+  return metric_sums(logits, batch["targets"], batch["inputs"])
+
+
+def evaluate(model: Transformer, params, split: data.Split,
+             batch_size: int) -> dict[str, float]:
+  """``loss``, ``token_accuracy`` and ``exact_match`` of ``model`` on
+  ``split``."""
+  totals = None
+  for batch in data.eval_batches(split, batch_size):
+    sums = eval_step(model, params, batch)
+    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+  return summarize(jax.device_get(totals))
+
+
+def pick_examples(split: data.Split, num_examples: int) -> np.ndarray:
+  """Indices of ``num_examples`` examples with lengths spread from half the
+  longest length to the longest (short sequences make dull heatmaps)."""
+  lengths = split.lengths
+  longest = int(lengths.max())
+  wanted = np.linspace(max(1, longest // 2), longest, num_examples).round()
+  chosen: list[int] = []
+  for length in wanted:
+    candidates = [i for i in np.flatnonzero(lengths == length)
+                  if i not in chosen]
+    if not candidates:  # fall back to the closest unused length
+      order = np.argsort(np.abs(lengths - length), kind="stable")
+      candidates = [i for i in order if i not in chosen]
+    if candidates:
+      chosen.append(int(candidates[0]))
+  return np.asarray(chosen, dtype=np.int64)
+
+
+def write_attention_plots(model: Transformer, params, split: data.Split,
+                          out_dir: str, *, num_examples: int = 4,
+                          prefix: str = "attention") -> list[str]:
+  """Writes one layers x heads heatmap grid per picked example.
+
+  Returns:
+    The paths of the PNG files written (``out_dir/<prefix>_<index>.png``).
+  """
+  from mha import plotting  # Deferred: matplotlib is only needed here.
+
+  indices = pick_examples(split, num_examples)
+  inputs = jnp.asarray(split.inputs[indices])
+  logits, attention = jax.jit(model.apply)({"params": params}, inputs)
+  predictions = np.asarray(jnp.argmax(logits, -1))
+  attention = [np.asarray(a) for a in attention]
+  os.makedirs(out_dir, exist_ok=True)
+  paths = []
+  for row, index in enumerate(indices):
+    n = int(split.lengths[index])
+    correct = int(np.sum(predictions[row, :n] == split.targets[index, :n]))
+    path = os.path.join(out_dir, f"{prefix}_{index}.png")
+    plotting.plot_attention(
+        split.inputs[index], [a[row] for a in attention], path,
+        targets=split.targets[index], predictions=predictions[row],
+        title=(f"example {index}: input -> target, {correct}/{n} positions "
+               "predicted right"))
+    paths.append(path)
+  return paths
