@@ -41,10 +41,11 @@ def make_manager(workdir: str | os.PathLike, *, max_to_keep: int | None = None,
 
   Saves are asynchronous; call ``wait_until_finished()`` before exiting.
   """
+  # Loading only: no directory creation and no clean-up of others' files
+  # (orbax's own read_only flag warns on every load).
   options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep,
       create=not read_only,
-      read_only=read_only,
       cleanup_tmp_directories=not read_only,
   )
   return ocp.CheckpointManager(checkpoint_dir(workdir), options=options,

@@ -352,7 +352,11 @@ def load_splits(spec: DataSpec, data_dir: str) -> dict[str, Split]:
         f"in {builder.data_dir}",
         flush=True,
     )
-    builder.download_and_prepare(file_format="array_record")
+    tfds.disable_progress_bar()  # one line above says what is happening
+    try:
+      builder.download_and_prepare(file_format="array_record")
+    finally:
+      tfds.enable_progress_bar()
   sources = builder.as_data_source()
   return {
       split: _read_split(sources[split], spec.max_len) for split in _SPLITS

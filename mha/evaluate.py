@@ -72,11 +72,11 @@ def evaluate(model: Transformer, params, split: data.Split,
              batch_size: int) -> dict[str, float]:
   """``loss``, ``token_accuracy`` and ``exact_match`` of ``model`` on
   ``split``."""
-  totals = None
+  totals: dict[str, float] = {}
   for batch in data.eval_batches(split, batch_size):
-    sums = eval_step(model, params, batch)
-    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-  return summarize(jax.device_get(totals))
+    for key, value in jax.device_get(eval_step(model, params, batch)).items():
+      totals[key] = totals.get(key, 0.0) + float(value)
+  return summarize(totals)
 
 
 def pick_examples(split: data.Split, num_examples: int) -> np.ndarray:

@@ -127,7 +127,7 @@ def train_step(state: TrainState, batch: Mapping[str, Array], rng: Array, *,
     return sums["loss_sum"] / jnp.maximum(sums["tokens"], 1), sums
 
   grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)
-  metrics = dict(sums, grad_norm=optax.global_norm(grads),
+  metrics = dict(sums, grad_norm=optax.tree.norm(grads),
                  learning_rate=schedule(state.step))
   return state.apply_gradients(grads=grads), metrics
 
