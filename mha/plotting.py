@@ -37,7 +37,7 @@ MISMATCH_COLOR = "tab:red"
 
 
 def valid_length(tokens: np.ndarray) -> int:
-    """Number of leading non-zero tokens (``0`` is padding).
+  """Number of leading non-zero tokens (``0`` is padding).
 
     Args:
       tokens: ``[L]`` integer sequence.
@@ -45,9 +45,9 @@ def valid_length(tokens: np.ndarray) -> int:
     Returns:
       The index of the first ``0``, or ``L`` when there is none.
     """
-    tokens = np.asarray(tokens)
-    pad = np.flatnonzero(tokens == 0)
-    return int(pad[0]) if pad.size else int(tokens.shape[0])
+  tokens = np.asarray(tokens)
+  pad = np.flatnonzero(tokens == 0)
+  return int(pad[0]) if pad.size else int(tokens.shape[0])
 
 
 def _check_inputs(
@@ -56,49 +56,49 @@ def _check_inputs(
     targets: np.ndarray | None,
     predictions: np.ndarray | None,
 ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray | None, np.ndarray | None]:
-    """Converts to numpy and validates shapes; raises ``ValueError`` on misuse."""
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 1:
-        raise ValueError(f"tokens must be a 1-D [L] array, got shape {tokens.shape}.")
-    length = tokens.shape[0]
-    if isinstance(attention, np.ndarray) and attention.ndim == 4:
-        attention = list(attention)  # a stacked [layers, H, L, L] array is fine too
-    attention = [np.asarray(a, dtype=np.float64) for a in attention]
-    if not attention:
-        raise ValueError("attention must hold at least one layer.")
-    for layer, a in enumerate(attention):
-        if a.ndim != 3:
-            raise ValueError(
-                f"attention[{layer}] must be [heads, L, L], got shape {a.shape}."
-            )
-        if a.shape[1:] != (length, length):
-            raise ValueError(
-                f"attention[{layer}] has shape {a.shape}; its last two dims must "
-                f"both equal len(tokens) = {length} (query rows, key columns)."
-            )
-    out = []
-    for name, arr in (("targets", targets), ("predictions", predictions)):
-        if arr is not None:
-            arr = np.asarray(arr)
-            if arr.shape != tokens.shape:
-                raise ValueError(
-                    f"{name} must have the same shape as tokens {tokens.shape}, "
-                    f"got {arr.shape}."
-                )
-        out.append(arr)
-    targets, predictions = out
-    if predictions is not None and targets is None:
-        raise ValueError("predictions are only shown next to targets; pass targets too.")
-    if valid_length(tokens) == 0:
-        raise ValueError("tokens has no valid (non-padding) prefix: tokens[0] == 0.")
-    return tokens, attention, targets, predictions
+  """Converts to numpy and validates shapes; raises ``ValueError`` on misuse."""
+  tokens = np.asarray(tokens)
+  if tokens.ndim != 1:
+    raise ValueError(
+        f"tokens must be a 1-D [L] array, got shape {tokens.shape}.")
+  length = tokens.shape[0]
+  if isinstance(attention, np.ndarray) and attention.ndim == 4:
+    attention = list(attention)  # a stacked [layers, H, L, L] array is fine too
+  attention = [np.asarray(a, dtype=np.float64) for a in attention]
+  if not attention:
+    raise ValueError("attention must hold at least one layer.")
+  for layer, a in enumerate(attention):
+    if a.ndim != 3:
+      raise ValueError(
+          f"attention[{layer}] must be [heads, L, L], got shape {a.shape}.")
+    if a.shape[1:] != (length, length):
+      raise ValueError(
+          f"attention[{layer}] has shape {a.shape}; its last two dims must "
+          f"both equal len(tokens) = {length} (query rows, key columns).")
+  out = []
+  for name, arr in (("targets", targets), ("predictions", predictions)):
+    if arr is not None:
+      arr = np.asarray(arr)
+      if arr.shape != tokens.shape:
+        raise ValueError(
+            f"{name} must have the same shape as tokens {tokens.shape}, "
+            f"got {arr.shape}.")
+    out.append(arr)
+  targets, predictions = out
+  if predictions is not None and targets is None:
+    raise ValueError(
+        "predictions are only shown next to targets; pass targets too.")
+  if valid_length(tokens) == 0:
+    raise ValueError(
+        "tokens has no valid (non-padding) prefix: tokens[0] == 0.")
+  return tokens, attention, targets, predictions
 
 
 def _tick_fontsize(n: int, cell: float) -> float:
-    """Tick-label size (points) so that ``n`` labels fit along ``cell`` inches."""
-    # The heatmap spans roughly 85% of the cell; give each label ~90% of its slot.
-    slot_pt = 0.85 * cell * 72.0 / n
-    return float(np.clip(0.9 * slot_pt, 5.0, 9.0))
+  """Tick-label size (points) so that ``n`` labels fit along ``cell`` inches."""
+  # The heatmap spans roughly 85% of the cell; give each label ~90% of its slot.
+  slot_pt = 0.85 * cell * 72.0 / n
+  return float(np.clip(0.9 * slot_pt, 5.0, 9.0))
 
 
 def attention_grid_figure(
@@ -110,7 +110,7 @@ def attention_grid_figure(
     title: str | None = None,
     token_names: Callable[[int], str] | None = None,
 ) -> Figure:
-    """Builds (but does not save) the layers x heads attention-heatmap figure.
+  """Builds (but does not save) the layers x heads attention-heatmap figure.
 
     See :func:`plot_attention` for the arguments. The returned figure is a plain
     :class:`matplotlib.figure.Figure` attached to an Agg canvas (no ``pyplot``),
@@ -122,98 +122,110 @@ def attention_grid_figure(
     Raises:
       ValueError: on inconsistent shapes (see :func:`plot_attention`).
     """
-    tokens, attention, targets, predictions = _check_inputs(
-        tokens, attention, targets, predictions
-    )
-    name = token_names if token_names is not None else (lambda t: str(t))
-    n = valid_length(tokens)
-    n_layers = len(attention)
-    heads = [a.shape[0] for a in attention]
-    n_cols = max(1, max(heads))
+  tokens, attention, targets, predictions = _check_inputs(
+      tokens, attention, targets, predictions)
+  name = token_names if token_names is not None else (lambda t: str(t))
+  n = valid_length(tokens)
+  n_layers = len(attention)
+  heads = [a.shape[0] for a in attention]
+  n_cols = max(1, max(heads))
 
-    # ~2.2 in per cell; grow past 16 tokens so that tick labels stay legible.
-    cell = CELL_INCHES + 0.1 * max(0, n - _CELL_BASE_LEN)
-    fontsize = _tick_fontsize(n, cell)
-    # A layer without heads only needs a thin row for its "pruned" note.
-    row_heights = [1.0 if h > 0 else 0.3 for h in heads]
-    grid_height = cell * sum(row_heights)
-    width = n_cols * cell + 1.0  # + colourbar
-    height = grid_height + (0.5 if title else 0.0) + (0.3 if predictions is not None else 0.0)
+  # ~2.2 in per cell; grow past 16 tokens so that tick labels stay legible.
+  cell = CELL_INCHES + 0.1 * max(0, n - _CELL_BASE_LEN)
+  fontsize = _tick_fontsize(n, cell)
+  # A layer without heads only needs a thin row for its "pruned" note.
+  row_heights = [1.0 if h > 0 else 0.3 for h in heads]
+  grid_height = cell * sum(row_heights)
+  width = n_cols * cell + 1.0  # + colourbar
+  height = grid_height + (0.5 if title else 0.0) + (0.3 if predictions
+                                                    is not None else 0.0)
 
-    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(
-        n_layers, n_cols, squeeze=False, gridspec_kw={"height_ratios": row_heights}
-    )
-    norm = Normalize(vmin=0.0, vmax=1.0)
+  fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(n_layers,
+                      n_cols,
+                      squeeze=False,
+                      gridspec_kw={"height_ratios": row_heights})
+  norm = Normalize(vmin=0.0, vmax=1.0)
 
-    key_labels = [name(int(t)) for t in tokens[:n]]
-    if targets is not None:
-        query_labels = [
-            f"{name(int(x))}\u2192{name(int(t))}" for x, t in zip(tokens[:n], targets[:n])
-        ]
-    else:
-        query_labels = list(key_labels)
-    mismatch = (
-        predictions[:n] != targets[:n]
-        if predictions is not None
-        else np.zeros(n, dtype=bool)
-    )
-    ticks = np.arange(n)
-    title_size, label_size = 10.0, 9.0
+  key_labels = [name(int(t)) for t in tokens[:n]]
+  if targets is not None:
+    query_labels = [
+        f"{name(int(x))}\u2192{name(int(t))}"
+        for x, t in zip(tokens[:n], targets[:n])
+    ]
+  else:
+    query_labels = list(key_labels)
+  mismatch = (predictions[:n] != targets[:n]
+              if predictions is not None else np.zeros(n, dtype=bool))
+  ticks = np.arange(n)
+  title_size, label_size = 10.0, 9.0
 
-    for layer in range(n_layers):
-        for head in range(n_cols):
-            ax = axes[layer, head]
-            if head >= heads[layer]:
-                ax.set_axis_off()
-                note = (
-                    f"layer {layer}\nno heads (pruned)"
-                    if heads[layer] == 0 and head == 0
-                    else f"layer {layer}, head {head}\n(pruned)"
-                )
-                ax.text(
-                    0.5, 0.5, note, transform=ax.transAxes, ha="center",
-                    va="center", color="0.55", fontsize=title_size, style="italic",
-                )
-                continue
-            weights = attention[layer][head, :n, :n]
-            ax.imshow(weights, cmap=CMAP, norm=norm, interpolation="nearest", aspect="equal")
-            ax.set_title(f"layer {layer}, head {head}", fontsize=title_size)
-            ax.set_xticks(ticks)
-            ax.set_xticklabels(
-                key_labels, fontsize=fontsize, rotation=90 if n > 8 else 0
-            )
-            ax.set_xlabel("key", fontsize=label_size)
-            ax.set_yticks(ticks)
-            ax.tick_params(length=2, pad=1.5)
-            if head == 0:
-                ax.set_yticklabels(query_labels, fontsize=fontsize)
-                for label, bad in zip(ax.get_yticklabels(), mismatch):
-                    if bad:
-                        label.set_color(MISMATCH_COLOR)
-                        label.set_fontweight("bold")
-                ax.set_ylabel("query", fontsize=label_size)
-            else:
-                ax.set_yticklabels([])
-
-    # A bar ~0.15 in wide, at most ~5 in long, never wider than its share.
-    shrink = min(0.9, 5.0 / grid_height)
-    cbar = fig.colorbar(
-        ScalarMappable(norm=norm, cmap=CMAP), ax=axes, shrink=shrink,
-        fraction=0.3 / width, pad=0.01, aspect=max(10.0, shrink * grid_height / 0.15),
-    )
-    cbar.set_label("attention weight", fontsize=label_size)
-    cbar.ax.tick_params(labelsize=label_size)
-    if title:
-        fig.suptitle(title, fontsize=11)
-    if predictions is not None:
-        fig.supxlabel(
-            f"query labels: input\u2192target; red = prediction \u2260 target "
-            f"({int(mismatch.sum())}/{n} wrong)",
-            fontsize=label_size, color="0.3",
+  for layer in range(n_layers):
+    for head in range(n_cols):
+      ax = axes[layer, head]
+      if head >= heads[layer]:
+        ax.set_axis_off()
+        note = (f"layer {layer}\nno heads (pruned)" if heads[layer] == 0 and
+                head == 0 else f"layer {layer}, head {head}\n(pruned)")
+        ax.text(
+            0.5,
+            0.5,
+            note,
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            color="0.55",
+            fontsize=title_size,
+            style="italic",
         )
-    return fig
+        continue
+      weights = attention[layer][head, :n, :n]
+      ax.imshow(weights,
+                cmap=CMAP,
+                norm=norm,
+                interpolation="nearest",
+                aspect="equal")
+      ax.set_title(f"layer {layer}, head {head}", fontsize=title_size)
+      ax.set_xticks(ticks)
+      ax.set_xticklabels(key_labels,
+                         fontsize=fontsize,
+                         rotation=90 if n > 8 else 0)
+      ax.set_xlabel("key", fontsize=label_size)
+      ax.set_yticks(ticks)
+      ax.tick_params(length=2, pad=1.5)
+      if head == 0:
+        ax.set_yticklabels(query_labels, fontsize=fontsize)
+        for label, bad in zip(ax.get_yticklabels(), mismatch):
+          if bad:
+            label.set_color(MISMATCH_COLOR)
+            label.set_fontweight("bold")
+        ax.set_ylabel("query", fontsize=label_size)
+      else:
+        ax.set_yticklabels([])
+
+  # A bar ~0.15 in wide, at most ~5 in long, never wider than its share.
+  shrink = min(0.9, 5.0 / grid_height)
+  cbar = fig.colorbar(
+      ScalarMappable(norm=norm, cmap=CMAP),
+      ax=axes,
+      shrink=shrink,
+      fraction=0.3 / width,
+      pad=0.01,
+      aspect=max(10.0, shrink * grid_height / 0.15),
+  )
+  cbar.set_label("attention weight", fontsize=label_size)
+  cbar.ax.tick_params(labelsize=label_size)
+  if title:
+    fig.suptitle(title, fontsize=11)
+  if predictions is not None:
+    fig.supxlabel(
+        f"query labels: input\u2192target; red = prediction \u2260 target "
+        f"({int(mismatch.sum())}/{n} wrong)",
+        fontsize=label_size,
+        color="0.3",
+    )
+  return fig
 
 
 def plot_attention(
@@ -226,7 +238,7 @@ def plot_attention(
     title: str | None = None,
     token_names: Callable[[int], str] | None = None,
 ) -> None:
-    """Writes a PNG grid of attention heatmaps (rows = layers, columns = heads).
+  """Writes a PNG grid of attention heatmaps (rows = layers, columns = heads).
 
     Every heatmap is cropped to the valid length ``n = valid_length(tokens)``
     (the leading non-zero tokens), so padding never appears as attention. Rows
@@ -253,17 +265,17 @@ def plot_attention(
         ``targets``/``predictions`` do not match ``tokens``' shape, or
         ``predictions`` come without ``targets``.
     """
-    fig = attention_grid_figure(
-        tokens,
-        attention,
-        targets=targets,
-        predictions=predictions,
-        title=title,
-        token_names=token_names,
-    )
-    path = os.fspath(path)
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    fig.savefig(path, dpi=DPI, format="png")
-    fig.clear()  # drop artists now; the Figure has no pyplot reference to leak
+  fig = attention_grid_figure(
+      tokens,
+      attention,
+      targets=targets,
+      predictions=predictions,
+      title=title,
+      token_names=token_names,
+  )
+  path = os.fspath(path)
+  parent = os.path.dirname(path)
+  if parent:
+    os.makedirs(parent, exist_ok=True)
+  fig.savefig(path, dpi=DPI, format="png")
+  fig.clear()  # drop artists now; the Figure has no pyplot reference to leak
