@@ -154,6 +154,12 @@ def _check_mask(mask: Array, target: tuple[int, ...]) -> Array:
   return mask.astype(bool)
 
 
+def _full_mask(mask: Array, shape: tuple[int, ...]) -> Array:
+  """Validates ``mask`` and broadcasts it to exactly ``shape``."""
+  mask = _check_mask(mask, shape)
+  return jnp.broadcast_to(_expand_to_rank(mask, len(shape)), shape)
+
+
 def _check_head_mask(head_mask: Array, batch_shape: tuple[int, ...],
                      num_heads: int) -> Array:
   head_mask = jnp.asarray(head_mask)
@@ -215,9 +221,7 @@ def dot_product_attention(
   num_heads, depth = query.shape[-2], query.shape[-1]
   weights_shape = batch_shape + (num_heads, query.shape[-3], key.shape[-3])
   if mask is not None:
-    mask = _check_mask(mask, weights_shape)
-    mask = jnp.broadcast_to(_expand_to_rank(mask, len(weights_shape)),
-                            weights_shape)
+    mask = _full_mask(mask, weights_shape)
   if head_mask is not None:
     head_mask = _check_head_mask(head_mask, batch_shape, num_heads)
   dtype = query.dtype
@@ -274,9 +278,7 @@ def fused_dot_product_attention(
   row_ok = None
   flat_mask = None
   if mask is not None:
-    mask = _check_mask(mask, weights_shape)
-    mask = jnp.broadcast_to(_expand_to_rank(mask, len(weights_shape)),
-                            weights_shape)
+    mask = _full_mask(mask, weights_shape)
     flat_mask = jnp.reshape(mask, (-1, num_heads, lq, lk))
     row_ok = jnp.swapaxes(jnp.any(mask, axis=-1), -1, -2)  # [..., Lq, H]
   context = jax.nn.dot_product_attention(
