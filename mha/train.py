@@ -252,17 +252,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     pending = (step, metrics)
 
     is_last = step == total
-    if step % config.eval_every_steps == 0 or is_last:
+    do_eval = step % config.eval_every_steps == 0 or is_last
+    do_save = step % config.checkpoint_every_steps == 0 or is_last
+    if do_eval or do_save:
+      # Never evaluate or checkpoint before the finiteness check of this step.
       process(*pending)
       pending = None
+    if do_eval:
       _evaluate_and_write(writer, model, state.params, splits["validation"],
                           "validation", step, config.eval_batch_size,
                           start_time)
-    if step % config.checkpoint_every_steps == 0 or is_last:
-      if pending is not None:  # never checkpoint before the finiteness check
-        process(*pending)
-        pending = None
+    if do_save:
       ckpt_lib.save(manager, step, state, config)
+    if do_eval or do_save:  # steps/s measures training: restart its clock
+      window_start, window_step = time.time(), step
 
   if pending is not None:
     process(*pending)
