@@ -44,8 +44,7 @@ def main(argv):
   except FileNotFoundError as e:
     _fail(str(e))
   config = ckpt.config
-  splits = data.load_splits(train.data_spec(config),
-                            os.path.expanduser(config.data.data_dir))
+  splits = data.load_splits(train.data_spec(config), config.data.data_dir)
   split = splits[_SPLIT.value]
   metrics = evaluate.evaluate(ckpt.model, ckpt.params, split,
                               config.eval_batch_size)

@@ -338,6 +338,8 @@ def _read_split(source, max_len: int) -> Split:
 def load_splits(spec: DataSpec, data_dir: str) -> dict[str, Split]:
   """Prepares the dataset if needed and reads all splits into memory.
 
+  ``data_dir`` may start with ``~``.
+
   Preparation uses ``download_and_prepare(file_format='array_record')``;
   reading goes through ``builder.as_data_source()`` (random access via
   ArrayRecord, no TensorFlow), in chunks of ``__getitems__``.
@@ -345,7 +347,7 @@ def load_splits(spec: DataSpec, data_dir: str) -> dict[str, Split]:
   Returns:
     {'train': Split, 'validation': Split, 'test': Split}.
   """
-  builder = make_builder(spec, os.fspath(data_dir))
+  builder = make_builder(spec, os.path.expanduser(os.fspath(data_dir)))
   if not builder.is_prepared():
     print(
         f"Preparing toy_seq2seq/{builder.builder_config_name} ({spec}) "

@@ -191,8 +191,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   workdir = os.path.abspath(os.path.expanduser(os.fspath(workdir)))
   os.makedirs(workdir, exist_ok=True)
 
-  splits = data.load_splits(data_spec(config),
-                            os.path.expanduser(config.data.data_dir))
+  splits = data.load_splits(data_spec(config), config.data.data_dir)
   model = make_model(config)
   rng = jax.random.key(config.seed)
   init_rng, dropout_rng = jax.random.split(rng)
