@@ -1,0 +1,629 @@
+"""Head importance, head masks, pruning curves and physical head pruning.
+
+Which heads of a trained :class:`mha.model.Transformer` matter, and can the
+others go to make prediction faster? (d2l, Multi-Head Attention, exercise 2.)
+
+Conventions:
+
+* A *head mask* is a float array ``[L, H]`` (``L`` layers, ``H`` the largest
+  head count of any layer): 1 keeps a head, 0 removes it (its context is
+  zeroed before the out-projection, exactly what slicing it out does). For a
+  model with fewer heads in some layers (a pruned one) the entries past a
+  layer's count are ignored; :func:`existing_heads` tells which exist.
+* Importance arrays are ``[L, H]`` too, NaN where a head does not exist.
+* An *order* is a 1-D array of flat head indices ``layer * H + head``, the
+  head to remove first at index 0.
+
+The core (:func:`per_example_loss`, :func:`head_mask_gradients`,
+:func:`masked_metric_sums`, :func:`attention_statistics`) is pure: arrays in,
+arrays out, through ``jit``, ``grad`` and ``vmap`` -- over head masks (every
+leave-one-out mask in one call) and over stacked parameters (several seeds in
+one call). The drivers below it loop over the batches of a
+:class:`mha.data.Split` on the host and return NumPy arrays.
+
+    ckpt = mha.load_checkpoint("runs/reverse")
+    imp = gradient_importance(ckpt.model, ckpt.params, splits["validation"])
+    params, config = prune_heads(ckpt.params, ckpt.model_config,
+                                 [(0, 1), (1, 3)])
+    logits, _ = Transformer(config).apply({"params": params}, tokens)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mha import data
+from mha import evaluate as eval_lib
+from mha.model import Transformer, TransformerConfig
+
+Array = jax.Array
+Params = Any
+HeadSpec = Iterable[tuple[int, int]] | Mapping[int, Iterable[int]]
+
+
+# --------------------------------------------------------------------------
+# Head masks.
+# --------------------------------------------------------------------------
+
+
+def existing_heads(config: TransformerConfig) -> np.ndarray:
+  """Boolean ``[L, H]``: which entries of a dense head mask are real heads."""
+  heads = np.arange(config.max_heads)[None, :]
+  return heads < np.asarray(config.heads_per_layer)[:, None]
+
+
+def full_head_mask(config: TransformerConfig) -> np.ndarray:
+  """The float32 ``[L, H]`` mask keeping every existing head."""
+  return existing_heads(config).astype(np.float32)
+
+
+def _layer_masks(config: TransformerConfig, head_mask: Array) -> list[Array]:
+  """Splits a dense ``[..., L, H]`` mask into one ``[..., H_l]`` per layer."""
+  return [head_mask[..., layer, :count]
+          for layer, count in enumerate(config.heads_per_layer)]
+
+
+def mask_without(config: TransformerConfig, heads: Sequence[int],
+                 base: np.ndarray | None = None) -> np.ndarray:
+  """``base`` (default: all heads) with the flat head indices ``heads`` set
+  to 0."""
+  mask = full_head_mask(config) if base is None else np.array(base, np.float32)
+  mask.reshape(-1)[np.asarray(heads, np.int64)] = 0.0
+  return mask
+
+
+def leave_one_out_masks(config: TransformerConfig) -> np.ndarray:
+  """``[N, L, H]``: mask ``i`` removes the ``i``-th existing head alone."""
+  flat = np.flatnonzero(existing_heads(config))
+  return np.stack([mask_without(config, [i]) for i in flat])
+
+
+def all_but_one_masks(config: TransformerConfig) -> np.ndarray:
+  """``[N, L, H]``: mask ``i`` keeps, in the layer of the ``i``-th existing
+  head, that head alone (Michel et al.'s "all but one head per layer");
+  the other layers keep every head."""
+  exists = existing_heads(config)
+  masks = []
+  for flat in np.flatnonzero(exists):
+    layer, head = divmod(int(flat), config.max_heads)
+    mask = exists.astype(np.float32)
+    mask[layer] = 0.0
+    mask[layer, head] = 1.0
+    masks.append(mask)
+  return np.stack(masks)
+
+
+def masks_from_order(config: TransformerConfig, order: Sequence[int],
+                     counts: Sequence[int]) -> np.ndarray:
+  """``[len(counts), L, H]``: mask ``p`` removes the first ``counts[p]``
+  heads of ``order``."""
+  order = np.asarray(order, np.int64)
+  return np.stack([mask_without(config, order[:k]) for k in counts])
+
+
+def pruning_counts(num_heads: int, step_fraction: float = 0.0) -> np.ndarray:
+  """Numbers of heads removed at the points of a pruning curve.
+
+  ``step_fraction=0`` removes one head at a time (``0, 1, ..., N``);
+  otherwise the points are the rounded multiples of ``step_fraction`` of
+  ``N`` (Michel et al. use 0.1), always including 0 and ``N``.
+  """
+  if not 0.0 <= step_fraction <= 1.0:
+    raise ValueError(f"step_fraction must be in [0, 1], got {step_fraction}.")
+  if step_fraction == 0.0:
+    return np.arange(num_heads + 1)
+  fractions = np.append(np.arange(0.0, 1.0, step_fraction), 1.0)
+  return np.unique(np.round(fractions * num_heads).astype(np.int64))
+
+
+# --------------------------------------------------------------------------
+# The pure core.
+# --------------------------------------------------------------------------
+
+
+def masked_logits(model: Transformer, params: Params, inputs: Array,
+                  head_mask: Array) -> Array:
+  """Logits ``[B, T, V]`` of the model under a dense ``[L, H]`` head mask
+  (fused attention path, no weights)."""
+  logits, _ = model.apply({"params": params}, inputs,
+                          head_mask=_layer_masks(model.config, head_mask),
+                          return_weights=False)
+  return logits
+
+
+def per_example_loss(model: Transformer, params: Params, inputs: Array,
+                     targets: Array, head_mask: Array) -> Array:
+  """Mean token cross-entropy of each example ``[B]`` (0 for empty rows)."""
+  logits = masked_logits(model, params, inputs, head_mask)
+  valid = inputs != 0
+  ce = optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), targets)
+  total = jnp.sum(jnp.where(valid, ce, 0.0), axis=-1)
+  return total / jnp.maximum(jnp.sum(valid, axis=-1), 1)
+
+
+def head_mask_gradients(model: Transformer, params: Params, inputs: Array,
+                        targets: Array, head_mask: Array) -> Array:
+  """Per-example gradients of the loss with respect to the head mask.
+
+  ``vmap`` of ``grad`` over the examples, so that importance is the mean of
+  per-example absolute values (Michel et al.), not the absolute value of the
+  batch-mean gradient (which lets opposite signs cancel).
+
+  Returns:
+    ``[B, L, H]``.
+  """
+
+  def one(x, y):
+    loss = lambda m: per_example_loss(model, params, x[None], y[None], m)[0]
+    return jax.grad(loss)(head_mask)
+
+  return jax.vmap(one)(inputs, targets)
+
+
+def masked_metric_sums(model: Transformer, params: Params, inputs: Array,
+                       targets: Array, head_mask: Array) -> dict[str, Array]:
+  """:func:`mha.evaluate.metric_sums` of the model under ``head_mask``."""
+  logits = masked_logits(model, params, inputs, head_mask)
+  return eval_lib.metric_sums(logits, targets, inputs)
+
+
+def attention_statistics(model: Transformer, params: Params,
+                         inputs: Array) -> dict[str, Array]:
+  """Sums over non-padding queries of each head's max weight and entropy.
+
+  Voita et al.'s "confidence" is the mean max weight; a head that always
+  attends to one position has confidence 1 and entropy 0.
+
+  Returns:
+    ``max_weight`` and ``entropy`` sums ``[L, H]`` (0 for heads that do not
+    exist) and ``queries``, the number of non-padding queries.
+  """
+  config = model.config
+  _, attention = model.apply({"params": params}, inputs, return_weights=True)
+  queries = (inputs != 0).astype(jnp.float32)  # [B, T]
+  max_sums, entropy_sums = [], []
+  for weights in attention:  # [B, H_l, T, T]
+    w = weights.astype(jnp.float32)
+    top = jnp.max(w, axis=-1)
+    entropy = -jnp.sum(jnp.where(w > 0, w * jnp.log(jnp.where(w > 0, w, 1.0)),
+                                 0.0), axis=-1)
+    pad = config.max_heads - w.shape[1]
+    q = queries[:, None, :]
+    max_sums.append(jnp.pad(jnp.sum(top * q, axis=(0, 2)), (0, pad)))
+    entropy_sums.append(jnp.pad(jnp.sum(entropy * q, axis=(0, 2)), (0, pad)))
+  return {"max_weight": jnp.stack(max_sums),
+          "entropy": jnp.stack(entropy_sums),
+          "queries": jnp.sum(queries)}
+
+
+# --------------------------------------------------------------------------
+# Jitted batch functions (the model is static: a hashable flax Module).
+# --------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames="model")
+def _abs_gradient_sums(model, params, inputs, targets, head_mask):
+  grads = head_mask_gradients(model, params, inputs, targets, head_mask)
+  return jnp.sum(jnp.abs(grads), axis=0)
+
+
+@functools.partial(jax.jit, static_argnames="model")
+def _metric_sums_per_mask(model, params, inputs, targets, masks):
+  fn = functools.partial(masked_metric_sums, model, params, inputs, targets)
+  return jax.vmap(fn)(masks)
+
+
+_metric_sums_one_mask = jax.jit(masked_metric_sums, static_argnames="model")
+_attention_statistics = jax.jit(attention_statistics, static_argnames="model")
+
+
+def _batches(split: data.Split, batch_size: int):
+  for batch in data.eval_batches(split, min(batch_size, max(len(split), 1))):
+    yield jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
+
+
+# --------------------------------------------------------------------------
+# Importance measures over a split.
+# --------------------------------------------------------------------------
+
+
+def normalize_per_layer(importance: np.ndarray) -> np.ndarray:
+  """Divides each layer's importances by their L2 norm (Michel et al.)."""
+  norm = np.sqrt(np.nansum(np.square(importance), axis=-1, keepdims=True))
+  return importance / np.where(norm > 0, norm, 1.0)
+
+
+def gradient_importance(model: Transformer, params: Params, split: data.Split,
+                        *, head_mask: np.ndarray | None = None,
+                        batch_size: int = 1000,
+                        normalize: bool = False) -> np.ndarray:
+  """Michel et al.'s importance ``I_h = E_x |dL(x)/d xi_h|`` at ``head_mask``.
+
+  Args:
+    model, params: the model.
+    split: the examples (use validation; measure accuracy on test).
+    head_mask: where the gradient is taken; defaults to every head kept.
+    batch_size: examples per jitted call.
+    normalize: divide each layer by its L2 norm.
+
+  Returns:
+    ``[L, H]``, NaN where a head does not exist.
+  """
+  config = model.config
+  mask = jnp.asarray(full_head_mask(config) if head_mask is None else head_mask)
+  total = np.zeros(mask.shape, np.float64)
+  for inputs, targets in _batches(split, batch_size):
+    total += np.asarray(_abs_gradient_sums(model, params, inputs, targets,
+                                           mask))
+  importance = total / max(len(split), 1)
+  importance = np.where(existing_heads(config), importance, np.nan)
+  return normalize_per_layer(importance) if normalize else importance
+
+
+def evaluate_masks(model: Transformer, params: Params, split: data.Split,
+                   masks: np.ndarray, *, batch_size: int = 1000,
+                   chunk_size: int = 64) -> dict[str, np.ndarray]:
+  """Loss, token accuracy and exact match under each of ``masks``.
+
+  Every chunk of up to ``chunk_size`` masks is one vmapped, jitted call per
+  batch (the last chunk is padded, so there is one compilation).
+
+  Returns:
+    ``loss``, ``token_accuracy``, ``exact_match``: arrays ``[N]``.
+  """
+  masks = np.asarray(masks, np.float32)
+  n = len(masks)
+  chunk = max(1, min(chunk_size, n))
+  totals: dict[str, np.ndarray] = {}
+  for start in range(0, n, chunk):
+    part = masks[start:start + chunk]
+    padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part), 0)])
+    padded = jnp.asarray(padded)
+    sums: dict[str, np.ndarray] = {}
+    for inputs, targets in _batches(split, batch_size):
+      out = jax.device_get(
+          _metric_sums_per_mask(model, params, inputs, targets, padded))
+      for key, value in out.items():
+        sums[key] = sums.get(key, 0.0) + np.asarray(value, np.float64)
+    for key, value in sums.items():
+      totals.setdefault(key, []).append(value[:len(part)])
+  stacked = {k: np.concatenate(v) for k, v in totals.items()}
+  return _summarize_arrays(stacked)
+
+
+def evaluate_masks_loop(model: Transformer, params: Params, split: data.Split,
+                        masks: np.ndarray, *,
+                        batch_size: int = 1000) -> dict[str, np.ndarray]:
+  """:func:`evaluate_masks` as a Python loop over the masks (one jitted call
+  per mask and batch): the baseline the vmapped version is timed against."""
+  totals: dict[str, list[float]] = {}
+  for mask in np.asarray(masks, np.float32):
+    sums: dict[str, float] = {}
+    mask = jnp.asarray(mask)
+    for inputs, targets in _batches(split, batch_size):
+      out = jax.device_get(
+          _metric_sums_one_mask(model, params, inputs, targets, mask))
+      for key, value in out.items():
+        sums[key] = sums.get(key, 0.0) + float(value)
+    for key, value in sums.items():
+      totals.setdefault(key, []).append(value)
+  return _summarize_arrays({k: np.asarray(v) for k, v in totals.items()})
+
+
+def _summarize_arrays(sums: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+  tokens = np.maximum(sums["tokens"], 1.0)
+  return {
+      "loss": sums["loss_sum"] / tokens,
+      "token_accuracy": sums["correct"] / tokens,
+      "exact_match": sums["exact"] / np.maximum(sums["sequences"], 1.0),
+  }
+
+
+def heads_to_array(config: TransformerConfig, values: np.ndarray) -> np.ndarray:
+  """Puts one value per existing head into an ``[L, H]`` array (NaN
+  elsewhere)."""
+  exists = existing_heads(config)
+  out = np.full(exists.shape, np.nan)
+  out[exists] = values
+  return out
+
+
+def leave_one_out(model: Transformer, params: Params, split: data.Split, *,
+                  batch_size: int = 1000) -> dict[str, Any]:
+  """Metrics with each head removed alone, all masks in vmapped calls.
+
+  Returns:
+    ``base``: the unpruned metrics; ``loss``, ``token_accuracy``,
+    ``exact_match``: ``[L, H]`` metrics with that head removed (NaN where no
+    head); ``loss_increase``: ``loss - base loss`` (the importance).
+  """
+  config = model.config
+  masks = np.concatenate([full_head_mask(config)[None],
+                          leave_one_out_masks(config)])
+  metrics = evaluate_masks(model, params, split, masks, batch_size=batch_size)
+  base = {k: float(v[0]) for k, v in metrics.items()}
+  out: dict[str, Any] = {"base": base}
+  for key, values in metrics.items():
+    out[key] = heads_to_array(config, values[1:])
+  out["loss_increase"] = out["loss"] - base["loss"]
+  return out
+
+
+def all_but_one(model: Transformer, params: Params, split: data.Split, *,
+                batch_size: int = 1000) -> dict[str, np.ndarray]:
+  """Metrics ``[L, H]`` when a layer keeps only that head (others intact)."""
+  config = model.config
+  metrics = evaluate_masks(model, params, split, all_but_one_masks(config),
+                           batch_size=batch_size)
+  return {key: heads_to_array(config, values) for key, values in metrics.items()}
+
+
+def attention_confidence(model: Transformer, params: Params,
+                         split: data.Split, *,
+                         batch_size: int = 1000) -> dict[str, np.ndarray]:
+  """Voita et al.'s confidence (mean max weight) and the mean entropy of
+  every head over the non-padding queries of ``split``.
+
+  Returns:
+    ``confidence`` and ``entropy``, ``[L, H]`` (NaN where no head).
+  """
+  config = model.config
+  sums = {"max_weight": 0.0, "entropy": 0.0, "queries": 0.0}
+  for inputs, _ in _batches(split, batch_size):
+    out = jax.device_get(_attention_statistics(model, params, inputs))
+    for key in sums:
+      sums[key] = sums[key] + np.asarray(out[key], np.float64)
+  queries = max(float(sums["queries"]), 1.0)
+  exists = existing_heads(config)
+  return {
+      "confidence": np.where(exists, sums["max_weight"] / queries, np.nan),
+      "entropy": np.where(exists, sums["entropy"] / queries, np.nan),
+  }
+
+
+# --------------------------------------------------------------------------
+# Orders and curves.
+# --------------------------------------------------------------------------
+
+
+def order_from_importance(importance: np.ndarray) -> np.ndarray:
+  """Flat indices of the existing (non-NaN) heads, least important first
+  (ties broken by index, so the order is deterministic)."""
+  flat = np.asarray(importance, np.float64).reshape(-1)
+  heads = np.flatnonzero(~np.isnan(flat))
+  return heads[np.argsort(flat[heads], kind="stable")]
+
+
+def iterative_gradient_order(model: Transformer, params: Params,
+                             split: data.Split, *, batch_size: int = 1000,
+                             normalize: bool = False) -> np.ndarray:
+  """Removes heads one at a time, re-estimating gradient importance under
+  the current mask after each removal (Michel et al.'s iterative variant)."""
+  config = model.config
+  mask = full_head_mask(config)
+  order: list[int] = []
+  for _ in range(int(existing_heads(config).sum())):
+    importance = gradient_importance(model, params, split, head_mask=mask,
+                                     batch_size=batch_size,
+                                     normalize=normalize).reshape(-1)
+    importance[np.asarray(order, np.int64)] = np.nan
+    alive = np.flatnonzero(~np.isnan(importance))
+    head = int(alive[np.argmin(importance[alive])])
+    order.append(head)
+    mask.reshape(-1)[head] = 0.0
+  return np.asarray(order, np.int64)
+
+
+def random_orders(config: TransformerConfig, num_orders: int,
+                  rng: np.random.Generator) -> np.ndarray:
+  """``[num_orders, N]`` uniformly random orders of the existing heads."""
+  heads = np.flatnonzero(existing_heads(config))
+  return np.stack([rng.permutation(heads) for _ in range(num_orders)])
+
+
+def curve_auc(fractions: np.ndarray, values: np.ndarray) -> float:
+  """Area under a pruning curve, normalised by the fraction range (so an
+  accuracy curve's AUC is in [0, 1])."""
+  fractions = np.asarray(fractions, np.float64)
+  width = fractions[-1] - fractions[0]
+  if width <= 0:
+    return float(values[0])
+  return float(np.trapezoid(values, fractions) / width)
+
+
+def max_prunable_fraction(fractions: np.ndarray, values: np.ndarray,
+                          tolerance: float = 0.01) -> float:
+  """The largest fraction up to which every point of the curve stays within
+  ``tolerance`` of the unpruned value (``values[0]``)."""
+  ok = np.asarray(values) >= values[0] - tolerance - 1e-12
+  bad = np.flatnonzero(~ok)
+  last = (bad[0] - 1) if len(bad) else len(ok) - 1
+  return float(np.asarray(fractions)[last])
+
+
+# --------------------------------------------------------------------------
+# Physical pruning.
+# --------------------------------------------------------------------------
+
+
+def _heads_by_layer(config: TransformerConfig,
+                    heads: HeadSpec) -> dict[int, set[int]]:
+  if isinstance(heads, Mapping):
+    pairs = [(layer, h) for layer, hs in heads.items() for h in hs]
+  else:
+    pairs = list(heads)
+  counts = config.heads_per_layer
+  by_layer: dict[int, set[int]] = {}
+  for pair in pairs:
+    try:
+      layer, head = (int(v) for v in pair)
+    except (TypeError, ValueError):
+      raise ValueError(
+          f"heads must be (layer, head) pairs, got {pair!r}.") from None
+    if not (0 <= layer < len(counts) and 0 <= head < counts[layer]):
+      raise ValueError(
+          f"head ({layer}, {head}) does not exist: the model has "
+          f"{len(counts)} layers with head counts {counts}.")
+    by_layer.setdefault(layer, set()).add(head)
+  return by_layer
+
+
+def prune_heads(params: Params, config: TransformerConfig,
+                heads: HeadSpec) -> tuple[Params, TransformerConfig]:
+  """Physically removes attention heads.
+
+  Slices the removed heads out of each layer's query/key/value kernels
+  ``[D, H, Dh]`` and biases ``[H, Dh]`` and out kernel ``[H, Dh, D]``; the
+  out bias stays. A layer that loses every head keeps only its out bias (see
+  :class:`mha.attention.MultiHeadAttention` with ``num_heads=0``). The pruned
+  model's outputs equal the masked model's.
+
+  Pure in ``params`` (``jnp.take`` with static indices), so it also runs
+  under ``jit`` and ``vmap`` over stacked parameters.
+
+  Args:
+    params: the model parameters (the ``"params"`` collection).
+    config: the model's config.
+    heads: ``(layer, head)`` pairs or ``{layer: heads}``, indices into the
+      heads ``config`` has now (a pruned model's heads are renumbered
+      ``0..H_l-1`` in their original order).
+
+  Returns:
+    ``(params, config)``: new parameters and a config with per-layer head
+    counts and an explicit ``head_dim``.
+
+  Raises:
+    ValueError: a head that does not exist.
+  """
+  removed = _heads_by_layer(config, heads)
+  new_params = dict(params)
+  counts = list(config.heads_per_layer)
+  for layer, drop in removed.items():
+    keep = np.asarray([h for h in range(counts[layer]) if h not in drop],
+                      np.int64)
+    name = f"layer_{layer}"
+    block = dict(new_params[name])
+    attention = block["attention"]
+    if len(keep) == 0:
+      pruned = {"out": {"bias": attention["out"]["bias"]}}
+    else:
+      take = lambda x, axis: jnp.take(x, keep, axis=axis)
+      pruned = {}
+      for proj in ("query", "key", "value"):
+        pruned[proj] = {"kernel": take(attention[proj]["kernel"], 1)}
+        if "bias" in attention[proj]:
+          pruned[proj]["bias"] = take(attention[proj]["bias"], 0)
+      pruned["out"] = dict(attention["out"],
+                           kernel=take(attention["out"]["kernel"], 0))
+    block["attention"] = pruned
+    new_params[name] = block
+    counts[layer] = len(keep)
+  new_config = dataclasses.replace(config, num_heads=tuple(counts),
+                                   head_dim=config.resolved_head_dim)
+  return new_params, new_config
+
+
+def parse_heads(text: str) -> list[tuple[int, int]]:
+  """Parses ``"0:1,1:3"`` into ``[(0, 1), (1, 3)]`` (ValueError if
+  malformed)."""
+  pairs = []
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    layer, sep, head = part.partition(":")
+    if not sep or not layer.strip().isdigit() or not head.strip().isdigit():
+      raise ValueError(
+          f"bad head {part!r}: expected LAYER:HEAD, e.g. 0:1,1:3")
+    pairs.append((int(layer), int(head)))
+  return pairs
+
+
+def flat_to_pairs(config: TransformerConfig,
+                  flat: Iterable[int]) -> list[tuple[int, int]]:
+  """Flat head indices to ``(layer, head)`` pairs."""
+  return [divmod(int(i), config.max_heads) for i in flat]
+
+
+def count_params(params: Params) -> int:
+  """Number of scalars in a parameter tree."""
+  return int(sum(np.size(p) for p in jax.tree.leaves(params)))
+
+
+# --------------------------------------------------------------------------
+# Prediction speed.
+# --------------------------------------------------------------------------
+
+
+def compile_prediction(model: Transformer, params: Params,
+                       inputs: Array) -> Any:
+  """The AOT-compiled prediction ``(params, inputs) -> logits`` (fused
+  attention, no weights) for these shapes."""
+  predict = jax.jit(lambda p, x: model.apply({"params": p}, x,
+                                             return_weights=False)[0])
+  return predict.lower(params, inputs).compile()
+
+
+def compiled_flops(compiled: Any) -> float:
+  """FLOPs of a compiled program from XLA's cost analysis (NaN if the
+  backend reports none)."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  return float((cost or {}).get("flops", float("nan")))
+
+
+def count_flops(model: Transformer, params: Params, inputs: Array) -> float:
+  """FLOPs of one prediction call on ``inputs``."""
+  return compiled_flops(compile_prediction(model, params, inputs))
+
+
+def time_predictions(models: Sequence[tuple[Transformer, Params]],
+                     inputs_by_batch: Mapping[int, np.ndarray], *,
+                     repeats: int = 5, min_seconds: float = 0.02,
+                     progress: Callable[[str], None] | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+  """Examples per second and FLOPs of each model at each batch size.
+
+  Per batch size, every model is compiled once (the same executable gives
+  the FLOP count) and warmed up; then the models are timed in alternation,
+  so machine noise hits them alike. Each repeat runs as many calls as take
+  about ``min_seconds``, blocking on every result; the figure is the median
+  over ``repeats``.
+
+  Returns:
+    ``(examples_per_sec, flops)``, both ``[len(models), len(batch sizes)]``.
+  """
+  rates = np.zeros((len(models), len(inputs_by_batch)))
+  flops = np.zeros_like(rates)
+  for col, (batch_size, inputs) in enumerate(inputs_by_batch.items()):
+    inputs = jnp.asarray(inputs)
+    fns, calls = [], []
+    for row, (model, params) in enumerate(models):
+      compiled = compile_prediction(model, params, inputs)
+      flops[row, col] = compiled_flops(compiled)
+      compiled(params, inputs).block_until_ready()  # warm-up
+      start = time.perf_counter()
+      compiled(params, inputs).block_until_ready()
+      once = max(time.perf_counter() - start, 1e-6)
+      fns.append(compiled)
+      calls.append(max(1, int(min_seconds / once)))
+    samples: list[list[float]] = [[] for _ in models]
+    for _ in range(repeats):
+      for row, (fn, (_, params)) in enumerate(zip(fns, models)):
+        start = time.perf_counter()
+        for _ in range(calls[row]):
+          fn(params, inputs).block_until_ready()
+        samples[row].append(calls[row] * batch_size /
+                            (time.perf_counter() - start))
+    rates[:, col] = [np.median(s) for s in samples]
+    if progress:
+      progress(f"batch {batch_size}: " + ", ".join(
+          f"{r:,.0f}" for r in rates[:, col]) + " examples/s")
+  return rates, flops

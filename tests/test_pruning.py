@@ -1,0 +1,372 @@
+"""Tests of head importance, masks, curves, physical pruning and the
+pruning script."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mha import data
+from mha import pruning
+from mha.model import Transformer, TransformerConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "prune_heads.py")
+
+CONFIG = TransformerConfig(vocab_size=8, num_layers=2, num_heads=3, d_model=12,
+                           mlp_dim=16, max_len=6)
+
+
+def _tokens(rng, n, config=CONFIG):
+  """Random tokens with random lengths >= 2 (0 = padding at the end)."""
+  tokens = rng.integers(1, config.vocab_size, (n, config.max_len))
+  lengths = rng.integers(2, config.max_len + 1, n)
+  tokens[np.arange(config.max_len)[None, :] >= lengths[:, None]] = 0
+  return tokens.astype(np.int32)
+
+
+def _init(config=CONFIG, seed=0):
+  model = Transformer(config)
+  params = model.init(jax.random.key(seed),
+                      jnp.ones((1, config.max_len), jnp.int32))["params"]
+  return model, jax.tree.map(np.asarray, params)
+
+
+def _planted(seed, planted=(1, 1)):
+  """A model whose output depends on head ``planted`` alone, with that head
+  attending sharply and every other head uniformly; the targets are its own
+  predictions. Every measure must rank ``planted`` first."""
+  model, params = _init(seed=seed)
+  params = jax.tree.map(np.array, params)  # writable copies
+  for layer in range(CONFIG.num_layers):
+    attention = params[f"layer_{layer}"]["attention"]
+    for head in range(CONFIG.max_heads):
+      if (layer, head) == planted:
+        attention["query"]["kernel"][:, head] *= 20.0  # sharp weights
+        attention["out"]["kernel"][head] *= 10.0  # a strong contribution
+      else:
+        attention["query"]["kernel"][:, head] = 0.0  # uniform weights
+        attention["out"]["kernel"][head] = 0.0  # no contribution
+  rng = np.random.default_rng(seed)
+  inputs = _tokens(rng, 64)
+  logits, _ = model.apply({"params": params}, inputs)
+  targets = np.where(inputs != 0, np.argmax(logits, -1), 0).astype(np.int32)
+  return model, params, data.Split(inputs, targets)
+
+
+# --------------------------------------------------------------------------
+# Importance measures.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_planted_head_ranks_first_by_every_measure(seed):
+  planted = (1, 1)
+  flat = planted[0] * CONFIG.max_heads + planted[1]
+  model, params, split = _planted(seed, planted)
+
+  grad = pruning.gradient_importance(model, params, split, batch_size=32)
+  loo = pruning.leave_one_out(model, params, split, batch_size=32)
+  attn = pruning.attention_confidence(model, params, split, batch_size=32)
+  measures = {
+      "gradient": grad,
+      "gradient_l2": pruning.normalize_per_layer(grad),
+      "leave_one_out": loo["loss_increase"],
+      "confidence": attn["confidence"],
+      "entropy": -attn["entropy"],
+  }
+  for name, importance in measures.items():
+    order = pruning.order_from_importance(importance)
+    assert order[-1] == flat, (name, importance)  # most important = last
+  # Heads that contribute nothing have exactly zero gradient and no effect.
+  others = np.ones(grad.shape, bool)
+  others[planted] = False
+  np.testing.assert_array_equal(grad[others], 0.0)
+  np.testing.assert_allclose(loo["loss_increase"][others], 0.0, atol=1e-6)
+  assert loo["loss_increase"][planted] > 0.1
+  iterative = pruning.iterative_gradient_order(model, params, split,
+                                               batch_size=32)
+  assert iterative[-1] == flat
+
+
+def test_gradients_are_per_example():
+  model, params = _init()
+  rng = np.random.default_rng(0)
+  inputs = _tokens(rng, 5)
+  targets = _tokens(rng, 5) * (inputs != 0)
+  mask = jnp.asarray(pruning.full_head_mask(CONFIG))
+  grads = jax.jit(pruning.head_mask_gradients, static_argnames="model")(
+      model, params, inputs, targets, mask)
+  assert grads.shape == (5, CONFIG.num_layers, CONFIG.max_heads)
+  one = jax.jit(jax.grad(lambda m, x, y: pruning.per_example_loss(
+      model, params, x, y, m)[0]))
+  for i in range(5):
+    np.testing.assert_allclose(grads[i],
+                               one(mask, inputs[i:i + 1], targets[i:i + 1]),
+                               rtol=1e-5, atol=1e-7)
+  # The mean of |g| is not |mean g| (signs differ between examples).
+  assert np.all(np.mean(np.abs(grads), 0) >= np.abs(np.mean(grads, 0)) - 1e-9)
+  split = data.Split(inputs, targets)
+  np.testing.assert_allclose(
+      pruning.gradient_importance(model, params, split, batch_size=2),
+      np.mean(np.abs(np.asarray(grads)), 0), rtol=1e-5)
+
+
+def test_vmapped_masks_equal_the_loop_and_jit_vmap_pass_through():
+  model, params = _init()
+  rng = np.random.default_rng(1)
+  inputs = _tokens(rng, 20)
+  split = data.Split(inputs, (inputs * 3) % CONFIG.vocab_size)
+  masks = np.concatenate([pruning.full_head_mask(CONFIG)[None],
+                          pruning.leave_one_out_masks(CONFIG),
+                          pruning.all_but_one_masks(CONFIG)])
+  vmapped = pruning.evaluate_masks(model, params, split, masks, batch_size=8,
+                                   chunk_size=4)
+  loop = pruning.evaluate_masks_loop(model, params, split, masks,
+                                     batch_size=8)
+  for key in vmapped:
+    np.testing.assert_allclose(vmapped[key], loop[key], rtol=1e-5, atol=1e-6)
+
+  # Stacked parameters of two "seeds", one vmapped call.
+  _, params_b = _init(seed=1)
+  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), params, params_b)
+  fn = jax.jit(jax.vmap(
+      lambda p: pruning.masked_metric_sums(model, p, inputs, split.targets,
+                                           jnp.asarray(masks[1]))))
+  both = fn(stacked)
+  for i, p in enumerate((params, params_b)):
+    single = pruning.masked_metric_sums(model, p, inputs, split.targets,
+                                        jnp.asarray(masks[1]))
+    np.testing.assert_allclose(both["loss_sum"][i], single["loss_sum"],
+                               rtol=1e-5)
+
+
+def test_attention_statistics_of_uniform_heads():
+  model, params = _init()
+  params = jax.tree.map(np.array, params)
+  for layer in range(CONFIG.num_layers):
+    params[f"layer_{layer}"]["attention"]["query"]["kernel"][:] = 0.0
+  inputs = np.array([[1, 2, 3, 4, 0, 0]], np.int32)  # 4 valid keys
+  stats = pruning.attention_confidence(model, params,
+                                       data.Split(inputs, inputs))
+  np.testing.assert_allclose(stats["confidence"], 0.25, rtol=1e-5)
+  np.testing.assert_allclose(stats["entropy"], np.log(4.0), rtol=1e-5)
+
+
+# --------------------------------------------------------------------------
+# Orders and curves.
+# --------------------------------------------------------------------------
+
+
+def test_orders_masks_and_curves_are_well_formed():
+  config = TransformerConfig(vocab_size=8, num_layers=2, num_heads=(3, 1),
+                             d_model=12, head_dim=4, mlp_dim=16, max_len=6)
+  exists = pruning.existing_heads(config)
+  assert exists.tolist() == [[True, True, True], [True, False, False]]
+  importance = np.where(exists, [[3.0, 1.0, 2.0], [0.5, 9, 9]], np.nan)
+  order = pruning.order_from_importance(importance)
+  np.testing.assert_array_equal(order, [3, 1, 2, 0])
+  for order in pruning.random_orders(config, 5, np.random.default_rng(0)):
+    assert sorted(order) == [0, 1, 2, 3]
+
+  counts = pruning.pruning_counts(4)
+  np.testing.assert_array_equal(counts, [0, 1, 2, 3, 4])
+  np.testing.assert_array_equal(pruning.pruning_counts(10, 0.25),
+                                [0, 2, 5, 8, 10])
+  masks = pruning.masks_from_order(config, [3, 1, 2, 0], counts)
+  assert masks.shape == (5, 2, 3)
+  np.testing.assert_array_equal(masks.sum((1, 2)), [4, 3, 2, 1, 0])
+  assert masks[1, 1, 0] == 0 and masks[2, 0, 1] == 0
+  with pytest.raises(ValueError, match=r"\[0, 1\]"):
+    pruning.pruning_counts(4, 1.5)
+
+  fractions = counts / 4
+  assert pruning.curve_auc(fractions, np.ones(5)) == pytest.approx(1.0)
+  assert pruning.curve_auc(fractions, 1 - fractions) == pytest.approx(0.5)
+  assert pruning.max_prunable_fraction(
+      fractions, np.array([1.0, 0.995, 0.97, 0.999, 0.5])) == 0.25
+  assert pruning.max_prunable_fraction(fractions, np.ones(5)) == 1.0
+  np.testing.assert_allclose(
+      np.linalg.norm(pruning.normalize_per_layer(np.array([[3.0, 4.0]])),
+                     axis=-1), 1.0)
+
+
+# --------------------------------------------------------------------------
+# Physical pruning.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads", [
+    [(0, 1)],
+    [(0, 0), (1, 2), (1, 0)],
+    [(1, 0), (1, 1), (1, 2)],  # layer 1 loses every head
+    [(l, h) for l in range(2) for h in range(3)],  # every head
+])
+def test_pruned_model_equals_masked_model(heads):
+  model, params = _init()
+  inputs = _tokens(np.random.default_rng(2), 16)
+  pruned_params, config = pruning.prune_heads(params, CONFIG, heads)
+  assert sum(config.heads_per_layer) == 6 - len(heads)
+  assert config.head_dim == CONFIG.resolved_head_dim
+  flat = [l * 3 + h for l, h in heads]
+  mask = jnp.asarray(pruning.mask_without(CONFIG, flat))
+  masked = pruning.masked_logits(model, params, inputs, mask)
+  pruned, weights = Transformer(config).apply({"params": pruned_params},
+                                              inputs)
+  np.testing.assert_allclose(pruned, masked, atol=1e-5)
+  assert [w.shape[1] for w in weights] == list(config.heads_per_layer)
+  assert pruning.count_params(pruned_params) < pruning.count_params(params)
+  # The fused path of the pruned model agrees too.
+  fused = pruning.compile_prediction(Transformer(config), pruned_params,
+                                     jnp.asarray(inputs))(pruned_params,
+                                                          jnp.asarray(inputs))
+  np.testing.assert_allclose(fused, masked, atol=1e-5)
+
+
+def test_pruning_twice_renumbers_heads_and_runs_under_vmap():
+  model, params = _init()
+  inputs = _tokens(np.random.default_rng(3), 8)
+  once, _ = pruning.prune_heads(params, CONFIG, [(0, 0), (0, 2)])
+  p1, c1 = pruning.prune_heads(params, CONFIG, [(0, 0)])
+  p2, c2 = pruning.prune_heads(p1, c1, {0: [1]})  # old head 2 is now 1
+  assert c2.heads_per_layer == (1, 3)
+  jax.tree.map(np.testing.assert_array_equal, once, p2)
+  with pytest.raises(ValueError, match=r"head \(0, 2\) does not exist"):
+    pruning.prune_heads(p2, c2, [(0, 2)])
+  with pytest.raises(ValueError, match="does not exist"):
+    pruning.prune_heads(params, CONFIG, [(2, 0)])
+
+  # Over stacked parameters of two models at once.
+  _, params_b = _init(seed=1)
+  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), params, params_b)
+  pruned = jax.vmap(lambda p: pruning.prune_heads(p, CONFIG, [(1, 1)])[0])(
+      stacked)
+  single, config = pruning.prune_heads(params_b, CONFIG, [(1, 1)])
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[1], b), pruned,
+               single)
+  del model, inputs, config
+
+
+def test_parse_heads():
+  assert pruning.parse_heads("0:1, 1:3") == [(0, 1), (1, 3)]
+  assert pruning.parse_heads("") == []
+  for bad in ("0", "a:1", "0:-1", "1:2:3"):
+    with pytest.raises(ValueError, match="LAYER:HEAD"):
+      pruning.parse_heads(bad)
+
+
+def test_time_predictions_reports_rates_and_flops():
+  model, params = _init()
+  _, pruned = pruning.prune_heads(params, CONFIG, [(0, 0), (1, 1)])
+  pruned_params, pruned_config = pruning.prune_heads(params, CONFIG,
+                                                     [(0, 0), (1, 1)])
+  inputs = {2: _tokens(np.random.default_rng(0), 2)}
+  rates, flops = pruning.time_predictions(
+      [(model, params), (Transformer(pruned_config), pruned_params)], inputs,
+      repeats=1, min_seconds=0.0)
+  assert rates.shape == flops.shape == (2, 1)
+  assert np.all(rates > 0)
+  assert flops[1, 0] < flops[0, 0]  # fewer heads, fewer FLOPs
+  del pruned
+
+
+# --------------------------------------------------------------------------
+# The script, end to end, and its bad input.
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_workdir(tmp_path_factory):
+  """A tiny config trained to completion in a fresh workdir and data dir."""
+  import importlib.util
+  from mha import train
+
+  spec = importlib.util.spec_from_file_location(
+      "default_config", os.path.join(ROOT, "configs", "default.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  data_dir = str(tmp_path_factory.mktemp("tfds"))
+  config = module.get_config(f"tiny,data.data_dir={data_dir}")
+  workdir = str(tmp_path_factory.mktemp("tiny_pruning"))
+  train.train_and_evaluate(config, workdir)
+  return workdir
+
+
+def _run_script(*args, timeout=300):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True,
+                        text=True, timeout=timeout, env=env, check=False)
+
+
+def test_script_end_to_end(tiny_workdir, tmp_path):
+  out = str(tmp_path / "pruning")
+  result = _run_script(
+      f"--workdir={tiny_workdir}", f"--out={out}", "--num_seeds=2",
+      "--num_random_orders=3", "--speed_fractions=0.5", "--batch_sizes=1,4",
+      "--speed_repeats=1", "--batch_size=32", "--remove_heads=1:0")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Wrote" in result.stdout
+  with open(os.path.join(out, "results.json"), encoding="utf-8") as f:
+    results = json.load(f)
+  assert [s["seed"] for s in results["seeds"]] == [0, 1]
+  assert os.path.isdir(os.path.join(out, "seeds", "seed_1", "checkpoints"))
+  num_heads = 4  # tiny: 2 layers x 2 heads
+  seed = results["seeds"][0]
+  for name in ("gradient", "gradient_l2", "gradient_iterative",
+               "leave_one_out", "confidence", "entropy", "reverse_gradient"):
+    assert sorted(seed["orders"][name]) == list(range(num_heads)), name
+    curve = seed["curves"][name]["token_accuracy"]
+    assert len(curve) == num_heads + 1
+    assert curve[0] == pytest.approx(seed["test"]["token_accuracy"])
+  assert np.asarray(seed["curves"]["random"]["token_accuracy"]).shape == (
+      3, num_heads + 1)
+  assert seed["orders"]["reverse_gradient"] == seed["orders"]["gradient"][::-1]
+  assert set(results["aggregate"]["vs_random"]) >= {"gradient",
+                                                    "leave_one_out"}
+  assert "gradient_halves" in results["aggregate"]["spearman"]
+  speed = results["speed"]["entries"]
+  assert [e["fraction"] for e in speed] == [0.0, 0.5]
+  assert speed[1]["heads_per_layer"] != speed[0]["heads_per_layer"]
+  assert all(e["max_abs_logit_diff_pruned_vs_masked"] < 1e-4 for e in speed)
+  assert results["custom_pruning"]["heads_per_layer"] == [2, 1]
+  with open(os.path.join(out, "report.md"), encoding="utf-8") as f:
+    report = f.read()
+  pngs = [line.split("(")[1].rstrip(")") for line in report.splitlines()
+          if line.startswith("![")]
+  assert len(pngs) >= 6
+  for png in pngs:
+    with open(os.path.join(out, png), "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n", png
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--speed_fractions=0.5,1.5"], "outside [0, 1]"),
+    (["--step_fraction=-0.1"], "[0, 1]"),
+    (["--remove_heads=0:7"], "head (0, 7) does not exist"),
+    (["--remove_heads=zero"], "LAYER:HEAD"),
+    (["--num_seeds=abc"], "num_seeds"),
+])
+def test_script_bad_input_exits_2(tiny_workdir, tmp_path, args, message):
+  out = tmp_path / "out"
+  result = _run_script(f"--workdir={tiny_workdir}", f"--out={out}", *args)
+  assert result.returncode == 2, result.stderr[-2000:]
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and message in lines[0], result.stderr
+  assert "Traceback" not in result.stderr
+  assert not out.exists()  # nothing written
+
+
+def test_script_without_checkpoint_exits_2(tmp_path):
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  for workdir in (empty, tmp_path / "missing"):
+    result = _run_script(f"--workdir={workdir}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, lines
+  assert os.listdir(empty) == []  # nothing written
