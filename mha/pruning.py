@@ -271,11 +271,14 @@ def gradient_importance(model: Transformer, params: Params, split: data.Split,
 
 def evaluate_masks(model: Transformer, params: Params, split: data.Split,
                    masks: np.ndarray, *, batch_size: int = 1000,
-                   chunk_size: int = 64) -> dict[str, np.ndarray]:
+                   chunk_size: int = 8) -> dict[str, np.ndarray]:
   """Loss, token accuracy and exact match under each of ``masks``.
 
-  Every chunk of up to ``chunk_size`` masks is one vmapped, jitted call per
-  batch (the last chunk is padded, so there is one compilation).
+  Every chunk of ``chunk_size`` masks is one vmapped, jitted call per batch
+  (the last chunk is padded, so one compilation serves every call with the
+  same shapes). Small chunks are faster on CPU: the activations of a chunk
+  of 8 masks x 1000 examples stay in cache, those of 64 do not (1.9 s vs
+  3.0 s for 96 masks on 2 cores).
 
   Returns:
     ``loss``, ``token_accuracy``, ``exact_match``: arrays ``[N]``.
@@ -349,7 +352,8 @@ def leave_one_out(model: Transformer, params: Params, split: data.Split, *,
   config = model.config
   masks = np.concatenate([full_head_mask(config)[None],
                           leave_one_out_masks(config)])
-  metrics = evaluate_masks(model, params, split, masks, batch_size=batch_size)
+  metrics = evaluate_masks(model, params, split, masks, batch_size=batch_size,
+                           chunk_size=len(masks))
   base = {k: float(v[0]) for k, v in metrics.items()}
   out: dict[str, Any] = {"base": base}
   for key, values in metrics.items():
