@@ -483,47 +483,76 @@ def custom_pruning(model: Transformer, params: Any, test: data.Split,
 # --------------------------------------------------------------------------
 
 
+def kept_steps(config: Any) -> list[int]:
+  """The checkpoint steps a finished run of ``config`` keeps."""
+  every, total = config.checkpoint_every_steps, config.num_train_steps
+  steps = sorted({*range(every, total + 1, every), total})
+  keep = config.max_checkpoints_to_keep
+  return steps[-keep:] if keep and keep > 0 else steps
+
+
+def check_step(first: ckpt_lib.LoadedCheckpoint, step: int | None,
+               num_seeds: int) -> None:
+  """Raises ValueError when the other seeds cannot be analysed at ``step``
+  (the step of the workdir's checkpoint that was asked for)."""
+  if step is None or num_seeds == 1:
+    return
+  steps = kept_steps(first.config)
+  if step not in steps:
+    raise ValueError(
+        f"--step={step}: the seeds this script trains keep steps "
+        f"{', '.join(map(str, steps))}; pick one of them or --num_seeds=1")
+
+
 def seed_models(workdir: str, out_dir: str, num_seeds: int,
+                step: int | None = None,
                 log: Log = print) -> list[ckpt_lib.LoadedCheckpoint]:
-  """The workdir's checkpoint, then ``num_seeds - 1`` models of the same
-  config trained with the next seeds under ``out_dir/seeds/`` (reused when
-  already trained to the same number of steps)."""
+  """The workdir's checkpoint (its newest, or ``step``), then
+  ``num_seeds - 1`` models of the same config trained with the next seeds
+  under ``out_dir/seeds/`` (reused when already trained), at the same step."""
   from mha import train  # Deferred: training pulls in optax schedules etc.
 
-  first = ckpt_lib.load_checkpoint(workdir)
+  first = ckpt_lib.load_checkpoint(workdir, step)
+  check_step(first, step, num_seeds)
   loaded = [first]
   for i in range(1, num_seeds):
     config = copy.deepcopy(first.config)
     config.seed = first.config.seed + i
     seed_dir = os.path.join(out_dir, "seeds", f"seed_{config.seed}")
     try:
-      ckpt = ckpt_lib.load_checkpoint(seed_dir)
-      done = ckpt.step >= config.num_train_steps
+      done = ckpt_lib.load_checkpoint(seed_dir).step >= config.num_train_steps
     except FileNotFoundError:
       done = False
-    if not done:
+    if done:
+      log(f"Reusing seed {config.seed} from {seed_dir}")
+    else:
       log(f"Training seed {config.seed} in {seed_dir} ...")
       train.train_and_evaluate(config, seed_dir)
-      ckpt = ckpt_lib.load_checkpoint(seed_dir)
-    else:
-      log(f"Reusing seed {config.seed} from {seed_dir} (step {ckpt.step})")
-    loaded.append(ckpt)
+    loaded.append(ckpt_lib.load_checkpoint(seed_dir, step))
   return loaded
 
 
 def run(workdir: str, out_dir: str, options: Options,
-        log: Log = print) -> dict[str, Any]:
-  """The whole experiment; writes ``results.json``, ``report.md`` and the
-  plots to ``out_dir`` and returns the results."""
+        step: int | None = None, log: Log = print) -> dict[str, Any]:
+  """The whole experiment on the checkpoint of ``workdir`` (its newest, or
+  ``step``); writes ``results.json``, ``report.md`` and the plots to
+  ``out_dir`` and returns the results.
+
+  Raises:
+    FileNotFoundError: no checkpoint (of ``step``) in ``workdir``.
+    ValueError: bad options, a head to remove that does not exist, or a
+      ``step`` the other seeds will not have.
+  """
   from mha import train  # Deferred, as above.
 
   options.validate()
   start = time.perf_counter()
-  first = ckpt_lib.load_checkpoint(workdir)  # FileNotFoundError if none.
+  first = ckpt_lib.load_checkpoint(workdir, step)
+  check_step(first, step, options.num_seeds)
   if options.remove_heads:  # Check before any long work.
     pruning.prune_heads(first.params, first.model_config, options.remove_heads)
   os.makedirs(out_dir, exist_ok=True)
-  checkpoints = seed_models(workdir, out_dir, options.num_seeds, log)
+  checkpoints = seed_models(workdir, out_dir, options.num_seeds, step, log)
   config = first.config
   splits = data.load_splits(train.data_spec(config), config.data.data_dir)
   rng = np.random.default_rng(options.seed)

@@ -25,6 +25,8 @@ from absl import logging
 
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                "Training workdir holding the checkpoint.")
+_STEP = flags.DEFINE_integer(
+    "step", None, "Checkpoint step to analyse (default: the newest).")
 _OUT = flags.DEFINE_string("out", None,
                            "Output folder (default: <workdir>/pruning).")
 _NUM_SEEDS = flags.DEFINE_integer(
@@ -134,7 +136,8 @@ def main(argv: list[str]) -> None:
   from mha import checkpoint as ckpt_lib, pruning, pruning_experiment
 
   try:  # Every user error is found before the long work starts.
-    first = ckpt_lib.load_checkpoint(workdir)
+    first = ckpt_lib.load_checkpoint(workdir, _STEP.value)
+    pruning_experiment.check_step(first, _STEP.value, options.num_seeds)
     if options.remove_heads:
       pruning.prune_heads(first.params, first.model_config,
                           options.remove_heads)
@@ -143,7 +146,7 @@ def main(argv: list[str]) -> None:
 
   start = time.time()
   print(f"Pruning experiment on {workdir} -> {out}", flush=True)
-  results = pruning_experiment.run(workdir, out, options)
+  results = pruning_experiment.run(workdir, out, options, _STEP.value)
   _print_summary(results, out, time.time() - start)
 
 

@@ -350,6 +350,7 @@ def test_script_end_to_end(tiny_workdir, tmp_path):
     (["--remove_heads=0:7"], "head (0, 7) does not exist"),
     (["--remove_heads=zero"], "LAYER:HEAD"),
     (["--num_seeds=abc"], "num_seeds"),
+    (["--step=15"], "steps saved: 10, 20"),
 ])
 def test_script_bad_input_exits_2(tiny_workdir, tmp_path, args, message):
   out = tmp_path / "out"
