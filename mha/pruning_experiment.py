@@ -197,8 +197,7 @@ def analyze_seed(model: Transformer, params: Any,
   _, timings["leave_one_out_vmapped_warm_s"] = _timed(
       log, "leave-one-out, vmapped again (compiled)",
       lambda: pruning.evaluate_masks(model, params, val, all_masks,
-                                     batch_size=bs,
-                                     chunk_size=len(all_masks)))
+                                     batch_size=bs))
   timings["leave_one_out_speedup"] = (timings["leave_one_out_loop_s"] /
                                       timings["leave_one_out_vmapped_warm_s"])
   loop_loss = pruning.heads_to_array(config, loop["loss"][1:])

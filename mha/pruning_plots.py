@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import numpy as np
 from matplotlib import colormaps
@@ -172,6 +172,7 @@ def pruning_curves_figure(
     metric: str = "token accuracy",
     baseline: float | None = None,
     title: str | None = None,
+    bands: Collection[str] | None = None,
 ) -> Figure:
   """Builds (but does not save) the figure of :func:`plot_pruning_curves`."""
   fractions, curves = _check_curves(fractions, curves)
@@ -191,7 +192,7 @@ def pruning_curves_figure(
     mean = _quiet_nan_reduce(np.nanmean, values, axis=0)
     label = f"{name} ({runs} run{'s' if runs > 1 else ''}"
     band_patch = None
-    if runs > 1:
+    if runs > 1 and (bands is None or name in bands):
       low, high, band = _band(values)
       band_style = dict(
           color="0.6" if is_random else style["color"],
@@ -266,6 +267,7 @@ def plot_pruning_curves(
     metric: str = "token accuracy",
     baseline: float | None = None,
     title: str | None = None,
+    bands: Collection[str] | None = None,
 ) -> str:
   """Writes a PNG of the metric vs the fraction of heads removed.
 
@@ -288,6 +290,8 @@ def plot_pruning_curves(
     baseline: the unpruned model's metric; a dotted line is drawn at
       ``baseline - 0.01`` ("unpruned - 1 pt").
     title: optional axes title.
+    bands: the orderings that get a spread band (default: all); with many
+      orderings and several seeds, bands on a few keep the plot readable.
 
   Returns:
     ``path``.
@@ -301,7 +305,8 @@ def plot_pruning_curves(
                             curves,
                             metric=metric,
                             baseline=baseline,
-                            title=title), path)
+                            title=title,
+                            bands=bands), path)
 
 
 # --------------------------------------------------------------------------

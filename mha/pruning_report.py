@@ -76,6 +76,7 @@ def write(results: Mapping[str, Any], out_dir: str) -> list[str]:
     paths.append(pruning_plots.plot_pruning_curves(
         fractions, curves, os.path.join(out_dir, name),
         metric=_METRIC_LABELS[metric], baseline=base_test[metric],
+        bands=(labels["gradient"], labels["leave_one_out"], labels["random"]),
         title=f"{results['task']}: test {_METRIC_LABELS[metric]} as heads are "
         f"removed ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})"))
 
@@ -176,8 +177,10 @@ def _report_lines(results: Mapping[str, Any], importance_png: str,
       "",
       "Heads are removed globally, least important first, "
       + ("one at a time" if not opts["step_fraction"] else
-         f"in steps of {opts['step_fraction']:.0%}") + ". Bands: min-max "
-      "over seeds (random: 10th-90th percentile over seeds x orders).",
+         f"in steps of {opts['step_fraction']:.0%}") + ". Lines: mean over "
+      "seeds; bands (gradient, leave-one-out, random only, for legibility): "
+      "min-max over seeds (random: 10th-90th percentile over seeds x "
+      "orders).",
       "",
       "![token accuracy](curves_token_accuracy.png)",
       "",
