@@ -99,7 +99,11 @@ def _apply_variant(config: ml_collections.ConfigDict, part: str) -> None:
       parsed = ast.literal_eval(value.strip())
     except (ValueError, SyntaxError):
       parsed = value.strip()
-    target[name] = type(current)(parsed)
+    try:
+      target[name] = type(current)(parsed)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"config key {key.strip()!r} must be of type "
+                       f"{type(current).__name__}, not {value.strip()!r}") from e
   else:
     raise ValueError(
         f"unknown config variant {part!r}: expected one of {TASKS}, 'tiny', "
