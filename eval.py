@@ -7,6 +7,7 @@ prints the metrics, writes layers x heads attention heatmaps of a few
 examples to ``workdir/eval/``, and prints a final line of JSON.
 """
 
+import functools
 import json
 import os
 import sys
@@ -14,6 +15,8 @@ import sys
 from absl import app
 from absl import flags
 from absl import logging
+
+from mha import config_validation
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's workdir.")
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "validation", "test"],
@@ -25,24 +28,19 @@ _NUM_EXAMPLES = flags.DEFINE_integer("num_examples", 4,
 flags.mark_flags_as_required(["workdir"])
 
 
-def _fail(message: str) -> None:
-  print(f"eval.py: error: {message}", file=sys.stderr)
-  sys.exit(2)
-
-
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
   from mha import checkpoint, data, evaluate, train
 
   workdir = os.path.expanduser(_WORKDIR.value)
   if not os.path.isdir(workdir):
-    _fail(f"workdir {workdir} does not exist")
+    config_validation.fail("eval.py", f"workdir {workdir} " + (
+        "is a file" if os.path.exists(workdir) else "does not exist"))
   try:
     ckpt = checkpoint.load_checkpoint(workdir, _STEP.value)
-  except FileNotFoundError as e:
-    _fail(str(e))
+  except (FileNotFoundError, checkpoint.DamagedCheckpointError) as e:
+    config_validation.fail("eval.py", e)
   config = ckpt.config
   splits = data.load_splits(train.data_spec(config), config.data.data_dir)
   split = splits[_SPLIT.value]
@@ -63,4 +61,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=functools.partial(config_validation.parse_flags,
+                                               prog="eval.py"))

@@ -3,35 +3,69 @@
     python train.py --config configs/default.py --workdir runs/reverse \
         --config.model.num_heads=8
 
-Running it again on the same workdir resumes from the latest checkpoint.
-The logic lives in ``mha.train.train_and_evaluate``.
+Running it again on the same workdir resumes from the newest checkpoint.
+Exit codes: 0 done; 2 a bad command line, config or workdir (one line on
+stderr, nothing written); 1 a failed run (e.g. a non-finite loss); 130 / 143
+stopped by SIGINT / SIGTERM after saving a checkpoint (run the same command
+again to resume). The logic lives in ``mha.train.train_and_evaluate``.
 """
 
 import os
+import shlex
+import sys
 
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from mha import config_validation
+
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                "configs", "default.py")
 
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                "Directory for checkpoints, metrics and logs.")
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", _DEFAULT_CONFIG, "Training config file (path[:variant]).",
-    lock_config=True)
 flags.mark_flags_as_required(["workdir"])
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """Parses the flags and loads the config; a mistake in them is reported as
+  one line on stderr with exit code 2 (no traceback, no usage text)."""
+  try:
+    # Defined here rather than at import: the --config.* overrides are
+    # registered from argv, and one naming no config field raises.
+    config_flags.DEFINE_config_file(
+        "config", _DEFAULT_CONFIG, "Training config file (path[:variant]).",
+        lock_config=True, sys_argv=argv)
+  except (AttributeError, KeyError) as e:
+    config_validation.fail("train.py", "unknown config key in the --config.* "
+                           f"flags: {config_validation.one_line(e)}")
+  try:
+    rest = config_validation.parse_flags(argv, "train.py")
+    flags.FLAGS.config.to_dict()  # Loads the file, applies the overrides.
+  except Exception as e:  # A config file can raise anything.
+    config_validation.fail("train.py", e)
+  return rest
+
+
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
-  from mha import train  # Deferred so that --help is fast.
-  train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  from mha import checkpoint, train  # Deferred so that --help is fast.
+  try:
+    train.train_and_evaluate(flags.FLAGS.config, _WORKDIR.value)
+  except config_validation.ConfigError as e:
+    config_validation.fail("train.py", e)
+  except train.TrainingInterrupted as e:
+    print(f"{e}. Resume with: python {shlex.join(sys.argv)}",
+          file=sys.stderr, flush=True)
+    sys.exit(128 + e.signum)
+  except (FloatingPointError, checkpoint.DamagedCheckpointError) as e:
+    print(f"train.py: error: {config_validation.one_line(e)}",
+          file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -11,6 +11,21 @@ The batch order is a pure function of ``(seed, step)`` (see
 
     ckpt = mha.load_checkpoint("runs/reverse")
     logits, attention = ckpt.model.apply({"params": ckpt.params}, tokens)
+
+What survives what (see :class:`TrainCheckpoints`):
+
+* Orbax writes a step into ``<s>.orbax-checkpoint-tmp`` and renames it to
+  ``<s>`` only once every file is written, so a process killed at any moment
+  leaves complete steps and temporary folders; the next run removes the
+  temporary folders (``cleanup_tmp_directories``) and resumes from the newest
+  complete step.
+* A step is read back in full (verified) before any older one is deleted to
+  keep ``max_checkpoints_to_keep``: an intact checkpoint never makes room for
+  one that has not been verified.
+* A damaged step (a file truncated or deleted) fails to restore: training
+  warns, moves it to ``workdir/damaged_checkpoints/`` and resumes from the
+  newest intact one; ``load_checkpoint`` skips it (or names it, when that step
+  is asked for).
 """
 
 from __future__ import annotations
@@ -18,6 +33,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
+import time
 from typing import Any
 
 import jax
@@ -27,6 +44,11 @@ import orbax.checkpoint as ocp
 from mha.model import Transformer, TransformerConfig
 
 CHECKPOINT_DIR = "checkpoints"
+DAMAGED_DIR = "damaged_checkpoints"
+
+
+class DamagedCheckpointError(ValueError):
+  """A checkpoint that cannot be restored: a file missing, truncated, bad."""
 
 
 def checkpoint_dir(workdir: str | os.PathLike) -> str:
@@ -35,16 +57,19 @@ def checkpoint_dir(workdir: str | os.PathLike) -> str:
                       CHECKPOINT_DIR)
 
 
-def make_manager(workdir: str | os.PathLike, *, max_to_keep: int | None = None,
+def make_manager(workdir: str | os.PathLike, *,
                  read_only: bool = False) -> ocp.CheckpointManager:
-  """An orbax CheckpointManager for ``workdir/checkpoints``.
+  """An orbax CheckpointManager for ``workdir/checkpoints``; keeps every step
+  (``TrainCheckpoints`` deletes old ones once a newer one is verified).
 
   Saves are asynchronous; call ``wait_until_finished()`` before exiting.
+  Unless ``read_only``, creating it removes the temporary folders of saves
+  that never finished (in the background; a save waits for it).
   """
   # Loading only: no directory creation and no clean-up of others' files
   # (orbax's own read_only flag warns on every load).
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=max_to_keep,
+      max_to_keep=None,
       create=not read_only,
       cleanup_tmp_directories=not read_only,
   )
@@ -52,13 +77,21 @@ def make_manager(workdir: str | os.PathLike, *, max_to_keep: int | None = None,
                                item_names=("state", "config"))
 
 
+def step_path(manager: ocp.CheckpointManager, step: int) -> str:
+  """The folder of ``step``."""
+  return os.path.join(os.fspath(manager.directory), str(step))
+
+
 def save(manager: ocp.CheckpointManager, step: int, state: Any,
          config: ml_collections.ConfigDict) -> None:
   """Saves the train state and the config at ``step`` (asynchronously)."""
-  manager.save(step, args=ocp.args.Composite(
+  saved = manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state),
       config=ocp.args.JsonSave(config.to_dict()),
   ))
+  if not saved:  # orbax skips, silently, a step not after its latest one.
+    raise ValueError(f"orbax refused to save step {step} in "
+                     f"{manager.directory} (steps saved: {manager.all_steps()})")
 
 
 def restore_state(manager: ocp.CheckpointManager, step: int,
@@ -78,6 +111,171 @@ def restore_config(manager: ocp.CheckpointManager,
   config = ml_collections.ConfigDict(restored["config"])
   config.lock()
   return config
+
+
+def _drop_closed_loop_reports() -> None:
+  """Silences the echo of a failed restore, once per process.
+
+  When one array of a restore fails, orbax closes its event loop while
+  tensorstore is still finishing the other reads; each of them then reports
+  ``RuntimeError: Event loop is closed`` through ``sys.unraisablehook``
+  (hundreds of tracebacks, burying the one warning that matters). Exactly
+  those reports are dropped; everything else goes to the previous hook.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_closed_loop_reports", False):
+    return
+
+  def hook(unraisable):
+    if not (unraisable.exc_type is RuntimeError
+            and str(unraisable.exc_value) == "Event loop is closed"):
+      previous(unraisable)
+
+  hook.drops_closed_loop_reports = True
+  sys.unraisablehook = hook
+
+
+def _damaged(manager: ocp.CheckpointManager, step: int,
+             error: Exception) -> DamagedCheckpointError:
+  _drop_closed_loop_reports()
+  first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+  return DamagedCheckpointError(
+      f"checkpoint {step_path(manager, step)} is damaged: "
+      f"{type(error).__name__}: {first_line[:300]}")
+
+
+def read_config(manager: ocp.CheckpointManager,
+                step: int) -> ml_collections.ConfigDict:
+  """``restore_config``, raising ``DamagedCheckpointError`` naming the step's
+  folder when it cannot be read."""
+  try:
+    return restore_config(manager, step)
+  except Exception as e:  # orbax and tensorstore raise many kinds.
+    raise _damaged(manager, step, e) from e
+
+
+def read_state(manager: ocp.CheckpointManager, step: int,
+               abstract_state: Any) -> Any:
+  """``restore_state``, raising ``DamagedCheckpointError`` naming the step's
+  folder when any array cannot be read back."""
+  try:
+    return restore_state(manager, step, abstract_state)
+  except Exception as e:  # orbax and tensorstore raise many kinds.
+    raise _damaged(manager, step, e) from e
+
+
+def saved_config(workdir: str | os.PathLike) -> dict[str, Any] | None:
+  """The config of the run in ``workdir`` (read only): the newest readable
+  checkpoint's, else ``config.json``'s, else None (a new workdir)."""
+  directory = checkpoint_dir(workdir)
+  if os.path.isdir(directory):
+    manager = make_manager(workdir, read_only=True)
+    try:
+      for step in sorted(manager.all_steps(), reverse=True):
+        try:
+          return read_config(manager, step).to_dict()
+        except DamagedCheckpointError:
+          continue
+    finally:
+      manager.close()
+  path = os.path.join(os.path.abspath(os.path.expanduser(workdir)),
+                      "config.json")
+  if os.path.isfile(path):
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  return None
+
+
+class TrainCheckpoints:
+  """A training run's checkpoints: restore the newest intact one; save
+  asynchronously; verify each save before older ones are deleted.
+
+  Args:
+    workdir: the run's folder (checkpoints go to ``workdir/checkpoints``).
+    keep: how many checkpoints to keep (the newest, all verified).
+    abstract_state: the train state's structure, shapes and dtypes.
+  """
+
+  def __init__(self, workdir: str | os.PathLike, *, keep: int,
+               abstract_state: Any):
+    self._workdir = os.path.abspath(os.path.expanduser(workdir))
+    self._manager = make_manager(workdir)
+    self._keep = keep
+    self._abstract_state = abstract_state
+    self._unverified: int | None = None
+
+  @property
+  def directory(self) -> str:
+    """``workdir/checkpoints``."""
+    return os.fspath(self._manager.directory)
+
+  def step_path(self, step: int) -> str:
+    """The folder of ``step``."""
+    return step_path(self._manager, step)
+
+  def latest_step(self) -> int | None:
+    """The newest step on disk (saved or being saved)."""
+    return self._manager.latest_step()
+
+  def restore_latest(self) -> tuple[int, Any] | None:
+    """``(step, state)`` of the newest intact checkpoint, or None if none.
+
+    Each damaged step on the way is reported on stderr and moved to
+    ``workdir/damaged_checkpoints/`` (kept for inspection, and so that the run
+    can save that step again).
+    """
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      try:
+        read_config(self._manager, step)
+        return step, read_state(self._manager, step, self._abstract_state)
+      except DamagedCheckpointError as e:
+        moved_to = self._move_aside(step)
+        print(f"warning: {e}; moved it to {moved_to}; trying the next older "
+              "checkpoint", file=sys.stderr, flush=True)
+    return None
+
+  def _move_aside(self, step: int) -> str:
+    source = step_path(self._manager, step)
+    target = os.path.join(self._workdir, DAMAGED_DIR,
+                          f"{step}-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.rename(source, target)
+    self._manager.reload()  # Forget the step, or orbax would skip saving it.
+    return target
+
+  def save(self, step: int, state: Any,
+           config: ml_collections.ConfigDict) -> None:
+    """Verifies the previous save, then saves ``step`` (asynchronously)."""
+    self.verify()
+    save(self._manager, step, state, config)
+    self._unverified = step
+
+  def verify(self) -> None:
+    """Waits for the last save, reads it back in full and only then deletes
+    the checkpoints older than the ``keep`` newest.
+
+    Raises:
+      DamagedCheckpointError: the last save cannot be read back (nothing is
+        deleted).
+    """
+    self.wait_until_finished()
+    if self._unverified is None:
+      return
+    step, self._unverified = self._unverified, None
+    read_config(self._manager, step)
+    read_state(self._manager, step, self._abstract_state)
+    verified = [s for s in sorted(self._manager.all_steps()) if s <= step]
+    for old in verified[:-self._keep]:
+      self._manager.delete(old)
+
+  def wait_until_finished(self) -> None:
+    """Waits for the last save to be written (not verified)."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for the last save (unverified if not ``verify``-ed) and closes."""
+    self._manager.wait_until_finished()
+    self._manager.close()
 
 
 def config_to_json(config: ml_collections.ConfigDict) -> str:
@@ -109,35 +307,50 @@ class LoadedCheckpoint:
 
 def load_checkpoint(workdir: str | os.PathLike,
                     step: int | None = None) -> LoadedCheckpoint:
-  """Loads a run's config and parameters; the latest step unless ``step``.
+  """Loads a run's config and parameters; the newest intact step unless
+  ``step``.
 
   Nothing but the workdir is needed: the config saved in the checkpoint
-  rebuilds the model.
+  rebuilds the model. Reads only: a damaged step is skipped with a warning on
+  stderr when no ``step`` is given.
 
   Raises:
     FileNotFoundError: the workdir has no checkpoint, or not ``step``.
+    DamagedCheckpointError: ``step`` (or, without ``step``, every step) is
+      damaged.
   """
-  from mha import train  # Deferred: train imports this module.
-
   directory = checkpoint_dir(workdir)
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoints in {workdir} ({directory} does "
                             "not exist)")
   manager = make_manager(workdir, read_only=True)
-  steps = sorted(manager.all_steps())
-  if not steps:
-    raise FileNotFoundError(f"no checkpoints in {directory}")
-  if step is None:
-    step = steps[-1]
-  elif step not in steps:
-    raise FileNotFoundError(
-        f"no checkpoint of step {step} in {directory}; steps saved: "
-        f"{', '.join(map(str, steps))}")
-  config = restore_config(manager, step)
+  try:
+    steps = sorted(manager.all_steps())
+    if not steps:
+      raise FileNotFoundError(f"no checkpoints in {directory}")
+    if step is not None:
+      if step not in steps:
+        raise FileNotFoundError(
+            f"no checkpoint of step {step} in {directory}; steps saved: "
+            f"{', '.join(map(str, steps))}")
+      return _load(manager, step)
+    for candidate in reversed(steps):
+      try:
+        return _load(manager, candidate)
+      except DamagedCheckpointError as e:
+        print(f"warning: {e}; skipping it", file=sys.stderr, flush=True)
+    raise DamagedCheckpointError(f"every checkpoint in {directory} is damaged")
+  finally:
+    manager.close()
+
+
+def _load(manager: ocp.CheckpointManager, step: int) -> LoadedCheckpoint:
+  from mha import train  # Deferred: train imports this module.
+
+  config = read_config(manager, step)
   model = train.make_model(config)
   abstract = jax.eval_shape(
       lambda: train.create_train_state(config, model, jax.random.key(0)))
-  state = restore_state(manager, step, abstract)
-  manager.close()
+  state = read_state(manager, step, abstract)
   return LoadedCheckpoint(config=config, model=model, params=state.params,
                           step=int(step))

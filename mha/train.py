@@ -5,12 +5,23 @@ One jitted, buffer-donating train step; batches a pure function of
 resumed from its workdir ends with bitwise the parameters of an
 uninterrupted one (on CPU). Metrics go to the console (a progress line with
 steps/s and ETA), TensorBoard event files and ``workdir/metrics.jsonl``.
+
+A run never loses more than the steps since its last checkpoint and never
+mixes with another: the config is checked before anything is compiled or
+written (``mha.config_validation``), a workdir is only resumed with a config
+that differs in ``RESUMABLE_KEYS``, SIGTERM/SIGINT stop after the current step
+with a checkpoint of it, damaged checkpoints are set aside (``mha.checkpoint``)
+and a non-finite loss, gradient or parameter stops the run before it is saved.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import signal
+import sys
+import threading
 import time
 from typing import Any, Mapping
 
@@ -22,6 +33,7 @@ import optax
 from flax.training import train_state as train_state_lib
 
 from mha import checkpoint as ckpt_lib
+from mha import config_validation
 from mha import data
 from mha import evaluate as eval_lib
 from mha.metric_writers import MetricWriter, format_duration
@@ -177,51 +189,162 @@ def _log_line(step: int, total: int, metrics: Mapping[str, float],
           f"ETA {format_duration(eta)}")
 
 
+class TrainingInterrupted(Exception):
+  """Training stopped by SIGTERM or SIGINT, after saving a checkpoint.
+
+  Attributes:
+    signum: the signal.
+    step: the step of the checkpoint saved; the run resumes from it.
+  """
+
+  def __init__(self, signum: int, step: int, checkpoint_path: str):
+    self.signum, self.step = signum, step
+    super().__init__(
+        f"Interrupted by {signal.Signals(signum).name} at step {step}; "
+        f"checkpoint saved in {checkpoint_path}")
+
+
+class _StopRequest:
+  """Turns SIGTERM and SIGINT into a request to stop after the current step.
+
+  A second signal of the same kind gets the handler that was there before
+  (SIGINT: KeyboardInterrupt at once; SIGTERM: the process ends). Handlers can
+  only be installed from the main thread; elsewhere this does nothing. A
+  signal its caller ignores (``SIG_IGN``, e.g. SIGINT under ``nohup``) stays
+  ignored.
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.signum: int | None = None
+    self._previous: dict[int, Any] = {}
+
+  def __enter__(self) -> "_StopRequest":
+    if threading.current_thread() is threading.main_thread():
+      for signum in self.SIGNALS:
+        previous = signal.getsignal(signum)
+        if previous is not signal.SIG_IGN:
+          self._previous[signum] = signal.signal(signum, self._handle)
+    return self
+
+  def _handle(self, signum: int, frame: Any) -> None:
+    del frame
+    self.signum = signum
+    signal.signal(signum, self._previous[signum])
+    print(f"Received {signal.Signals(signum).name}: stopping after this step "
+          "with a checkpoint (send it again to stop at once)",
+          file=sys.stderr, flush=True)
+
+  def __exit__(self, *exc_info) -> None:
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+
+
+@jax.jit
+def _all_finite(tree: Any) -> Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves))
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict,
                        workdir: str | os.PathLike) -> TrainState:
-  """Trains ``config`` in ``workdir``, resuming from its latest checkpoint.
+  """Trains ``config`` in ``workdir``, resuming from its newest checkpoint.
 
   Evaluates on validation every ``eval_every_steps`` and on test at the end;
   saves checkpoints every ``checkpoint_every_steps`` and at the end.
 
+  Before anything is compiled or written, the config is validated and, if
+  ``workdir`` holds a run, compared with that run's config: only
+  ``config_validation.RESUMABLE_KEYS`` may differ. SIGTERM and SIGINT stop
+  the run after the current step, with a checkpoint of it.
+
   Returns:
     The final train state.
+
+  Raises:
+    ConfigError: a bad config or workdir, or another run's workdir.
+    TrainingInterrupted: after SIGTERM or SIGINT (the checkpoint is saved).
+    FloatingPointError: a non-finite loss, gradient or parameter; no
+      checkpoint of it is written.
+    DamagedCheckpointError: a save that cannot be read back.
   """
   start_time = time.time()
+  config_validation.validate_config(config)
   workdir = os.path.abspath(os.path.expanduser(os.fspath(workdir)))
-  os.makedirs(workdir, exist_ok=True)
-
-  splits = data.load_splits(data_spec(config), config.data.data_dir)
+  config_validation.check_workdir(workdir)
+  saved = ckpt_lib.saved_config(workdir)
+  if saved is not None:
+    config_validation.check_resume(saved, config, workdir)
+  try:
+    splits = data.load_splits(data_spec(config), config.data.data_dir)
+  except ValueError as e:  # e.g. too few distinct sequences for the splits
+    raise config_validation.ConfigError(f"data: {e}") from e
   model = make_model(config)
   rng = jax.random.key(config.seed)
   init_rng, dropout_rng = jax.random.split(rng)
-
-  manager = ckpt_lib.make_manager(
-      workdir, max_to_keep=config.max_checkpoints_to_keep)
   # Jitted: eager initialisation runs op by op and takes seconds.
-  state = jax.jit(functools.partial(create_train_state, config, model))(
-      init_rng)
-  latest = manager.latest_step()
-  if latest is not None:
-    state = ckpt_lib.restore_state(manager, latest, state)
-    print(f"Resumed from checkpoint at step {latest} in {workdir}",
-          flush=True)
-  start_step = int(state.step)
-  with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-    f.write(ckpt_lib.config_to_json(config) + "\n")
+  init = jax.jit(functools.partial(create_train_state, config, model))
 
-  writer = MetricWriter(workdir)
-  if start_step == 0:
-    writer.write_text(0, "config", f"```\n{config}\n```")
-    num_params = sum(p.size for p in jax.tree.leaves(state.params))
-    print(f"Training {config.task}: {num_params:,} parameters, "
-          f"{config.num_train_steps} steps of batch {config.batch_size}; "
-          f"workdir {workdir}", flush=True)
+  os.makedirs(workdir, exist_ok=True)
+  checkpoints = ckpt_lib.TrainCheckpoints(
+      workdir, keep=config.max_checkpoints_to_keep,
+      abstract_state=jax.eval_shape(init, init_rng))
+  with contextlib.ExitStack() as cleanup:
+    cleanup.callback(checkpoints.close)  # Even on errors: finish the saves.
+    restored = checkpoints.restore_latest()
+    if restored is None:
+      state = init(init_rng)
+    else:
+      state = restored[1]
+      print(f"Resumed from checkpoint at step {restored[0]} in {workdir}",
+            flush=True)
+    start_step = int(state.step)
+    with open(os.path.join(workdir, "config.json"), "w",
+              encoding="utf-8") as f:
+      f.write(ckpt_lib.config_to_json(config) + "\n")
 
+    writer = cleanup.enter_context(contextlib.closing(MetricWriter(workdir)))
+    if start_step == 0:
+      writer.write_text(0, "config", f"```\n{config}\n```")
+      num_params = sum(p.size for p in jax.tree.leaves(state.params))
+      print(f"Training {config.task}: {num_params:,} parameters, "
+            f"{config.num_train_steps} steps of batch {config.batch_size}; "
+            f"workdir {workdir}", flush=True)
+    stop = cleanup.enter_context(_StopRequest())
+    try:
+      state = _train_loop(config, model, state, splits, dropout_rng,
+                          checkpoints, writer, stop, start_time)
+    except FloatingPointError as e:
+      raise FloatingPointError(
+          f"{e}; stopped without saving it (newest checkpoint: "
+          f"{_describe_latest(checkpoints)})") from e
+
+    final_step = int(state.step)
+    _evaluate_and_write(writer, model, state.params, splits["test"], "test",
+                        final_step, config.eval_batch_size, start_time)
+    checkpoints.verify()
+  return state
+
+
+def _describe_latest(checkpoints: ckpt_lib.TrainCheckpoints) -> str:
+  step = checkpoints.latest_step()
+  return "none" if step is None else f"step {step} in {checkpoints.directory}"
+
+
+def _train_loop(config: ml_collections.ConfigDict, model: Transformer,
+                state: TrainState, splits: Mapping[str, data.Split],
+                dropout_rng: Array, checkpoints: ckpt_lib.TrainCheckpoints,
+                writer: MetricWriter, stop: _StopRequest,
+                start_time: float) -> TrainState:
+  """Steps from ``state.step`` to ``num_train_steps``, evaluating, logging and
+  saving on the way; returns the final state (its checkpoint saved)."""
   step_fn = jax.jit(
       functools.partial(train_step, model=model,
                         schedule=learning_rate_schedule(config)),
       donate_argnums=0)
+  start_step = int(state.step)
   total = config.num_train_steps
   window = _TrainMetrics()
   window_start, window_step = time.time(), start_step
@@ -250,30 +373,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       process(*pending)
     pending = (step, metrics)
 
-    is_last = step == total
-    do_eval = step % config.eval_every_steps == 0 or is_last
-    do_save = step % config.checkpoint_every_steps == 0 or is_last
+    stopping = stop.signum is not None
+    do_eval = step % config.eval_every_steps == 0 or step == total
+    do_save = (step % config.checkpoint_every_steps == 0 or step == total
+               or stopping)
     if do_eval or do_save:
       # Never evaluate or checkpoint before the finiteness check of this step.
       process(*pending)
       pending = None
-    if do_eval:
+    if do_eval and not stopping:
       _evaluate_and_write(writer, model, state.params, splits["validation"],
                           "validation", step, config.eval_batch_size,
                           start_time)
     if do_save:
-      ckpt_lib.save(manager, step, state, config)
+      if not bool(_all_finite(state)):
+        raise FloatingPointError(f"non-finite parameters after step {step}")
+      checkpoints.save(step, state, config)
+    if stopping:
+      checkpoints.verify()
+      raise TrainingInterrupted(stop.signum, step, checkpoints.step_path(step))
     if do_eval or do_save:  # steps/s measures training: restart its clock
       window_start, window_step = time.time(), step
 
   if pending is not None:
     process(*pending)
-  final_step = int(state.step)
-  _evaluate_and_write(writer, model, state.params, splits["test"], "test",
-                      final_step, config.eval_batch_size, start_time)
-  manager.wait_until_finished()
-  manager.close()
-  writer.close()
   return state
 
 
