@@ -1,0 +1,395 @@
+"""Reliability: bad input is refused up front, runs are never mixed, and a run
+survives SIGTERM/SIGINT, kill -9, damaged checkpoints and non-finite losses."""
+
+import glob
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+import mha
+from mha import checkpoint as ckpt_lib
+from mha import config_validation
+from mha import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_FILE = os.path.join(ROOT, "configs", "default.py")
+_spec = importlib.util.spec_from_file_location("default_config", CONFIG_FILE)
+CONFIGS = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(CONFIGS)
+
+# The run every resumed run is compared with: long enough to be interrupted
+# between checkpoints, short enough for a test.
+STEPS, EVERY = 400, 100
+RUN_OVERRIDES = (f"num_train_steps={STEPS}", f"checkpoint_every_steps={EVERY}",
+                 "eval_every_steps=1000", "log_every_steps=1000")
+
+
+def _run_config(data_dir, *overrides):
+  return CONFIGS.get_config(
+      ",".join(("tiny", f"data.data_dir={data_dir}") + overrides))
+
+
+def _command(script, *args):
+  return [sys.executable, os.path.join(ROOT, script), *args]
+
+
+def _train_command(data_dir, workdir, *overrides):
+  return _command(
+      "train.py", f"--config={CONFIG_FILE}:tiny", f"--workdir={workdir}",
+      f"--config.data.data_dir={data_dir}",
+      *(f"--config.{o}" for o in RUN_OVERRIDES + overrides))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("tfds"))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  """Subprocess environment; compilations cached between the subprocesses."""
+  return dict(os.environ, JAX_PLATFORMS="cpu",
+              JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jit")),
+              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_dir):
+  """An uninterrupted run: (config, workdir, final state)."""
+  config = _run_config(data_dir, *RUN_OVERRIDES)
+  workdir = str(tmp_path_factory.mktemp("reference"))
+  handler = signal.getsignal(signal.SIGTERM)
+  state = train.train_and_evaluate(config, workdir)
+  assert signal.getsignal(signal.SIGTERM) is handler  # put back
+  return config, workdir, state
+
+
+def _assert_params_equal(workdir, state):
+  restored = mha.load_checkpoint(workdir).params
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state.params)):
+    np.testing.assert_array_equal(a, b)
+
+
+def _steps(workdir):
+  names = os.listdir(os.path.join(workdir, "checkpoints"))
+  return sorted(int(n) for n in names if n.isdigit())
+
+
+def _tmp_dirs(workdir):
+  return glob.glob(os.path.join(workdir, "checkpoints", "*orbax-checkpoint-tmp*"))
+
+
+def _snapshot(path):
+  """Every file below ``path`` with its size and modification time."""
+  return {os.path.join(d, f): (os.stat(os.path.join(d, f)).st_size,
+                               os.stat(os.path.join(d, f)).st_mtime_ns)
+          for d, _, files in os.walk(path) for f in files}
+
+
+# --------------------------------------------------------------------------
+# Bad input: one line on stderr, exit code 2, nothing written.
+# --------------------------------------------------------------------------
+
+
+def test_every_config_field_has_a_declared_type():
+  keys = config_validation.flatten(CONFIGS.get_config().to_dict())
+  assert set(keys) == set(config_validation.FIELDS)
+  assert config_validation.config_problems(CONFIGS.get_config("tiny")) == []
+  assert config_validation.RESUMABLE_KEYS <= set(config_validation.FIELDS)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.num_heads=3", "model.d_model=16 is not divisible by "
+     "model.num_heads=3"),
+    ("data.min_len=9", "data.min_len=9 is larger than data.max_len=8"),
+    ("data.min_len=0", "data.min_len=0 must be >= 1"),
+    ("num_train_steps=0", "num_train_steps=0 must be >= 1"),
+    ("batch_size=-4", "batch_size=-4 must be >= 1"),
+    ("learning_rate=0.0", "learning_rate=0.0 must be a positive number"),
+    ("learning_rate=-1e-3", "learning_rate=-0.001 must be a positive number"),
+    ("model.dropout_rate=1.0", "model.dropout_rate=1.0 must be in [0, 1)"),
+    ("model.attention_dropout_rate=-0.1",
+     "model.attention_dropout_rate=-0.1 must be in [0, 1)"),
+    ("task=copy", "task='copy' is not a task; the tasks are reverse, sort, "
+     "histogram"),
+    ("eval_every_steps=0", "eval_every_steps=0 must be >= 1"),
+    ("checkpoint_every_steps=0", "checkpoint_every_steps=0 must be >= 1"),
+])
+def test_bad_config_values_are_named(override, message):
+  with pytest.raises(config_validation.ConfigError) as error:
+    config_validation.validate_config(CONFIGS.get_config(f"tiny,{override}"))
+  assert message in str(error.value)
+
+
+def test_wrong_types_and_unknown_keys_are_named():
+  # A hand-built config (say, in a notebook) has no type safety or lock.
+  fields = CONFIGS.get_config("tiny").to_dict()
+  fields["batch_size"] = "32"
+  fields["model"]["dropout"] = 0.1  # a typo of dropout_rate
+  with pytest.raises(config_validation.ConfigError) as error:
+    config_validation.validate_config(ml_collections.ConfigDict(fields))
+  assert "batch_size='32' must be of type int, not str" in str(error.value)
+  assert "unknown config key 'model.dropout'" in str(error.value)
+
+
+def test_train_and_evaluate_writes_nothing_for_bad_input(tmp_path, data_dir):
+  workdir = tmp_path / "run"
+  with pytest.raises(config_validation.ConfigError, match="divisible"):
+    train.train_and_evaluate(
+        _run_config(data_dir, "model.num_heads=3"), workdir)
+  assert not workdir.exists()
+  workdir.write_text("not a directory")
+  with pytest.raises(config_validation.ConfigError, match="is an existing file"):
+    train.train_and_evaluate(_run_config(data_dir), workdir)
+
+
+def test_command_line_mistakes_are_one_line_and_exit_code_2(tmp_path, env):
+  workdir = str(tmp_path / "run")
+  a_file = tmp_path / "file"
+  a_file.write_text("")
+  cases = [
+      (_command("train.py", f"--workdir={workdir}", "--config.batch_size=abc"),
+       "flag --config.batch_size=abc"),
+      (_command("train.py", f"--workdir={workdir}", "--config.nope=1"),
+       "unknown config key in the --config.* flags: 'nope'"),
+      (_command("train.py", f"--workdir={workdir}",
+                f"--config={CONFIG_FILE}:tiny,model.nope=3"),
+       "unknown config key 'model.nope'"),
+      (_command("train.py", f"--workdir={workdir}",
+                "--config.model.d_model=30"),
+       "model.d_model=30 is not divisible by model.num_heads=4"),
+      (_command("train.py", f"--workdir={a_file}"), "is an existing file"),
+      (_command("train.py"), "--workdir"),
+      (_command("eval.py", f"--workdir={workdir}", "--step=last"),
+       "flag --step=last"),
+  ]
+  procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+           for command, _ in cases]
+  for proc, (command, message) in zip(procs, cases):
+    _, stderr = proc.communicate()
+    script = os.path.basename(command[1])
+    assert proc.returncode == 2, (command, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{script}: error: "), (
+        command, stderr)
+    assert message in lines[0], (command, stderr)
+  assert not os.path.exists(workdir)
+
+
+# --------------------------------------------------------------------------
+# Never mix runs.
+# --------------------------------------------------------------------------
+
+
+def test_resuming_with_another_model_data_or_optimizer_is_refused(reference):
+  config, workdir, _ = reference
+  before = _snapshot(workdir)
+  other = CONFIGS.get_config(
+      f"tiny,data.data_dir={config.data.data_dir},model.d_model=32,"
+      "learning_rate=0.02,data.num_symbols=12,num_train_steps=400")
+  with pytest.raises(config_validation.ConfigError) as error:
+    train.train_and_evaluate(other, workdir)
+  message = str(error.value)
+  for key in ("model.d_model (saved 16, now 32)", "learning_rate",
+              "data.num_symbols"):
+    assert key in message
+  assert "num_train_steps (" not in message  # may change
+  assert _snapshot(workdir) == before
+
+  saved = ckpt_lib.saved_config(workdir)
+  assert saved == config.to_dict()
+  resumable = CONFIGS.get_config(
+      f"tiny,data.data_dir=/elsewhere,num_train_steps=900,log_every_steps=7,"
+      "eval_every_steps=9,checkpoint_every_steps=11,max_checkpoints_to_keep=1,"
+      "eval_batch_size=16")
+  assert config_validation.resume_conflicts(saved, resumable) == []
+
+
+# --------------------------------------------------------------------------
+# Preemption and crashes.
+# --------------------------------------------------------------------------
+
+
+def _wait_for(predicate, proc, timeout=120):
+  deadline = time.time() + timeout
+  while not predicate():
+    assert proc.poll() is None, "the run ended before it could be stopped"
+    assert time.time() < deadline, "timed out"
+    time.sleep(0.001)
+
+
+def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(
+    reference, tmp_path, data_dir, env):
+  _, _, final = reference
+  workdir = str(tmp_path / "run")
+  command = _train_command(data_dir, workdir)
+
+  # 1. kill -9 while orbax writes the first checkpoint.
+  proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  _wait_for(lambda: _tmp_dirs(workdir), proc)
+  proc.kill()
+  proc.wait()
+  assert _tmp_dirs(workdir) and not _steps(workdir)  # killed mid-save
+
+  # 2. SIGTERM after the first checkpoint: the current step is saved.
+  proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  _wait_for(lambda: os.path.isdir(os.path.join(workdir, "checkpoints",
+                                               str(EVERY))), proc)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate()
+  assert proc.returncode == 128 + signal.SIGTERM, stderr
+  stopped = _steps(workdir)[-1]
+  assert EVERY < stopped < STEPS
+  assert f"Interrupted by SIGTERM at step {stopped}; checkpoint saved" in stderr
+  assert "Resume with: python " in stderr and "--workdir=" in stderr
+  assert not _tmp_dirs(workdir)  # the first kill's leftovers are gone
+
+  # 3. kill -9 a little after the next checkpoint: in a step or a save.
+  proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  _wait_for(lambda: _steps(workdir)[-1] > stopped, proc)
+  time.sleep(0.02)
+  proc.kill()
+  proc.wait()
+  assert _steps(workdir)[-1] < STEPS
+
+  # 4. Resume to the end.
+  result = subprocess.run(command, env=env, capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr
+  assert "Resumed from checkpoint" in result.stdout
+  assert not _tmp_dirs(workdir)
+  _assert_params_equal(workdir, final)
+
+
+def test_sigint_stops_after_the_step_with_a_checkpoint(tmp_path, data_dir):
+  workdir = str(tmp_path / "run")
+  first = os.path.join(workdir, "checkpoints", str(EVERY))
+  done = threading.Event()
+
+  def interrupt():
+    while not (os.path.isdir(first) or done.is_set()):
+      time.sleep(0.001)
+    if not done.is_set():
+      os.kill(os.getpid(), signal.SIGINT)
+
+  # Ours while training runs: a signal arriving late must not stop pytest.
+  previous = signal.signal(signal.SIGINT, lambda *_: None)
+  ours = signal.getsignal(signal.SIGINT)
+  thread = threading.Thread(target=interrupt)
+  thread.start()
+  try:
+    with pytest.raises(train.TrainingInterrupted) as error:
+      train.train_and_evaluate(_run_config(data_dir, *RUN_OVERRIDES), workdir)
+    assert signal.getsignal(signal.SIGINT) is ours  # handlers restored
+  finally:
+    done.set()
+    thread.join()
+    signal.signal(signal.SIGINT, previous)
+  assert error.value.signum == signal.SIGINT
+  assert EVERY < error.value.step < STEPS
+  assert _steps(workdir)[-1] == error.value.step
+  assert mha.load_checkpoint(workdir).step == error.value.step
+
+
+def _damage(step_dir, how):
+  if how == "truncate":  # the largest array file, to half its size
+    path = max(glob.glob(os.path.join(step_dir, "state", "d", "*")),
+               key=os.path.getsize)
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)
+  else:
+    os.remove(os.path.join(step_dir, "state", "_METADATA"))
+
+
+def test_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes(
+    reference, tmp_path, capfd):
+  config, workdir, final = reference
+  copy = str(tmp_path / "run")
+  shutil.copytree(workdir, copy)
+  newest = os.path.join(copy, "checkpoints", str(STEPS))
+  _damage(newest, "truncate")
+
+  state = train.train_and_evaluate(config, copy)
+  out, err = capfd.readouterr()
+  assert f"checkpoint {newest} is damaged" in err
+  assert f"Resumed from checkpoint at step {STEPS - EVERY}" in out
+  moved = glob.glob(os.path.join(copy, "damaged_checkpoints", f"{STEPS}-*"))
+  assert len(moved) == 1 and f"moved it to {moved[0]}" in err
+  assert int(state.step) == STEPS and _steps(copy)[-1] == STEPS  # saved again
+  _assert_params_equal(copy, final)
+
+
+def test_load_checkpoint_and_eval_skip_or_name_a_damaged_checkpoint(
+    reference, tmp_path, capfd, env):
+  _, workdir, _ = reference
+  copy = str(tmp_path / "run")
+  shutil.copytree(workdir, copy)
+  newest = os.path.join(copy, "checkpoints", str(STEPS))
+  _damage(newest, "delete")
+
+  assert mha.load_checkpoint(copy).step == STEPS - EVERY
+  assert f"checkpoint {newest} is damaged" in capfd.readouterr().err
+  with pytest.raises(ckpt_lib.DamagedCheckpointError, match=newest):
+    mha.load_checkpoint(copy, step=STEPS)
+  result = subprocess.run(
+      _command("eval.py", f"--workdir={copy}", f"--step={STEPS}"),
+      env=env, capture_output=True, text=True)
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, result.stderr
+  assert lines[0].startswith(f"eval.py: error: checkpoint {newest} is damaged")
+
+
+def test_an_unverified_checkpoint_never_deletes_an_intact_one(tmp_path):
+  state = {"w": np.arange(4.0, dtype=np.float32)}
+  config = ml_collections.ConfigDict({"note": "test"})
+  checkpoints = ckpt_lib.TrainCheckpoints(
+      tmp_path, keep=1, abstract_state=jax.eval_shape(lambda: state))
+  checkpoints.save(1, state, config)
+  checkpoints.save(2, state, config)  # verifies 1; keeps it (2 unverified)
+  checkpoints.wait_until_finished()
+  _damage(checkpoints.step_path(2), "delete")
+  with pytest.raises(ckpt_lib.DamagedCheckpointError,
+                     match=checkpoints.step_path(2)):
+    checkpoints.verify()
+  assert _steps(tmp_path) == [1, 2]  # orbax's max_to_keep=1 would keep [2]
+  checkpoints.save(3, state, config)  # 2 is done with; 3 verified next
+  checkpoints.verify()
+  assert _steps(tmp_path) == [3]
+  checkpoints.close()
+
+
+def test_non_finite_loss_stops_naming_the_step_without_saving_it(
+    tmp_path, data_dir, env):
+  # lr 1e30 (after one warmup step at lr 0): the parameters blow up at step
+  # 2 and the loss of step 3 is NaN; step 3 is also the last (final save).
+  workdir = str(tmp_path / "run")
+  result = subprocess.run(
+      _train_command(data_dir, workdir, "learning_rate=1e30",
+                     "grad_clip_norm=1e30", "warmup_steps=1",
+                     "num_train_steps=3", "checkpoint_every_steps=1"),
+      env=env, capture_output=True, text=True)
+  assert result.returncode == 1, result.stderr
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("train.py: error: non-finite training metrics at "
+                         "step 3"), result.stderr
+  assert f"newest checkpoint: step 2 in {workdir}/checkpoints" in last
+  assert "Traceback" not in result.stderr
+  assert _steps(workdir) == [1, 2]
+  for step in (1, 2):
+    params = mha.load_checkpoint(workdir, step=step).params
+    assert all(np.isfinite(p).all() for p in jax.tree.leaves(params))
