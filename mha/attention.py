@@ -282,33 +282,52 @@ def fused_dot_product_attention(
 ) -> Array:
   """The context of :func:`dot_product_attention`, without the weights.
 
-  Runs ``jax.nn.dot_product_attention``, which picks a fused kernel (cuDNN
-  flash attention on GPU) where it can. Same semantics as the weights path:
-  rows with no valid key give a zero context, ``head_mask`` gates heads.
-  No dropout (use :func:`dot_product_attention` for training with dropout).
+  Same semantics as the weights path: rows with no valid key give a zero
+  context, ``head_mask`` gates heads. No dropout (use
+  :func:`dot_product_attention` for training with dropout).
+
+  The implementation is chosen per platform when the computation is lowered
+  (``jax.lax.platform_dependent``). On CPU it is the math of
+  :func:`dot_product_attention` with the weights dropped, which XLA:CPU
+  fuses into one kernel (``QK^T``, softmax, product with the values), while
+  ``jax.nn.dot_product_attention`` adds a copy of the ``[..., H, Lq, Lk]``
+  probabilities (a layer 1.4x slower at batch 8, length 512, width 512).
+  Elsewhere it runs ``jax.nn.dot_product_attention``, which uses its XLA
+  implementation too unless called with ``implementation="cudnn"``.
   """
   _check_qkv(query, key, value)
   batch_shape = query.shape[:-3]
   num_heads = query.shape[-2]
-  lq, lk = query.shape[-3], key.shape[-3]
-  weights_shape = batch_shape + (num_heads, lq, lk)
-  if head_mask is not None:
-    head_mask = _check_head_mask(head_mask, batch_shape, num_heads)
-
-  # jax.nn.dot_product_attention wants exactly one batch axis.
-  flat = lambda x: jnp.reshape(x, (-1,) + x.shape[-3:])
-  row_ok = None
-  flat_mask = None
+  weights_shape = batch_shape + (num_heads, query.shape[-3], key.shape[-3])
   if mask is not None:
     mask = _full_mask(mask, weights_shape)
-    flat_mask = jnp.reshape(mask, (-1, num_heads, lq, lk))
+  if head_mask is not None:
+    head_mask = _check_head_mask(head_mask, batch_shape, num_heads)
+  context = jax.lax.platform_dependent(
+      query, key, value, mask,
+      cpu=lambda q, k, v, m: dot_product_attention(q, k, v, mask=m)[0],
+      default=_library_attention)
+  return _gate_heads(context, head_mask)
+
+
+def _library_attention(query: Array, key: Array, value: Array,
+                       mask: Array | None) -> Array:
+  """``jax.nn.dot_product_attention`` on ``[..., L, H, Dh]`` arrays, with
+  all-masked query rows zeroed; ``mask`` is ``None`` or ``[..., H, Lq, Lk]``.
+  """
+  batch_shape = query.shape[:-3]
+  # jax.nn.dot_product_attention wants exactly one batch axis.
+  flat = lambda x: jnp.reshape(x, (-1,) + x.shape[-3:])
+  row_ok = flat_mask = None
+  if mask is not None:
+    flat_mask = flat(mask)
     row_ok = jnp.swapaxes(jnp.any(mask, axis=-1), -1, -2)  # [..., Lq, H]
   context = jax.nn.dot_product_attention(
       flat(query), flat(key), flat(value), mask=flat_mask)
   context = jnp.reshape(context, batch_shape + context.shape[-3:])
   if row_ok is not None:
     context = context * row_ok[..., None].astype(context.dtype)
-  return _gate_heads(context, head_mask)
+  return context
 
 
 # --------------------------------------------------------------------------
