@@ -82,7 +82,8 @@ def _assert_params_equal(workdir, state):
 
 
 def _steps(workdir):
-  names = os.listdir(os.path.join(workdir, "checkpoints"))
+  directory = os.path.join(workdir, "checkpoints")
+  names = os.listdir(directory) if os.path.isdir(directory) else []
   return sorted(int(n) for n in names if n.isdigit())
 
 
@@ -230,30 +231,46 @@ def _wait_for(predicate, proc, timeout=120):
     time.sleep(0.001)
 
 
+def _kill_9_when(proc, predicate):
+  """kill -9 ``proc`` at a moment ``predicate()`` holds: the process is frozen
+  (SIGSTOP) first, so that the check and the kill see the same moment."""
+  while True:
+    _wait_for(predicate, proc)
+    proc.send_signal(signal.SIGSTOP)
+    if predicate():
+      break
+    proc.send_signal(signal.SIGCONT)  # Too late: wait for the next chance.
+  proc.kill()
+  proc.wait()
+
+
+def _newest(workdir):
+  return max(_steps(workdir), default=0)
+
+
 def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(
     reference, tmp_path, data_dir, env):
   _, _, final = reference
   workdir = str(tmp_path / "run")
   command = _train_command(data_dir, workdir)
 
-  # 1. kill -9 while orbax writes the first checkpoint.
+  # 1. kill -9 while orbax writes a checkpoint (the first one, usually).
   proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
-  _wait_for(lambda: _tmp_dirs(workdir), proc)
-  proc.kill()
-  proc.wait()
-  assert _tmp_dirs(workdir) and not _steps(workdir)  # killed mid-save
+  _kill_9_when(proc, lambda: _tmp_dirs(workdir))
+  assert _tmp_dirs(workdir)
+  saved = _newest(workdir)
+  assert saved < STEPS
 
-  # 2. SIGTERM after the first checkpoint: the current step is saved.
+  # 2. SIGTERM after the next checkpoint: the current step is saved.
   proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
-  _wait_for(lambda: os.path.isdir(os.path.join(workdir, "checkpoints",
-                                               str(EVERY))), proc)
+  _wait_for(lambda: _newest(workdir) > saved, proc)
   proc.send_signal(signal.SIGTERM)
   _, stderr = proc.communicate()
   assert proc.returncode == 128 + signal.SIGTERM, stderr
-  stopped = _steps(workdir)[-1]
-  assert EVERY < stopped < STEPS
+  stopped = _newest(workdir)
+  assert saved < stopped < STEPS, (saved, stopped)
   assert f"Interrupted by SIGTERM at step {stopped}; checkpoint saved" in stderr
   assert "Resume with: python " in stderr and "--workdir=" in stderr
   assert not _tmp_dirs(workdir)  # the first kill's leftovers are gone
@@ -261,11 +278,9 @@ def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(
   # 3. kill -9 a little after the next checkpoint: in a step or a save.
   proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
-  _wait_for(lambda: _steps(workdir)[-1] > stopped, proc)
+  _wait_for(lambda: _newest(workdir) > stopped, proc)
   time.sleep(0.02)
-  proc.kill()
-  proc.wait()
-  assert _steps(workdir)[-1] < STEPS
+  _kill_9_when(proc, lambda: _newest(workdir) < STEPS)
 
   # 4. Resume to the end.
   result = subprocess.run(command, env=env, capture_output=True, text=True)
