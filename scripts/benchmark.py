@@ -1,0 +1,565 @@
+r"""Speed of the attention layer and the train step, side by side with Flax.
+
+    python scripts/benchmark.py            # about 2 minutes on 2 CPU cores
+    python scripts/benchmark.py --quick    # tiny shapes, seconds (for tests)
+
+Measures in one process, float32, on JAX's default device:
+
+1. One attention layer, forward + backward returning the attention weights:
+   ``mha.MultiHeadAttention`` against Flax's ``MultiHeadDotProductAttention``
+   with ``sow_weights=True``, on the same parameters, at several shapes.
+2. Inference without weights: ``return_weights=False`` against Flax's module
+   without sowing.
+3. Our forward FLOP rate at a large shape as a fraction of the float32 matmul
+   peak, measured in the same run with ``jnp.dot`` on square matrices.
+4. Train-step throughput (``mha.train.train_step``) at the default config and
+   at a larger one, on random batches already on the device.
+
+Machines are noisy, so the compared functions run interleaved, in alternating
+order (ours first in even rounds, Flax first in odd ones), and the figures are
+medians; a ratio is ours / Flax of the medians (below 1: ours is faster).
+Prints the tables (markdown) to stdout, writes them to ``<out>.md`` and every
+number, raw timings included, to ``--out`` (JSON). A bad flag is one line on
+stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from absl import app
+from absl import flags
+from absl import logging
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+from mha import data
+from mha import train
+from mha.attention import MultiHeadAttention
+
+_QUICK = flags.DEFINE_bool(
+    "quick", False, "Tiny shapes, few repeats and XLA optimizations off: a "
+    "smoke test of seconds whose numbers mean nothing.")
+_OUT = flags.DEFINE_string(
+    "out", "runs/benchmark/benchmark.json",
+    "JSON output path; the markdown tables go next to it (.md).")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", None, "Timed rounds per comparison (default 20; 3 with "
+    "--quick).", lower_bound=1)
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """A self-attention layer's input ``[batch, length, width]`` and heads."""
+  batch: int
+  length: int
+  width: int
+  heads: int
+
+  def __str__(self) -> str:
+    return f"{self.batch} / {self.length} / {self.width} / {self.heads}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What one run measures.
+
+  Attributes:
+    name: "full" or "quick".
+    layer_shapes: shapes of the ours-vs-Flax layer comparisons.
+    flop_shape: the shape of the FLOP-rate measurement.
+    matmul_sizes: sizes N of the ``[N, N] @ [N, N]`` peak measurements (the
+      peak is the best of them).
+    repeats: timed rounds of each comparison.
+    train_configs: ``(label, get_config argument)`` of the train steps timed.
+    train_window_s: about how long a timed window of train steps lasts.
+    train_windows: timed windows (the rate is their median).
+  """
+  name: str
+  layer_shapes: tuple[Shape, ...]
+  flop_shape: Shape
+  matmul_sizes: tuple[int, ...]
+  repeats: int
+  train_configs: tuple[tuple[str, str], ...]
+  train_window_s: float
+  train_windows: int
+
+
+# The larger train-step config: 4 layers of width 128, 8 heads, MLP 512.
+LARGER = ("model.num_layers=4,model.d_model=128,model.num_heads=8,"
+          "model.mlp_dim=512")
+
+FULL = Plan(
+    name="full",
+    layer_shapes=(Shape(32, 64, 256, 8), Shape(8, 512, 512, 8),
+                  Shape(256, 16, 64, 4)),
+    flop_shape=Shape(8, 512, 512, 8),
+    matmul_sizes=(1024, 2048),
+    repeats=20,
+    train_configs=(("default", ""), ("larger", LARGER)),
+    train_window_s=2.0,
+    train_windows=5,
+)
+
+QUICK = Plan(
+    name="quick",
+    layer_shapes=(Shape(2, 8, 16, 2),),
+    flop_shape=Shape(2, 16, 32, 4),
+    matmul_sizes=(64, 128),
+    repeats=3,
+    train_configs=(("tiny", "tiny"),),
+    train_window_s=0.01,
+    train_windows=2,
+)
+
+
+# --------------------------------------------------------------------------
+# Timing.
+# --------------------------------------------------------------------------
+
+
+def time_interleaved(fns: Mapping[str, Callable[[], Any]],
+                     repeats: int) -> dict[str, list[float]]:
+  """Seconds per call of each function over ``repeats`` interleaved rounds.
+
+  Every function is called once untimed first (compilation). Round ``r`` calls
+  them in the given order when ``r`` is even and in reverse when odd, so that
+  none always runs right after another (whose freed memory or warm caches it
+  would inherit).
+  """
+  for fn in fns.values():
+    jax.block_until_ready(fn())
+  names = list(fns)
+  times = {name: [] for name in names}
+  for r in range(repeats):
+    for name in names if r % 2 == 0 else reversed(names):
+      start = time.perf_counter()
+      jax.block_until_ready(fns[name]())
+      times[name].append(time.perf_counter() - start)
+  return times
+
+
+def _ms(seconds: Sequence[float]) -> float:
+  return 1e3 * statistics.median(seconds)
+
+
+def _comparison(times: Mapping[str, list[float]]) -> dict[str, Any]:
+  ours, theirs = _ms(times["ours"]), _ms(times["flax"])
+  paired = [a / b for a, b in zip(times["ours"], times["flax"])]
+  return {
+      "ours_ms": ours,
+      "flax_ms": theirs,
+      "ratio": ours / theirs,
+      "paired_ratio_median": statistics.median(paired),
+      "ours_times_ms": [1e3 * t for t in times["ours"]],
+      "flax_times_ms": [1e3 * t for t in times["flax"]],
+  }
+
+
+# --------------------------------------------------------------------------
+# The attention layer against Flax's.
+# --------------------------------------------------------------------------
+
+
+def _layers(shape: Shape):
+  """Ours and Flax's layer, an input and the (shared) parameters."""
+  ours = MultiHeadAttention(num_heads=shape.heads)
+  theirs = nn.MultiHeadDotProductAttention(num_heads=shape.heads)
+  x = jax.random.normal(jax.random.key(0),
+                        (shape.batch, shape.length, shape.width))
+  params = jax.jit(ours.init)(jax.random.key(1), x)
+  return ours, theirs, x, params
+
+
+def _relative_diff(ours: Any, theirs: Any) -> float:
+  """Largest ``|ours - theirs|`` over two pytrees, over the largest
+  ``|theirs|``."""
+  pairs = list(zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)))
+  diff = max(float(np.max(np.abs(a - b))) for a, b in pairs)
+  scale = max(float(np.max(np.abs(b))) for _, b in pairs)
+  return diff / max(scale, 1e-30)
+
+
+def compare_layer(shape: Shape, repeats: int) -> dict[str, Any]:
+  """Ours vs Flax at ``shape``: forward+backward with weights, inference."""
+  ours, theirs, x, params = _layers(shape)
+
+  def ours_loss(params, x):
+    out, weights = ours.apply(params, x)
+    return jnp.sum(out), weights
+
+  def flax_loss(params, x):
+    out, state = theirs.apply(params, x, sow_weights=True,
+                              mutable=["intermediates"])
+    return jnp.sum(out), state["intermediates"]
+
+  grad = lambda loss: jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
+  fwd_bwd = {"ours": grad(ours_loss), "flax": grad(flax_loss)}
+  infer = {
+      "ours": jax.jit(lambda p, x: ours.apply(p, x, return_weights=False)[0]),
+      "flax": jax.jit(theirs.apply),
+  }
+
+  # The two sides compute the same function: check it on the way.
+  ours_grads, ours_weights = fwd_bwd["ours"](params, x)
+  flax_grads, flax_state = fwd_bwd["flax"](params, x)
+  (flax_weights,) = flax_state["attention_weights"]
+  return {
+      "shape": dataclasses.asdict(shape),
+      "fwd_bwd_weights": _comparison(time_interleaved(
+          {k: functools.partial(f, params, x) for k, f in fwd_bwd.items()},
+          repeats)),
+      "inference": _comparison(time_interleaved(
+          {k: functools.partial(f, params, x) for k, f in infer.items()},
+          repeats)),
+      "max_relative_diff": {
+          "gradients": _relative_diff(ours_grads, flax_grads),
+          "weights": _relative_diff(ours_weights, flax_weights),
+          "inference": _relative_diff(infer["ours"](params, x),
+                                      infer["flax"](params, x)),
+      },
+  }
+
+
+# --------------------------------------------------------------------------
+# FLOP rate against the matmul peak.
+# --------------------------------------------------------------------------
+
+
+def forward_flops(shape: Shape) -> int:
+  """Multiply-adds x 2 of one self-attention layer's forward pass.
+
+  The four ``[D, D]`` projections (query, key, value, out) on ``B * L``
+  tokens, plus ``QK^T`` and weights x values: ``2 * B * L * L * D`` each
+  (``H`` heads of width ``D / H``). Softmax, biases and scaling are left out:
+  they are O(B * H * L * L) and O(B * L * D), not matmuls.
+  """
+  tokens = shape.batch * shape.length
+  projections = 4 * 2 * tokens * shape.width * shape.width
+  attention = 2 * 2 * tokens * shape.length * shape.width
+  return projections + attention
+
+
+def _xla_flops(compiled) -> float | None:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older JAX: one dict per computation
+    cost = cost[0] if cost else None
+  return None if not cost or "flops" not in cost else float(cost["flops"])
+
+
+def flop_rate(shape: Shape, matmul_sizes: Sequence[int],
+              repeats: int) -> dict[str, Any]:
+  """Our forward's FLOP rate at ``shape`` against the measured matmul peak.
+
+  The peak is ``jnp.dot`` of square float32 matrices, timed interleaved with
+  the forward passes so that both see the same machine.
+  """
+  ours, _, x, params = _layers(shape)
+  forwards = {
+      "forward": jax.jit(lambda p, x: ours.apply(p, x)),
+      "forward_no_weights": jax.jit(
+          lambda p, x: ours.apply(p, x, return_weights=False)[0]),
+  }
+  fns = {name: functools.partial(f, params, x) for name, f in forwards.items()}
+  dot = jax.jit(jnp.dot)
+  for n in matmul_sizes:
+    a, b = jax.random.normal(jax.random.key(n), (2, n, n))
+    fns[f"matmul_{n}"] = functools.partial(dot, a, b)
+  times = time_interleaved(fns, repeats)
+
+  matmul = {n: {"ms": _ms(times[f"matmul_{n}"]),
+                "gflops": 2 * n**3 / statistics.median(times[f"matmul_{n}"])
+                / 1e9} for n in matmul_sizes}
+  peak_n = max(matmul, key=lambda n: matmul[n]["gflops"])
+  peak = matmul[peak_n]["gflops"]
+  flops = forward_flops(shape)
+  result = {"shape": dataclasses.asdict(shape), "flops": flops,
+            "matmul": {str(n): v for n, v in matmul.items()},
+            "peak_gflops": peak, "peak_n": peak_n}
+  for name, f in forwards.items():
+    gflops = flops / statistics.median(times[name]) / 1e9
+    result[name] = {
+        "ms": _ms(times[name]),
+        "gflops": gflops,
+        "fraction_of_peak": gflops / peak,
+        "xla_flops": _xla_flops(f.lower(params, x).compile()),
+        "times_ms": [1e3 * t for t in times[name]],
+    }
+  return result
+
+
+# --------------------------------------------------------------------------
+# Train-step throughput.
+# --------------------------------------------------------------------------
+
+
+def _get_config(arg: str):
+  spec = importlib.util.spec_from_file_location(
+      "default_config", _REPO / "configs" / "default.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def _random_batch(config, seed: int = 0) -> dict[str, Any]:
+  """A batch of the config's shape: random lengths, symbols and targets."""
+  rng = np.random.default_rng(seed)
+  shape = (config.batch_size, config.data.max_len)
+  lengths = rng.integers(config.data.min_len, config.data.max_len + 1,
+                         size=(config.batch_size, 1))
+  valid = np.arange(config.data.max_len)[None, :] < lengths
+  vocab = data.vocab_size(config.task, config.data.num_symbols,
+                          config.data.max_len)
+  inputs = rng.integers(1, config.data.num_symbols + 1, size=shape)
+  targets = rng.integers(1, vocab, size=shape)
+  return {"inputs": jnp.asarray(np.where(valid, inputs, 0), jnp.int32),
+          "targets": jnp.asarray(np.where(valid, targets, 0), jnp.int32)}
+
+
+def train_throughput(label: str, arg: str, window_s: float,
+                     windows: int) -> dict[str, Any]:
+  """Steps/s of the jitted, buffer-donating train step of ``get_config(arg)``.
+
+  The batch is already on the device (the data pipeline is not timed). After
+  compilation, a few steps estimate the step time; the rate is the median
+  over ``windows`` windows of as many steps as take about ``window_s``.
+  """
+  config = _get_config(arg)
+  model = train.make_model(config)
+  rng = jax.random.key(config.seed)
+  state = jax.jit(functools.partial(train.create_train_state, config, model))(
+      rng)
+  step_fn = jax.jit(
+      functools.partial(train.train_step, model=model,
+                        schedule=train.learning_rate_schedule(config)),
+      donate_argnums=0)
+  batch = _random_batch(config)
+  num_params = sum(p.size for p in jax.tree.leaves(state.params))
+
+  def steps_per_s(steps: int) -> float:
+    nonlocal state
+    start = time.perf_counter()
+    for _ in range(steps):
+      state, metrics = step_fn(state, batch, rng)
+    jax.block_until_ready((state, metrics))
+    return steps / (time.perf_counter() - start)
+
+  steps_per_s(1)  # Compiles.
+  steps = max(2, round(window_s * steps_per_s(3)))
+  rates = [steps_per_s(steps) for _ in range(windows)]
+  rate = statistics.median(rates)
+  positions = config.batch_size * config.data.max_len
+  return {
+      "label": label,
+      "config_arg": arg,
+      "parameters": int(num_params),
+      "batch_size": config.batch_size,
+      "length": config.data.max_len,
+      "model": dict(config.model),
+      "steps_per_s": rate,
+      "tokens_per_s": rate * positions,
+      "steps_per_window": steps,
+      "window_steps_per_s": rates,
+  }
+
+
+# --------------------------------------------------------------------------
+# The run and its report.
+# --------------------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def _load() -> float | None:
+  try:
+    return os.getloadavg()[0]
+  except OSError:
+    return None
+
+
+def environment() -> dict[str, Any]:
+  """The device, versions and thread count of this run."""
+  device = jax.devices()[0]
+  return {
+      "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime(
+          "%Y-%m-%d %H:%M"),
+      "platform": device.platform,
+      "device": device.device_kind,
+      "num_devices": jax.device_count(),
+      "cpu": _cpu_model(),
+      "threads": len(os.sched_getaffinity(0)) if hasattr(
+          os, "sched_getaffinity") else os.cpu_count(),
+      "jax": jax.__version__,
+      "jaxlib": jaxlib.__version__,
+      "flax": flax.__version__,
+      "python": platform.python_version(),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      "dtype": "float32",
+  }
+
+
+def run(plan: Plan, log: Callable[[str], None] = lambda _: None
+        ) -> dict[str, Any]:
+  """Every measurement of ``plan``; ``log`` hears what is being timed."""
+  results = {"environment": environment(), "load_average_start": _load(),
+             "plan": dataclasses.asdict(plan), "repeats": plan.repeats}
+  results["layer"] = []
+  for shape in plan.layer_shapes:
+    log(f"layer {shape} (B / L / D / H): ours vs Flax")
+    results["layer"].append(compare_layer(shape, plan.repeats))
+  log(f"forward FLOP rate at {plan.flop_shape}, matmul peak "
+      f"N = {', '.join(map(str, plan.matmul_sizes))}")
+  results["flop_rate"] = flop_rate(plan.flop_shape, plan.matmul_sizes,
+                                   plan.repeats)
+  results["train"] = []
+  for label, arg in plan.train_configs:
+    log(f"train step: {label}")
+    results["train"].append(
+        train_throughput(label, arg, plan.train_window_s, plan.train_windows))
+  results["load_average_end"] = _load()
+  return results
+
+
+def _shape_cell(shape: Mapping[str, int]) -> str:
+  return str(Shape(**shape))
+
+
+def format_tables(results: Mapping[str, Any]) -> str:
+  """The markdown report of :func:`run`'s results."""
+  env = results["environment"]
+  device = (f"{env['platform']} ({env['cpu']}, {env['threads']} threads)"
+            if env["platform"] == "cpu" else
+            f"{env['platform']} ({env['device']} x {env['num_devices']})")
+  load = results["load_average_start"], results["load_average_end"]
+  load_text = ("" if None in load else
+               f", 1-min load average {load[0]:.1f} at start, {load[1]:.1f} "
+               "at end")
+  lines = [
+      f"Device: {device}; JAX {env['jax']} (jaxlib {env['jaxlib']}), Flax "
+      f"{env['flax']}, {env['dtype']}; {env['date_utc']} UTC{load_text}.",
+      f"Medians of {results['repeats']} interleaved repeats; ratio = ours / "
+      "Flax (below 1: ours is faster).",
+  ]
+  if results["plan"]["name"] == "quick":
+    lines.append("Quick run (tiny shapes, XLA optimizations off): a smoke "
+                 "test, not a measurement.")
+  lines += [
+      "",
+      "| one attention layer | B / L / D / H | ours (ms) | Flax (ms) | "
+      "ours / Flax |",
+      "| --- | --- | ---: | ---: | ---: |",
+  ]
+  for kind, label in (("fwd_bwd_weights", "forward+backward, weights out"),
+                      ("inference", "inference, no weights")):
+    for entry in results["layer"]:
+      c = entry[kind]
+      lines.append(f"| {label} | {_shape_cell(entry['shape'])} | "
+                   f"{c['ours_ms']:.2f} | {c['flax_ms']:.2f} | "
+                   f"{c['ratio']:.3f} |")
+
+  fr = results["flop_rate"]
+  lines += [
+      "",
+      f"| forward FLOP rate | B / L / D / H | GFLOP | ms | GFLOP/s | "
+      f"matmul peak GFLOP/s (N = {fr['peak_n']}) | of peak |",
+      "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+  ]
+  for name, label in (("forward", "weights out"),
+                      ("forward_no_weights", "no weights")):
+    f = fr[name]
+    lines.append(
+        f"| {label} | {_shape_cell(fr['shape'])} | {fr['flops'] / 1e9:.2f} | "
+        f"{f['ms']:.1f} | {f['gflops']:.1f} | {fr['peak_gflops']:.1f} | "
+        f"{f['fraction_of_peak']:.0%} |")
+
+  lines += [
+      "",
+      "| train step | model (layers / width / heads / MLP) | parameters | "
+      "batch x length | steps/s | tokens/s |",
+      "| --- | --- | ---: | --- | ---: | ---: |",
+  ]
+  for t in results["train"]:
+    m = t["model"]
+    lines.append(
+        f"| {t['label']} | {m['num_layers']} / {m['d_model']} / "
+        f"{m['num_heads']} / {m['mlp_dim']} | {t['parameters']:,} | "
+        f"{t['batch_size']} x {t['length']} | {t['steps_per_s']:.1f} | "
+        f"{t['tokens_per_s']:,.0f} |")
+  lines.append("")
+  lines.append("tokens/s counts positions, padding included; the train "
+               "batch is already on the device.")
+  return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------
+# Command line.
+# --------------------------------------------------------------------------
+
+
+def _fail(message: str) -> None:
+  print(f"benchmark.py: error: {message}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+  out = os.path.abspath(os.path.expanduser(_OUT.value))
+  if os.path.isdir(out):
+    _fail(f"--out {out} is a directory; give a file path such as "
+          f"{os.path.join(out, 'benchmark.json')}")
+  logging.set_verbosity(logging.WARNING)
+  plan = QUICK if _QUICK.value else FULL
+  if _QUICK.value:
+    jax.config.update("jax_disable_most_optimizations", True)
+  if _REPEATS.value is not None:
+    plan = dataclasses.replace(plan, repeats=_REPEATS.value)
+
+  log = lambda message: print(message, file=sys.stderr, flush=True)
+  results = run(plan, log)
+  table = format_tables(results)
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  with open(out, "w", encoding="utf-8") as f:
+    json.dump(results, f, indent=1)
+  with open(os.path.splitext(out)[0] + ".md", "w", encoding="utf-8") as f:
+    f.write(table)
+  print(table, end="", flush=True)
+  log(f"Wrote {out} and {os.path.splitext(out)[0] + '.md'}")
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:  # A bad flag or value: one line, exit 2.
+    _fail(str(e).splitlines()[0])
+    raise  # Unreachable: _fail exits.
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_parse_flags)

@@ -1,0 +1,100 @@
+"""Tests of scripts/benchmark.py: it runs and reports; none asserts a time."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "benchmark.py")
+
+
+@pytest.fixture(scope="module")
+def bench():
+  """The script as a module (its flags are defined once per process)."""
+  if "benchmark_script" not in sys.modules:
+    spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+  return sys.modules["benchmark_script"]
+
+
+def _run(*args, cwd=ROOT):
+  return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_quick_run_prints_and_writes_the_tables(tmp_path):
+  out = tmp_path / "bench" / "result.json"
+  res = _run("--quick", f"--out={out}")
+  assert res.returncode == 0, res.stderr
+  table = res.stdout
+  assert table.startswith("Device: ")
+  for row in ("| forward+backward, weights out | 2 / 8 / 16 / 2 |",
+              "| inference, no weights | 2 / 8 / 16 / 2 |",
+              "| weights out | 2 / 16 / 32 / 4 |",
+              "| no weights | 2 / 16 / 32 / 4 |",
+              "| tiny | 2 / 16 / 2 / 32 |"):
+    assert row in table, table
+  assert (tmp_path / "bench" / "result.md").read_text() == table
+
+  results = json.loads(out.read_text())
+  assert results["environment"]["jax"] == jax.__version__
+  assert results["environment"]["threads"] >= 1
+  (layer,) = results["layer"]
+  for kind in ("fwd_bwd_weights", "inference"):
+    assert len(layer[kind]["ours_times_ms"]) == 3
+    assert layer[kind]["ratio"] > 0
+  # Ours and Flax's compute the same thing on the same parameters (float32
+  # sums of a few dozen terms: 1e-5 relative is ~100 ulps).
+  assert max(layer["max_relative_diff"].values()) < 1e-5
+  assert results["flop_rate"]["forward"]["fraction_of_peak"] > 0
+  (step,) = results["train"]
+  assert step["steps_per_s"] > 0
+  assert step["tokens_per_s"] == pytest.approx(step["steps_per_s"] * 32 * 8)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--repeats=0"], "--repeats=0"),
+    (["--no_such_flag"], "no_such_flag"),
+    (["positional"], "unexpected arguments"),
+])
+def test_bad_command_line_is_one_line_and_exit_2(args, message, tmp_path):
+  res = _run(*args, f"--out={tmp_path / 'b.json'}")
+  assert res.returncode == 2
+  lines = res.stderr.strip().splitlines()
+  assert len(lines) == 1 and message in lines[0], res.stderr
+  assert not (tmp_path / "b.json").exists()
+
+
+def test_out_must_not_be_a_directory(tmp_path):
+  res = _run(f"--out={tmp_path}")
+  assert res.returncode == 2
+  assert "is a directory" in res.stderr
+
+
+def test_time_interleaved_alternates_the_order(bench):
+  calls = []
+  fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+  times = bench.time_interleaved(fns, repeats=4)
+  assert calls[:3] == list("abc")  # untimed warm-up (compilation)
+  assert calls[3:] == list("abccbaabccba")
+  assert {k: len(v) for k, v in times.items()} == {"a": 4, "b": 4, "c": 4}
+
+
+def test_forward_flops_count_the_matmuls_xla_counts(bench):
+  shape = bench.Shape(batch=2, length=16, width=32, heads=4)
+  ours, _, x, params = bench._layers(shape)
+  compiled = jax.jit(ours.apply).lower(params, x).compile()
+  xla = bench._xla_flops(compiled)
+  if xla is None:
+    pytest.skip("this backend's cost analysis counts no FLOPs")
+  analytic = bench.forward_flops(shape)
+  # XLA also counts biases, scaling and the softmax (O(B H L L) and
+  # O(B L D) elementwise work); at this shape that is under 10% more.
+  assert analytic <= xla <= 1.1 * analytic
