@@ -338,6 +338,20 @@ def test_fused_path_equals_weights_path(batch):
   np.testing.assert_allclose(fused, with_weights, **TOL)
 
 
+def test_library_path_equals_explicit_math():
+  # On CPU the fused path runs the explicit math; the branch other platforms
+  # take (jax.nn.dot_product_attention) must agree, fully masked rows too.
+  q, k, v = (_inputs(2, 6, 4, 8, seed=s) for s in range(3))  # [B, L, H, Dh]
+  mask = jnp.ones((2, 4, 6, 6), bool).at[:, :, 3, :].set(False)
+  mask = mask.at[1, :, :, 4:].set(False)
+  expected, _ = dot_product_attention(q, k, v, mask=mask)
+  got = jax.jit(att._library_attention)(q, k, v, mask)
+  np.testing.assert_allclose(got, expected, **TOL)
+  np.testing.assert_array_equal(got[:, 3], 0.0)  # no key: zero context
+  np.testing.assert_allclose(att._library_attention(q, k, v, None),
+                             dot_product_attention(q, k, v)[0], **TOL)
+
+
 # ------------------------------------------------------------- bad input
 
 
