@@ -13,6 +13,9 @@ Variants come from the argument after the colon, comma-separated: a task name
         --workdir /tmp/tiny
     python train.py --workdir runs/wide --config.model.d_model=128 \
         --config.model.num_heads=8
+
+Training uses every device (``config.mesh``; see "Scaling out" in the README):
+``batch_size`` is the global batch, split across them.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.task = "reverse"  # One of: reverse, sort, histogram.
   config.seed = 0  # Seeds parameter init, dropout and the batch order.
-  config.batch_size = 128  # Global training batch size.
-  config.eval_batch_size = 1000  # Batch size of evaluation (padded at the end).
+  config.batch_size = 128  # Global training batch, split across the devices.
+  # Batch size of evaluation (the last one padded; rounded up to a multiple of
+  # the devices).
+  config.eval_batch_size = 1000
   config.num_train_steps = 500  # Total optimizer steps.
   config.learning_rate = 1e-2  # Peak learning rate of the schedule.
   config.warmup_steps = 50  # Linear warmup steps, then cosine decay to 0.
@@ -51,6 +56,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.model.attention_dropout_rate = 0.0  # Dropout on attention weights.
   config.model.pre_norm = True  # Pre-LayerNorm (True) or post-LayerNorm blocks.
   config.model.positional = "learned"  # Position embedding: learned|sinusoidal.
+
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.data = -1  # Devices along the data (batch) axis; -1 = all.
+  config.mesh.shard_params = False  # FSDP: split params/optimizer along it too.
 
   config.data = ml_collections.ConfigDict()
   config.data.num_symbols = 10  # Input symbols are 1..num_symbols; 0 = padding.

@@ -48,6 +48,8 @@ FIELDS: dict[str, type] = {
     "model.attention_dropout_rate": float,
     "model.pre_norm": bool,
     "model.positional": str,
+    "mesh.data": int,
+    "mesh.shard_params": bool,
     "data.num_symbols": int,
     "data.min_len": int,
     "data.max_len": int,
@@ -59,9 +61,13 @@ FIELDS: dict[str, type] = {
 
 # The keys a resumed run may change: none of them changes the model, the data
 # or the optimizer state. (``num_train_steps`` stretches or shortens the cosine
-# decay from the resumed step on; that is what continuing a run means.)
+# decay from the resumed step on; that is what continuing a run means. The
+# mesh only lays the same arrays out on other devices: a checkpoint restores
+# on any device count.)
 RESUMABLE_KEYS: frozenset[str] = frozenset({
     "num_train_steps",
+    "mesh.data",
+    "mesh.shard_params",
     "log_every_steps",
     "eval_every_steps",
     "checkpoint_every_steps",
@@ -149,7 +155,34 @@ def config_problems(config: ml_collections.ConfigDict) -> list[str]:
                     f"data.max_len={value('data.max_len')}")
   if not value("data.data_dir"):
     problems.append("data.data_dir is empty")
+  if value("mesh.data") != -1 and value("mesh.data") < 1:
+    problems.append(f"mesh.data={value('mesh.data')} must be -1 (all devices) "
+                    "or >= 1")
   return problems
+
+
+def device_problems(config: ml_collections.ConfigDict,
+                    num_devices: int) -> list[str]:
+  """What keeps a valid ``config`` from running on ``num_devices`` devices
+  (``jax.device_count()``, every process's), one phrase each."""
+  problems = []
+  data_size = config.mesh.data
+  if data_size not in (-1, num_devices):
+    problems.append(f"mesh.data={data_size} does not match the {num_devices} "
+                    "devices of this run; use -1 for all of them")
+  elif config.batch_size % num_devices:
+    problems.append(f"batch_size={config.batch_size} is not divisible by the "
+                    f"{num_devices} devices of the data axis; use a multiple "
+                    f"of {num_devices}")
+  return problems
+
+
+def validate_devices(config: ml_collections.ConfigDict,
+                     num_devices: int) -> None:
+  """Raises ``ConfigError`` if ``config`` cannot run on ``num_devices``."""
+  problems = device_problems(config, num_devices)
+  if problems:
+    raise ConfigError("; ".join(problems))
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
