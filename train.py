@@ -4,6 +4,14 @@
         --config.model.num_heads=8
 
 Running it again on the same workdir resumes from the newest checkpoint.
+It trains on every device; launched as several processes (one a host), each
+joins the run through ``jax.distributed`` with ``--distributed`` (coordinator
+detected from the cluster: Cloud TPU, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS)
+or with the coordinator given:
+
+    python train.py --workdir /shared/runs/reverse \
+        --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=0
+
 Exit codes: 0 done; 2 a bad command line, config or workdir (one line on
 stderr, nothing written); 1 a failed run (e.g. a non-finite loss); 130 / 143
 stopped by SIGINT / SIGTERM after saving a checkpoint (run the same command
@@ -26,6 +34,19 @@ _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                "Directory for checkpoints, metrics and logs.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False,
+    "Join a multi-process run (jax.distributed.initialize); implied by the "
+    "three flags below. What they leave unset is detected from the cluster.")
+_COORDINATOR_ADDRESS = flags.DEFINE_string(
+    "coordinator_address", None,
+    "host:port of process 0's coordinator service (multi-process runs).")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Number of processes (multi-process runs).",
+    lower_bound=1)
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "This process's index, 0 to num_processes - 1.",
+    lower_bound=0)
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -52,7 +73,14 @@ def _parse_flags(argv: list[str]) -> list[str]:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
-  from mha import checkpoint, train  # Deferred so that --help is fast.
+  from mha import checkpoint, sharding, train  # Deferred: --help is fast.
+  distributed = (_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value,
+                 _PROCESS_ID.value)
+  if _DISTRIBUTED.value or distributed != (None, None, None):
+    try:
+      sharding.initialize_distributed(*distributed)
+    except (ValueError, TypeError) as e:  # e.g. no coordinator to be found
+      config_validation.fail("train.py", f"jax.distributed: {e}")
   try:
     train.train_and_evaluate(flags.FLAGS.config, _WORKDIR.value)
   except config_validation.ConfigError as e:

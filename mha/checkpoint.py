@@ -26,6 +26,13 @@ What survives what (see :class:`TrainCheckpoints`):
   warns, moves it to ``workdir/damaged_checkpoints/`` and resumes from the
   newest intact one; ``load_checkpoint`` skips it (or names it, when that step
   is asked for).
+
+Checkpoints do not depend on the device count: each array is restored into the
+shardings of the mesh at hand (``mha.sharding``), so a run saved on 8 devices
+resumes on 1 and the reverse, and ``load_checkpoint`` returns the parameters
+replicated on every device. With several processes, every process takes part
+in each save and restore (orbax coordinates them; its primary process writes
+the shared files) and process 0 alone moves a damaged step aside.
 """
 
 from __future__ import annotations
@@ -40,7 +47,9 @@ from typing import Any
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
+from mha import sharding as sharding_lib
 from mha.model import Transformer, TransformerConfig
 
 CHECKPOINT_DIR = "checkpoints"
@@ -193,7 +202,9 @@ class TrainCheckpoints:
   Args:
     workdir: the run's folder (checkpoints go to ``workdir/checkpoints``).
     keep: how many checkpoints to keep (the newest, all verified).
-    abstract_state: the train state's structure, shapes and dtypes.
+    abstract_state: the train state's structure, shapes, dtypes and
+      shardings (``jax.ShapeDtypeStruct`` leaves): restores lay the arrays
+      out so, whatever the device count they were saved with.
   """
 
   def __init__(self, workdir: str | os.PathLike, *, keep: int,
@@ -238,8 +249,11 @@ class TrainCheckpoints:
     source = step_path(self._manager, step)
     target = os.path.join(self._workdir, DAMAGED_DIR,
                           f"{step}-{time.strftime('%Y%m%dT%H%M%S')}")
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    os.rename(source, target)
+    if sharding_lib.is_main_process():
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      os.rename(source, target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"mha: moved aside step {step}")
     self._manager.reload()  # Forget the step, or orbax would skip saving it.
     return target
 
@@ -311,8 +325,10 @@ def load_checkpoint(workdir: str | os.PathLike,
   ``step``.
 
   Nothing but the workdir is needed: the config saved in the checkpoint
-  rebuilds the model. Reads only: a damaged step is skipped with a warning on
-  stderr when no ``step`` is given.
+  rebuilds the model. The parameters come back replicated on every device
+  (``mha.sharding.make_mesh()``), whatever the device count of the run that
+  saved them. Reads only: a damaged step is skipped with a warning on stderr
+  when no ``step`` is given.
 
   Raises:
     FileNotFoundError: the workdir has no checkpoint, or not ``step``.
@@ -351,6 +367,10 @@ def _load(manager: ocp.CheckpointManager, step: int) -> LoadedCheckpoint:
   model = train.make_model(config)
   abstract = jax.eval_shape(
       lambda: train.create_train_state(config, model, jax.random.key(0)))
+  mesh = sharding_lib.make_mesh()
+  abstract = sharding_lib.with_shardings(
+      abstract, sharding_lib.state_shardings(abstract, mesh,
+                                             shard_params=False))
   state = read_state(manager, step, abstract)
   return LoadedCheckpoint(config=config, model=model, params=state.params,
                           step=int(step))

@@ -2,6 +2,8 @@
 
 Metrics are computed as sums plus counts on the device and divided on the
 host, so batches of padding rows (the last, padded eval batch) count nothing.
+Evaluation is data-parallel: each batch is split across the devices of a mesh
+(``mha.sharding``), every device on its rows, the sums added up by XLA.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax.sharding import Mesh
+
 from mha import data
+from mha import sharding as sharding_lib
 from mha.model import Transformer
 
 Array = jax.Array
@@ -68,12 +73,22 @@ def eval_step(model: Transformer, params, batch: Mapping[str, Array]) -> Metrics
   return metric_sums(logits, batch["targets"], batch["inputs"])
 
 
-def evaluate(model: Transformer, params, split: data.Split,
-             batch_size: int) -> dict[str, float]:
+def evaluate(model: Transformer, params, split: data.Split, batch_size: int,
+             *, mesh: Mesh | None = None) -> dict[str, float]:
   """``loss``, ``token_accuracy`` and ``exact_match`` of ``model`` on
-  ``split``."""
+  ``split``.
+
+  Args:
+    model, params: the model; ``params`` replicated or split on ``mesh``
+      (or on no particular device).
+    split: the examples.
+    batch_size: examples per batch, rounded up to a multiple of the devices.
+    mesh: the devices, batches split along its data axis; by default every
+      device (``mha.sharding.make_mesh()``).
+  """
+  mesh = sharding_lib.make_mesh() if mesh is None else mesh
   totals: dict[str, float] = {}
-  for batch in data.eval_batches(split, batch_size):
+  for batch in sharding_lib.eval_batches(split, batch_size, mesh):
     for key, value in jax.device_get(eval_step(model, params, batch)).items():
       totals[key] = totals.get(key, 0.0) + float(value)
   return summarize(totals)

@@ -12,6 +12,14 @@ written (``mha.config_validation``), a workdir is only resumed with a config
 that differs in ``RESUMABLE_KEYS``, SIGTERM/SIGINT stop after the current step
 with a checkpoint of it, damaged checkpoints are set aside (``mha.checkpoint``)
 and a non-finite loss, gradient or parameter stops the run before it is saved.
+
+Every device trains (``mha.sharding``): each batch is split along the ``data``
+axis of a mesh over all devices, the train state is replicated (or, with
+``config.mesh.shard_params``, split too) and one jitted step runs on all of
+them. Launched as several processes (``jax.distributed``), each process builds
+only its rows of each batch; process 0 alone prints and writes
+``config.json``, ``metrics.jsonl`` and the event files; all take part in the
+checkpoints.
 """
 
 from __future__ import annotations
@@ -31,11 +39,14 @@ import ml_collections
 import numpy as np
 import optax
 from flax.training import train_state as train_state_lib
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
 from mha import checkpoint as ckpt_lib
 from mha import config_validation
 from mha import data
 from mha import evaluate as eval_lib
+from mha import sharding as sharding_lib
 from mha.metric_writers import MetricWriter, format_duration
 from mha.model import Transformer, TransformerConfig
 
@@ -253,9 +264,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   """Trains ``config`` in ``workdir``, resuming from its newest checkpoint.
 
   Evaluates on validation every ``eval_every_steps`` and on test at the end;
-  saves checkpoints every ``checkpoint_every_steps`` and at the end.
+  saves checkpoints every ``checkpoint_every_steps`` and at the end. Trains on
+  every device (every process's, after ``jax.distributed`` initialisation);
+  the newest checkpoint resumes whatever the device count it was saved with.
 
-  Before anything is compiled or written, the config is validated and, if
+  Before anything is compiled or written, the config is validated (also
+  against the devices: ``batch_size`` must split across them) and, if
   ``workdir`` holds a run, compared with that run's config: only
   ``config_validation.RESUMABLE_KEYS`` may differ. SIGTERM and SIGINT stop
   the run after the current step, with a checkpoint of it.
@@ -272,25 +286,32 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   """
   start_time = time.time()
   config_validation.validate_config(config)
+  config_validation.validate_devices(config, jax.device_count())
   workdir = os.path.abspath(os.path.expanduser(os.fspath(workdir)))
   config_validation.check_workdir(workdir)
   saved = ckpt_lib.saved_config(workdir)
   if saved is not None:
     config_validation.check_resume(saved, config, workdir)
-  try:
-    splits = data.load_splits(data_spec(config), config.data.data_dir)
-  except ValueError as e:  # e.g. too few distinct sequences for the splits
-    raise config_validation.ConfigError(f"data: {e}") from e
+  splits = _load_splits(config)
   model = make_model(config)
-  rng = jax.random.key(config.seed)
-  init_rng, dropout_rng = jax.random.split(rng)
+  mesh = sharding_lib.make_mesh(config.mesh.data)
+  # Made by jit: with several processes, a key must be a global array.
+  init_rng, dropout_rng = jax.jit(
+      lambda: tuple(jax.random.split(jax.random.key(config.seed))),
+      out_shardings=sharding_lib.replicated(mesh))()
+  create = functools.partial(create_train_state, config, model)
+  abstract_state = jax.eval_shape(create, init_rng)
+  state_shardings = sharding_lib.state_shardings(
+      abstract_state, mesh, shard_params=config.mesh.shard_params)
   # Jitted: eager initialisation runs op by op and takes seconds.
-  init = jax.jit(functools.partial(create_train_state, config, model))
+  init = jax.jit(create, out_shardings=state_shardings)
+  main_process = sharding_lib.is_main_process()
 
   os.makedirs(workdir, exist_ok=True)
   checkpoints = ckpt_lib.TrainCheckpoints(
       workdir, keep=config.max_checkpoints_to_keep,
-      abstract_state=jax.eval_shape(init, init_rng))
+      abstract_state=sharding_lib.with_shardings(abstract_state,
+                                                 state_shardings))
   with contextlib.ExitStack() as cleanup:
     cleanup.callback(checkpoints.close)  # Even on errors: finish the saves.
     restored = checkpoints.restore_latest()
@@ -298,24 +319,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       state = init(init_rng)
     else:
       state = restored[1]
-      print(f"Resumed from checkpoint at step {restored[0]} in {workdir}",
-            flush=True)
+      _log(f"Resumed from checkpoint at step {restored[0]} in {workdir}")
     start_step = int(state.step)
-    with open(os.path.join(workdir, "config.json"), "w",
-              encoding="utf-8") as f:
-      f.write(ckpt_lib.config_to_json(config) + "\n")
+    if main_process:
+      with open(os.path.join(workdir, "config.json"), "w",
+                encoding="utf-8") as f:
+        f.write(ckpt_lib.config_to_json(config) + "\n")
 
-    writer = cleanup.enter_context(contextlib.closing(MetricWriter(workdir)))
+    writer = cleanup.enter_context(contextlib.closing(
+        MetricWriter(workdir) if main_process else _NoWriter()))
     if start_step == 0:
       writer.write_text(0, "config", f"```\n{config}\n```")
       num_params = sum(p.size for p in jax.tree.leaves(state.params))
-      print(f"Training {config.task}: {num_params:,} parameters, "
-            f"{config.num_train_steps} steps of batch {config.batch_size}; "
-            f"workdir {workdir}", flush=True)
+      _log(f"Training {config.task}: {num_params:,} parameters, "
+           f"{config.num_train_steps} steps of batch {config.batch_size} on "
+           f"{_describe_devices(mesh)}; workdir {workdir}")
     stop = cleanup.enter_context(_StopRequest())
     try:
-      state = _train_loop(config, model, state, splits, dropout_rng,
-                          checkpoints, writer, stop, start_time)
+      state = _train_loop(config, model, state, splits, dropout_rng, mesh,
+                          state_shardings, checkpoints, writer, stop,
+                          start_time)
     except FloatingPointError as e:
       raise FloatingPointError(
           f"{e}; stopped without saving it (newest checkpoint: "
@@ -323,9 +346,81 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
 
     final_step = int(state.step)
     _evaluate_and_write(writer, model, state.params, splits["test"], "test",
-                        final_step, config.eval_batch_size, start_time)
+                        final_step, config.eval_batch_size, start_time, mesh)
     checkpoints.verify()
   return state
+
+
+class _NoWriter:
+  """The ``MetricWriter`` of processes other than process 0: writes nothing."""
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    del step, scalars
+
+  def write_text(self, step: int, tag: str, text: str) -> None:
+    del step, tag, text
+
+  def close(self) -> None:
+    pass
+
+
+def _log(message: str) -> None:
+  """Prints ``message`` once: on process 0."""
+  if sharding_lib.is_main_process():
+    print(message, flush=True)
+
+
+def _describe_devices(mesh: Mesh) -> str:
+  devices = mesh.devices.flat
+  kinds = sorted({d.device_kind for d in devices})
+  processes = jax.process_count()
+  return (f"{mesh.devices.size} {'/'.join(kinds)} device"
+          f"{'s' if mesh.devices.size > 1 else ''}"
+          + (f" in {processes} processes" if processes > 1 else ""))
+
+
+def _load_splits(config: ml_collections.ConfigDict) -> dict[str, data.Split]:
+  """The data; with several processes, process 0 prepares it first."""
+
+  def load():
+    try:
+      return data.load_splits(data_spec(config), config.data.data_dir)
+    except ValueError as e:  # e.g. too few distinct sequences for the splits
+      raise config_validation.ConfigError(f"data: {e}") from e
+
+  if jax.process_count() == 1:
+    return load()
+  splits = load() if sharding_lib.is_main_process() else None
+  multihost_utils.sync_global_devices("mha: data prepared")
+  return load() if splits is None else splits
+
+
+def process_train_batch(split: data.Split, config: ml_collections.ConfigDict,
+                        step: int, rows: slice) -> dict[str, np.ndarray]:
+  """Rows ``rows`` of the global batch of ``step`` (0-based), built alone.
+
+  The batches are consecutive windows of one order of the examples
+  (:func:`mha.data.train_batch`), so with ``b`` rows a process and ``B`` in
+  the global batch, these rows are batch ``step * B / b + rows.start / b`` of
+  size ``b``: bitwise the same rows, without building the others'.
+  """
+  size = rows.stop - rows.start
+  if config.batch_size % size or rows.start % size:
+    raise ValueError(f"rows {rows.start}:{rows.stop} are not a block of a "
+                     f"batch of {config.batch_size}")
+  return data.train_batch(
+      split, seed=config.seed,
+      step=step * (config.batch_size // size) + rows.start // size,
+      batch_size=size)
+
+
+def _agreed_signal(signum: int | None) -> int | None:
+  """The signal that stops the run: with several processes, one any process
+  received (they must all stop, and save, at the same step)."""
+  if jax.process_count() == 1:
+    return signum
+  received = multihost_utils.process_allgather(np.int32(signum or 0))
+  return next((int(s) for s in np.ravel(received) if s), None)
 
 
 def _describe_latest(checkpoints: ckpt_lib.TrainCheckpoints) -> str:
@@ -335,15 +430,21 @@ def _describe_latest(checkpoints: ckpt_lib.TrainCheckpoints) -> str:
 
 def _train_loop(config: ml_collections.ConfigDict, model: Transformer,
                 state: TrainState, splits: Mapping[str, data.Split],
-                dropout_rng: Array, checkpoints: ckpt_lib.TrainCheckpoints,
+                dropout_rng: Array, mesh: Mesh, state_shardings: Any,
+                checkpoints: ckpt_lib.TrainCheckpoints,
                 writer: MetricWriter, stop: _StopRequest,
                 start_time: float) -> TrainState:
   """Steps from ``state.step`` to ``num_train_steps``, evaluating, logging and
   saving on the way; returns the final state (its checkpoint saved)."""
+  batch_sharding = sharding_lib.batch_sharding(mesh)
+  replicated = sharding_lib.replicated(mesh)
   step_fn = jax.jit(
       functools.partial(train_step, model=model,
                         schedule=learning_rate_schedule(config)),
+      in_shardings=(state_shardings, batch_sharding, replicated),
+      out_shardings=(state_shardings, replicated),
       donate_argnums=0)
+  rows = sharding_lib.process_rows(batch_sharding, config.batch_size)
   start_step = int(state.step)
   total = config.num_train_steps
   window = _TrainMetrics()
@@ -360,20 +461,21 @@ def _train_loop(config: ml_collections.ConfigDict, model: Transformer,
       rate = (step - window_step) / max(now - window_start, 1e-9)
       summary = window.summary()
       writer.write_scalars(step, {**summary, "steps_per_sec": rate})
-      print(_log_line(step, total, summary, rate, now - start_time),
-            flush=True)
+      _log(_log_line(step, total, summary, rate, now - start_time))
       window.reset()
       window_start, window_step = now, step
 
   for step in range(start_step + 1, total + 1):
-    batch = data.train_batch(splits["train"], seed=config.seed, step=step - 1,
-                             batch_size=config.batch_size)
+    batch = sharding_lib.global_batch(
+        process_train_batch(splits["train"], config, step - 1, rows),
+        batch_sharding, config.batch_size)
     state, metrics = step_fn(state, batch, dropout_rng)
     if pending is not None:
       process(*pending)
     pending = (step, metrics)
 
-    stopping = stop.signum is not None
+    signum = _agreed_signal(stop.signum)
+    stopping = signum is not None
     do_eval = step % config.eval_every_steps == 0 or step == total
     do_save = (step % config.checkpoint_every_steps == 0 or step == total
                or stopping)
@@ -384,14 +486,14 @@ def _train_loop(config: ml_collections.ConfigDict, model: Transformer,
     if do_eval and not stopping:
       _evaluate_and_write(writer, model, state.params, splits["validation"],
                           "validation", step, config.eval_batch_size,
-                          start_time)
+                          start_time, mesh)
     if do_save:
       if not bool(_all_finite(state)):
         raise FloatingPointError(f"non-finite parameters after step {step}")
       checkpoints.save(step, state, config)
     if stopping:
       checkpoints.verify()
-      raise TrainingInterrupted(stop.signum, step, checkpoints.step_path(step))
+      raise TrainingInterrupted(signum, step, checkpoints.step_path(step))
     if do_eval or do_save:  # steps/s measures training: restart its clock
       window_start, window_step = time.time(), step
 
@@ -402,12 +504,12 @@ def _train_loop(config: ml_collections.ConfigDict, model: Transformer,
 
 def _evaluate_and_write(writer: MetricWriter, model: Transformer, params: Any,
                         split: data.Split, name: str, step: int,
-                        batch_size: int, start_time: float) -> dict[str, float]:
-  metrics = eval_lib.evaluate(model, params, split, batch_size)
+                        batch_size: int, start_time: float,
+                        mesh: Mesh) -> dict[str, float]:
+  metrics = eval_lib.evaluate(model, params, split, batch_size, mesh=mesh)
   writer.write_scalars(step, {f"{name}/{k}": v for k, v in metrics.items()})
-  print(f"{name} @ step {step}: loss {metrics['loss']:.4f} | "
-        f"tok_acc {metrics['token_accuracy']:.4f} | "
-        f"exact {metrics['exact_match']:.4f} "
-        f"({format_duration(time.time() - start_time)} since start)",
-        flush=True)
+  _log(f"{name} @ step {step}: loss {metrics['loss']:.4f} | "
+       f"tok_acc {metrics['token_accuracy']:.4f} | "
+       f"exact {metrics['exact_match']:.4f} "
+       f"({format_duration(time.time() - start_time)} since start)")
   return metrics
