@@ -42,6 +42,7 @@ import optax
 
 from mha import data
 from mha import evaluate as eval_lib
+from mha import sharding as sharding_lib
 from mha.model import Transformer, TransformerConfig
 
 Array = jax.Array
@@ -227,8 +228,12 @@ _attention_statistics = jax.jit(attention_statistics, static_argnames="model")
 
 
 def _batches(split: data.Split, batch_size: int):
-  for batch in data.eval_batches(split, min(batch_size, max(len(split), 1))):
-    yield jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
+  # Split across every device (rounded up to a multiple of them; padding rows
+  # count nothing), like mha.evaluate.
+  mesh = sharding_lib.make_mesh()
+  for batch in sharding_lib.eval_batches(
+      split, min(batch_size, max(len(split), 1)), mesh):
+    yield batch["inputs"], batch["targets"]
 
 
 # --------------------------------------------------------------------------
