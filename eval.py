@@ -4,7 +4,9 @@
 
 Restores the config and parameters from the workdir (nothing else to pass),
 prints the metrics, writes layers x heads attention heatmaps of a few
-examples to ``workdir/eval/``, and prints a final line of JSON.
+examples to ``workdir/eval/``, and prints a final line of JSON. The metrics
+are computed on every device, each batch split across them, whatever the
+device count of the run that saved the checkpoint.
 """
 
 import functools

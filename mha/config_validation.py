@@ -169,7 +169,8 @@ def device_problems(config: ml_collections.ConfigDict,
   data_size = config.mesh.data
   if data_size not in (-1, num_devices):
     problems.append(f"mesh.data={data_size} does not match the {num_devices} "
-                    "devices of this run; use -1 for all of them")
+                    f"device{'s' * (num_devices != 1)} of this run; use -1 for "
+                    "all of them")
   elif config.batch_size % num_devices:
     problems.append(f"batch_size={config.batch_size} is not divisible by the "
                     f"{num_devices} devices of the data axis; use a multiple "

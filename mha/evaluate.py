@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
 from jax.sharding import Mesh
 
 from mha import data

@@ -53,16 +53,17 @@ def is_main_process() -> bool:
   return jax.process_index() == 0
 
 
-def make_mesh(data_size: int = -1) -> Mesh:
-  """The mesh of one ``data`` axis over ``data_size`` devices (-1: all).
+def make_mesh(size: int = -1) -> Mesh:
+  """The mesh of one ``data`` axis over ``size`` devices (-1: all of them).
 
   Raises:
-    ValueError: ``data_size`` is not -1 or the number of devices.
+    ValueError: ``size`` is neither -1 nor the number of devices.
   """
   num_devices = jax.device_count()
-  if data_size not in (-1, num_devices):
-    raise ValueError(f"a data axis of {data_size} devices does not match the "
-                     f"{num_devices} devices of this run")
+  if size not in (-1, num_devices):
+    raise ValueError(f"a data axis of {size} devices does not match the "
+                     f"{num_devices} device{'s' * (num_devices != 1)} of this "
+                     "run")
   # Auto: XLA propagates the shardings given at the jit boundary.
   return jax.make_mesh((num_devices,), (DATA_AXIS,),
                        axis_types=(AxisType.Auto,))
@@ -138,12 +139,11 @@ def process_rows(sharding: NamedSharding, batch_size: int) -> slice:
 def global_batch(local: Mapping[str, np.ndarray], sharding: NamedSharding,
                  batch_size: int) -> dict[str, jax.Array]:
   """Global arrays of ``batch_size`` rows from this process's rows
-  (:func:`process_rows`); with one process, ``local`` is the whole batch."""
-  return {
-      key: jax.make_array_from_process_local_data(
-          sharding, value, (batch_size, *value.shape[1:]))
-      for key, value in local.items()
-  }
+  (:func:`process_rows`); with one process, ``local`` is the whole batch (and
+  this is one ``jax.device_put``)."""
+  return jax.make_array_from_process_local_data(
+      sharding, dict(local),
+      {key: (batch_size, *value.shape[1:]) for key, value in local.items()})
 
 
 def padded_batch_size(batch_size: int, mesh: Mesh) -> int:

@@ -1,0 +1,280 @@
+"""Scaling out: 8 devices train like 1, checkpoints move between device
+counts, two processes train as one, and bad meshes are refused up front.
+
+The 8 devices are CPU devices of one subprocess
+(``--xla_force_host_platform_device_count=8`` must be set before JAX starts);
+this process has one device. Everything of 8 devices runs in that one
+subprocess, to start and compile once.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import mha
+from mha import config_validation
+from mha import data
+from mha import sharding
+from mha import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_FILE = os.path.join(ROOT, "configs", "default.py")
+_spec = importlib.util.spec_from_file_location("default_config", CONFIG_FILE)
+CONFIGS = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(CONFIGS)
+
+# Tiny runs of 10 steps, continued to 20; the loss logged at every step.
+OVERRIDES = ("tiny", "num_train_steps=10", "log_every_steps=1",
+             "eval_every_steps=10", "checkpoint_every_steps=5")
+# 8 devices add up the same sums in another order: float32 rounding, grown
+# over 20 Adam steps at lr 1e-2, stays far below 1e-4 (measured: losses
+# within 3e-7).
+RTOL, ATOL = 1e-4, 1e-5
+
+EIGHT_DEVICES = r"""
+import json, os, sys
+import jax
+from mha import config_validation, checkpoint, train
+import importlib.util
+spec = importlib.util.spec_from_file_location("c", sys.argv[1])
+configs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(configs)
+args = json.loads(sys.argv[2])
+get = lambda *o: configs.get_config(",".join(args["overrides"] + list(o)))
+out = {"devices": jax.device_count()}
+try:
+  train.train_and_evaluate(get("batch_size=12"), args["bad"])
+except config_validation.ConfigError as e:
+  out["bad"] = str(e)
+out["bad_written"] = os.path.exists(args["bad"])
+state = train.train_and_evaluate(get(), args["w8"])
+out["replicated"] = all(len(x.sharding.device_set) == 8
+                        and x.sharding.is_fully_replicated
+                        for x in jax.tree.leaves(state))
+state = train.train_and_evaluate(get("mesh.shard_params=True"), args["fsdp"])
+out["fsdp_split"] = sum(not x.sharding.is_fully_replicated
+                        for x in jax.tree.leaves(state.params))
+train.train_and_evaluate(get("num_train_steps=20"), args["w1to8"])
+params = checkpoint.load_checkpoint(args["w8"]).params
+out["loaded_on"] = len(jax.tree.leaves(params)[0].sharding.device_set)
+print(json.dumps(out))
+"""
+
+
+def _config(data_dir, *overrides):
+  return CONFIGS.get_config(
+      ",".join(OVERRIDES + (f"data.data_dir={data_dir}",) + overrides))
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _assert_same_losses(workdir, reference_dir):
+  got, want = _losses(workdir), _losses(reference_dir)
+  assert sorted(got) == sorted(want)
+  np.testing.assert_allclose([got[s] for s in sorted(got)],
+                             [want[s] for s in sorted(want)], rtol=RTOL)
+
+
+def _assert_same_params(workdir, reference_dir):
+  got = mha.load_checkpoint(workdir).params
+  want = mha.load_checkpoint(reference_dir).params
+  flat_got = jax.tree_util.tree_leaves_with_path(got)
+  flat_want = jax.tree_util.tree_leaves_with_path(want)
+  assert [p for p, _ in flat_got] == [p for p, _ in flat_want]
+  for (path, a), (_, b) in zip(flat_got, flat_want):
+    if "['key']['bias']" in jax.tree_util.keystr(path):
+      # Its true gradient is 0 (softmax ignores a shift shared by all keys):
+      # Adam turns the rounding noise of that 0 into updates of size lr, so
+      # it differs from run to run on any change of summation order.
+      continue
+    np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def _env(**extra):
+  # Compiles faster; the same float32 sums.
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             JAX_DISABLE_MOST_OPTIMIZATIONS="1", **extra)
+  env["PYTHONPATH"] = os.pathsep.join(
+      filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
+  return env
+
+
+def _copy(source, target):
+  shutil.copytree(source, target)
+  return str(target)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """One-device runs, then every 8-device run (one subprocess):
+  {name: workdir}, plus what the subprocess reported."""
+  root = tmp_path_factory.mktemp("runs")
+  data_dir = str(root / "tfds")
+  dirs = {"data_dir": data_dir, "w1": str(root / "w1")}
+  train.train_and_evaluate(_config(data_dir), dirs["w1"])  # 1 device
+  dirs["w1to8"] = _copy(dirs["w1"], root / "w1to8")  # continued on 8
+  dirs["w1long"] = _copy(dirs["w1"], root / "w1long")  # continued on 1
+  train.train_and_evaluate(_config(data_dir, "num_train_steps=20"),
+                           dirs["w1long"])
+  args = {"overrides": list(OVERRIDES) + [f"data.data_dir={data_dir}"],
+          **{k: str(root / k) for k in ("bad", "w8", "fsdp")},
+          "w1to8": dirs["w1to8"]}
+  result = subprocess.run(
+      [sys.executable, "-c", EIGHT_DEVICES, CONFIG_FILE, json.dumps(args)],
+      capture_output=True, text=True, timeout=300, env=_env(
+          XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                     " --xla_force_host_platform_device_count=8").strip()))
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(result.stdout.strip().splitlines()[-1])
+  return {**dirs, **args, "report": report}
+
+
+def test_eight_devices_train_like_one(runs):
+  assert runs["report"]["devices"] == 8
+  assert runs["report"]["replicated"]
+  _assert_same_losses(runs["w8"], runs["w1"])
+  _assert_same_params(runs["w8"], runs["w1"])
+
+
+def test_fsdp_splits_the_parameters_and_trains_the_same(runs):
+  assert runs["report"]["fsdp_split"] > 0
+  _assert_same_losses(runs["fsdp"], runs["w1"])
+
+
+def test_a_batch_that_does_not_split_is_refused_before_any_write(runs):
+  assert runs["report"]["bad"] == (
+      "batch_size=12 is not divisible by the 8 devices of the data axis; use "
+      "a multiple of 8")
+  assert not runs["report"]["bad_written"]
+
+
+def test_checkpoints_move_from_8_devices_to_1_and_back(runs, tmp_path):
+  # 8 -> 1: continue on this process's one device.
+  w8to1 = _copy(runs["w8"], tmp_path / "w8to1")
+  train.train_and_evaluate(_config(runs["data_dir"], "num_train_steps=20"),
+                           w8to1)
+  _assert_same_losses(w8to1, runs["w1long"])
+  _assert_same_params(w8to1, runs["w1long"])
+  # 1 -> 8: continued in the subprocess.
+  _assert_same_losses(runs["w1to8"], runs["w1long"])
+  _assert_same_params(runs["w1to8"], runs["w1long"])
+  # load_checkpoint: on every device there is.
+  assert runs["report"]["loaded_on"] == 8
+  assert mha.load_checkpoint(runs["w8"]).step == 10
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_train_as_one(runs, tmp_path):
+  port = _free_port()
+  address = f"127.0.0.1:{port}"
+  workdir = str(tmp_path / "two")
+  command = [
+      sys.executable, os.path.join(ROOT, "train.py"),
+      f"--config={CONFIG_FILE}:{','.join(OVERRIDES)}", f"--workdir={workdir}",
+      f"--config.data.data_dir={runs['data_dir']}",
+      f"--coordinator_address={address}", "--num_processes=2"]
+  # Loopback only: the coordinator binds there (gloo uses the host name,
+  # which resolves to it here).
+  env = _env(JAX_COORDINATOR_BIND_ADDRESS=address)
+  procs = [subprocess.Popen(command + [f"--process_id={i}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for i in range(2)]
+  try:
+    outputs = [p.communicate(timeout=240) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for p, (_, stderr) in zip(procs, outputs):
+    assert p.returncode == 0, stderr[-3000:]
+  assert "2 cpu devices in 2 processes" in outputs[0][0]
+  assert "step 10/10" in outputs[0][0]
+  assert "step" not in outputs[1][0]  # process 0 alone logs
+  _assert_same_losses(workdir, runs["w1"])
+  _assert_same_params(workdir, runs["w1"])
+
+
+def test_bad_mesh_on_the_command_line_is_one_line_and_exit_code_2(tmp_path):
+  workdir = tmp_path / "never"
+  for flag, message in (
+      ("--config.mesh.data=4", "mesh.data=4 does not match the 1 device of"),
+      ("--config.batch_size=0", "batch_size=0 must be >= 1"),
+      ("--config.mesh.data=-2", "mesh.data=-2 must be -1 (all devices)"),
+  ):
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"),
+         f"--config={CONFIG_FILE}:tiny", f"--workdir={workdir}", flag],
+        capture_output=True, text=True, env=_env())
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and message in result.stderr
+    assert not workdir.exists()
+
+
+def test_device_problems():
+  config = CONFIGS.get_config("tiny")
+  assert config_validation.device_problems(config, 8) == []
+  assert config_validation.device_problems(config, 1) == []
+  assert config_validation.device_problems(config, 3) == [
+      "batch_size=32 is not divisible by the 3 devices of the data axis; use "
+      "a multiple of 3"]
+  config = CONFIGS.get_config("tiny,mesh.data=8")
+  assert config_validation.device_problems(config, 8) == []
+  assert "does not match the 4 devices" in (
+      config_validation.device_problems(config, 4)[0])
+
+
+def test_process_rows_build_the_global_batch_bitwise():
+  rows = np.arange(100 * 6, dtype=np.int32).reshape(100, 6)
+  split = data.Split(inputs=rows, targets=-rows)
+  config = CONFIGS.get_config("tiny,batch_size=24")
+  for step in (0, 3, 9):  # 9: the batch crosses an epoch boundary
+    whole = data.train_batch(split, seed=config.seed, step=step,
+                             batch_size=24)
+    for processes in (1, 2, 4):
+      size = 24 // processes
+      parts = [train.process_train_batch(split, config, step,
+                                         slice(p * size, (p + 1) * size))
+               for p in range(processes)]
+      for key in ("inputs", "targets"):
+        np.testing.assert_array_equal(
+            np.concatenate([part[key] for part in parts]), whole[key])
+
+
+def test_fsdp_spec_splits_the_largest_dimension_that_divides():
+  assert sharding.fsdp_spec((16, 32), 8) == P(None, "data")
+  assert sharding.fsdp_spec((32, 12), 8) == P("data")
+  assert sharding.fsdp_spec((11, 5), 8) == P()
+  assert sharding.fsdp_spec((), 8) == P()
+  assert sharding.fsdp_spec((16, 32), 1) == P()
+
+
+def test_one_device_mesh_and_eval_batches():
+  mesh = sharding.make_mesh()
+  assert sharding.data_size(mesh) == jax.device_count() == 1
+  with pytest.raises(ValueError, match="does not match the 1 device of"):
+    sharding.make_mesh(2)
+  split = data.Split(inputs=np.ones((5, 4), np.int32),
+                     targets=np.ones((5, 4), np.int32))
+  batches = list(sharding.eval_batches(split, 3, mesh))
+  assert [b["inputs"].shape for b in batches] == [(3, 4), (3, 4)]
+  assert int(batches[1]["inputs"].sum()) == 8  # the padding row is zeros
