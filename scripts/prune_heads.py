@@ -69,19 +69,13 @@ def _fail(message: str) -> None:
   sys.exit(2)
 
 
-def _floats(name: str, values: list[str]) -> tuple[float, ...]:
+def _numbers(name: str, values: list[str], kind: type) -> tuple:
+  """The comma-separated values of flag ``name`` as ``kind`` (int or float)."""
   try:
-    return tuple(float(v) for v in values)
+    return tuple(kind(v) for v in values)
   except ValueError:
-    raise UsageError(f"--{name} must be numbers, got {','.join(values)}"
-                     ) from None
-
-
-def _ints(name: str, values: list[str]) -> tuple[int, ...]:
-  try:
-    return tuple(int(v) for v in values)
-  except ValueError:
-    raise UsageError(f"--{name} must be integers, got {','.join(values)}"
+    what = "integers" if kind is int else "numbers"
+    raise UsageError(f"--{name} must be {what}, got {','.join(values)}"
                      ) from None
 
 
@@ -98,8 +92,9 @@ def _options():
       step_fraction=_STEP_FRACTION.value,
       reestimate=_REESTIMATE.value,
       tolerance=_TOLERANCE.value,
-      speed_fractions=_floats("speed_fractions", _SPEED_FRACTIONS.value),
-      batch_sizes=_ints("batch_sizes", _BATCH_SIZES.value),
+      speed_fractions=_numbers("speed_fractions", _SPEED_FRACTIONS.value,
+                                 float),
+      batch_sizes=_numbers("batch_sizes", _BATCH_SIZES.value, int),
       speed_repeats=_SPEED_REPEATS.value,
       speed_order=_SPEED_ORDER.value,
       speed=_SPEED.value,
