@@ -53,15 +53,19 @@ def metric_sums(logits: Array, targets: Array, inputs: Array) -> Metrics:
   }
 
 
-def summarize(sums: Mapping[str, np.ndarray | float]) -> dict[str, float]:
+def summarize(sums: Mapping[str, np.ndarray | float]
+              ) -> dict[str, float | np.ndarray]:
   """Turns :func:`metric_sums` totals into ``loss``, ``token_accuracy``,
-  ``exact_match``."""
-  tokens = max(float(sums["tokens"]), 1.0)
-  return {
-      "loss": float(sums["loss_sum"]) / tokens,
-      "token_accuracy": float(sums["correct"]) / tokens,
-      "exact_match": float(sums["exact"]) / max(float(sums["sequences"]), 1.0),
+  ``exact_match``: floats for scalar totals, arrays elementwise for arrays
+  of totals (one per head mask, say)."""
+  total = lambda key: np.asarray(sums[key], np.float64)
+  tokens = np.maximum(total("tokens"), 1.0)
+  out = {
+      "loss": total("loss_sum") / tokens,
+      "token_accuracy": total("correct") / tokens,
+      "exact_match": total("exact") / np.maximum(total("sequences"), 1.0),
   }
+  return {k: float(v) if np.ndim(v) == 0 else v for k, v in out.items()}
 
 
 @functools.partial(jax.jit, static_argnames="model")

@@ -308,7 +308,7 @@ def evaluate_masks(model: Transformer, params: Params, split: data.Split,
     for key, value in sums.items():
       totals.setdefault(key, []).append(value[:len(part)])
   stacked = {k: np.concatenate(v) for k, v in totals.items()}
-  return _summarize_arrays(stacked)
+  return eval_lib.summarize(stacked)
 
 
 def evaluate_masks_loop(model: Transformer, params: Params, split: data.Split,
@@ -327,16 +327,7 @@ def evaluate_masks_loop(model: Transformer, params: Params, split: data.Split,
         sums[key] = sums.get(key, 0.0) + float(value)
     for key, value in sums.items():
       totals.setdefault(key, []).append(value)
-  return _summarize_arrays({k: np.asarray(v) for k, v in totals.items()})
-
-
-def _summarize_arrays(sums: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-  tokens = np.maximum(sums["tokens"], 1.0)
-  return {
-      "loss": sums["loss_sum"] / tokens,
-      "token_accuracy": sums["correct"] / tokens,
-      "exact_match": sums["exact"] / np.maximum(sums["sequences"], 1.0),
-  }
+  return eval_lib.summarize({k: np.asarray(v) for k, v in totals.items()})
 
 
 def heads_to_array(config: TransformerConfig, values: np.ndarray) -> np.ndarray:
@@ -588,11 +579,6 @@ def compiled_flops(compiled: Any) -> float:
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else {}
   return float((cost or {}).get("flops", float("nan")))
-
-
-def count_flops(model: Transformer, params: Params, inputs: Array) -> float:
-  """FLOPs of one prediction call on ``inputs``."""
-  return compiled_flops(compile_prediction(model, params, inputs))
 
 
 def time_predictions(models: Sequence[tuple[Transformer, Params]],
