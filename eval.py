@@ -9,7 +9,6 @@ are computed on every device, each batch split across them, whatever the
 device count of the run that saved the checkpoint.
 """
 
-import functools
 import json
 import os
 import sys
@@ -18,7 +17,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from mha import config_validation
+from mha import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's workdir.")
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "validation", "test"],
@@ -33,18 +32,15 @@ flags.mark_flags_as_required(["workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
-  from mha import checkpoint, data, evaluate, train
+  from mha import build, checkpoint, data, evaluate
 
-  workdir = os.path.expanduser(_WORKDIR.value)
-  if not os.path.isdir(workdir):
-    config_validation.fail("eval.py", f"workdir {workdir} " + (
-        "is a file" if os.path.exists(workdir) else "does not exist"))
+  workdir = cli.existing_dir("eval.py", _WORKDIR.value)
   try:
     ckpt = checkpoint.load_checkpoint(workdir, _STEP.value)
   except (FileNotFoundError, checkpoint.DamagedCheckpointError) as e:
-    config_validation.fail("eval.py", e)
+    cli.fail("eval.py", e)
   config = ckpt.config
-  splits = data.load_splits(train.data_spec(config), config.data.data_dir)
+  splits = data.load_splits(build.data_spec(config), config.data.data_dir)
   split = splits[_SPLIT.value]
   metrics = evaluate.evaluate(ckpt.model, ckpt.params, split,
                               config.eval_batch_size)
@@ -63,5 +59,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=functools.partial(config_validation.parse_flags,
-                                               prog="eval.py"))
+  app.run(main, flags_parser=cli.flags_parser("eval.py"))

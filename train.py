@@ -27,6 +27,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from mha import cli
 from mha import config_validation
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -60,13 +61,13 @@ def _parse_flags(argv: list[str]) -> list[str]:
         "config", _DEFAULT_CONFIG, "Training config file (path[:variant]).",
         lock_config=True, sys_argv=argv)
   except (AttributeError, KeyError) as e:
-    config_validation.fail("train.py", "unknown config key in the --config.* "
-                           f"flags: {config_validation.one_line(e)}")
+    cli.fail("train.py", "unknown config key in the --config.* "
+                           f"flags: {cli.one_line(e)}")
   try:
-    rest = config_validation.parse_flags(argv, "train.py")
+    rest = cli.parse_flags(argv, "train.py")
     flags.FLAGS.config.to_dict()  # Loads the file, applies the overrides.
   except Exception as e:  # A config file can raise anything.
-    config_validation.fail("train.py", e)
+    cli.fail("train.py", e)
   return rest
 
 
@@ -80,17 +81,17 @@ def main(argv):
     try:
       sharding.initialize_distributed(*distributed)
     except (ValueError, TypeError) as e:  # e.g. no coordinator to be found
-      config_validation.fail("train.py", f"jax.distributed: {e}")
+      cli.fail("train.py", f"jax.distributed: {e}")
   try:
     train.train_and_evaluate(flags.FLAGS.config, _WORKDIR.value)
   except config_validation.ConfigError as e:
-    config_validation.fail("train.py", e)
+    cli.fail("train.py", e)
   except train.TrainingInterrupted as e:
     print(f"{e}. Resume with: python {shlex.join(sys.argv)}",
           file=sys.stderr, flush=True)
     sys.exit(128 + e.signum)
   except (FloatingPointError, checkpoint.DamagedCheckpointError) as e:
-    print(f"train.py: error: {config_validation.one_line(e)}",
+    print(f"train.py: error: {cli.one_line(e)}",
           file=sys.stderr, flush=True)
     sys.exit(1)
 

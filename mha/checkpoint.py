@@ -49,6 +49,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from mha import build
 from mha import sharding as sharding_lib
 from mha.model import Transformer, TransformerConfig
 
@@ -361,12 +362,10 @@ def load_checkpoint(workdir: str | os.PathLike,
 
 
 def _load(manager: ocp.CheckpointManager, step: int) -> LoadedCheckpoint:
-  from mha import train  # Deferred: train imports this module.
-
   config = read_config(manager, step)
-  model = train.make_model(config)
+  model = build.make_model(config)
   abstract = jax.eval_shape(
-      lambda: train.create_train_state(config, model, jax.random.key(0)))
+      lambda: build.create_train_state(config, model, jax.random.key(0)))
   mesh = sharding_lib.make_mesh()
   abstract = sharding_lib.with_shardings(
       abstract, sharding_lib.state_shardings(abstract, mesh,

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-from typing import Any, Mapping, NoReturn
+from typing import Any, Mapping
 
 import ml_collections
-from absl import flags
 
 from mha.data import TASKS
 from mha.model import POSITIONAL_KINDS
@@ -229,34 +227,3 @@ def check_resume(saved: Mapping[str, Any], config: ml_collections.ConfigDict,
         f"workdir {workdir} holds a run with another config: "
         f"{'; '.join(conflicts)}. Only {', '.join(sorted(RESUMABLE_KEYS))} may "
         "change when a run resumes; start the new run in a new workdir")
-
-
-def one_line(error: BaseException | str) -> str:
-  """An error's message on one line: a ``KeyError``'s without its quotes, of
-  a traceback quoted inside (config_flags quotes one) only its last line."""
-  while isinstance(error, (KeyError, AttributeError)) and error.args:
-    error = error.args[0]  # ml_collections wraps a KeyError in both.
-  text = str(error)
-  head, traceback_marker, _ = text.partition("Traceback (most recent call last)")
-  if traceback_marker:
-    text = head + text.strip().splitlines()[-1]
-  return " ".join(text.split())
-
-
-def fail(prog: str, error: BaseException | str) -> NoReturn:
-  """Reports a user's mistake as ``prog: error: ...`` on stderr; exits 2."""
-  print(f"{prog}: error: {one_line(error)}", file=sys.stderr, flush=True)
-  sys.exit(2)
-
-
-def parse_flags(argv: list[str], prog: str) -> list[str]:
-  """absl's flag parsing for ``app.run(main, flags_parser=...)``: a mistake
-  in the flags, or an argument no flag takes, is one line on stderr and exit
-  code 2 (not a traceback or the usage text)."""
-  try:
-    rest = flags.FLAGS(argv)
-  except flags.Error as e:
-    fail(prog, e)
-  if len(rest) > 1:
-    fail(prog, f"unexpected arguments: {' '.join(rest[1:])}")
-  return rest

@@ -38,93 +38,20 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from flax.training import train_state as train_state_lib
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from mha import build
 from mha import checkpoint as ckpt_lib
 from mha import config_validation
 from mha import data
 from mha import evaluate as eval_lib
 from mha import sharding as sharding_lib
 from mha.metric_writers import MetricWriter, format_duration
-from mha.model import Transformer, TransformerConfig
+from mha.model import Transformer
 
 Array = jax.Array
-TrainState = train_state_lib.TrainState
-
-
-# --------------------------------------------------------------------------
-# From config to model, data and optimizer.
-# --------------------------------------------------------------------------
-
-
-def data_spec(config: ml_collections.ConfigDict) -> data.DataSpec:
-  """The dataset a config trains on."""
-  return data.DataSpec(
-      task=config.task,
-      num_symbols=config.data.num_symbols,
-      min_len=config.data.min_len,
-      max_len=config.data.max_len,
-      num_train_examples=config.data.num_train_examples,
-      num_eval_examples=config.data.num_eval_examples,
-      seed=config.data.seed,
-  )
-
-
-def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
-  """The ``TransformerConfig`` of a run config (the model/data boundary)."""
-  m = config.model
-  return TransformerConfig(
-      vocab_size=data.vocab_size(config.task, config.data.num_symbols,
-                                 config.data.max_len),
-      num_layers=m.num_layers,
-      num_heads=(tuple(m.num_heads) if isinstance(m.num_heads, (list, tuple))
-                 else m.num_heads),
-      d_model=m.d_model,
-      mlp_dim=m.mlp_dim,
-      max_len=config.data.max_len,
-      dropout_rate=m.dropout_rate,
-      attention_dropout_rate=m.attention_dropout_rate,
-      pre_norm=m.pre_norm,
-      positional=m.positional,
-  )
-
-
-def make_model(config: ml_collections.ConfigDict) -> Transformer:
-  """The ``Transformer`` a run config describes."""
-  return Transformer(model_config(config))
-
-
-def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
-  """Linear warmup to ``learning_rate``, then cosine decay to 0."""
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0,
-      peak_value=config.learning_rate,
-      warmup_steps=config.warmup_steps,
-      decay_steps=max(config.num_train_steps, config.warmup_steps + 1),
-      end_value=0.0,
-  )
-
-
-def make_optimizer(
-    config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """AdamW (decay on matrices only) after global-norm clipping."""
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
-  return optax.chain(
-      optax.clip_by_global_norm(config.grad_clip_norm),
-      optax.adamw(learning_rate_schedule(config), b2=config.adam_b2,
-                  weight_decay=config.weight_decay, mask=decay_mask),
-  )
-
-
-def create_train_state(config: ml_collections.ConfigDict, model: Transformer,
-                       rng: Array) -> TrainState:
-  """Fresh parameters and optimizer state at step 0."""
-  tokens = jnp.ones((1, model.config.max_len), jnp.int32)
-  params = model.init(rng, tokens)["params"]
-  return TrainState.create(apply_fn=model.apply, params=params,
-                           tx=make_optimizer(config))
+TrainState = build.TrainState
 
 
 # --------------------------------------------------------------------------
@@ -293,13 +220,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   if saved is not None:
     config_validation.check_resume(saved, config, workdir)
   splits = _load_splits(config)
-  model = make_model(config)
+  model = build.make_model(config)
   mesh = sharding_lib.make_mesh(config.mesh.data)
   # Made by jit: with several processes, a key must be a global array.
   init_rng, dropout_rng = jax.jit(
       lambda: tuple(jax.random.split(jax.random.key(config.seed))),
       out_shardings=sharding_lib.replicated(mesh))()
-  create = functools.partial(create_train_state, config, model)
+  create = functools.partial(build.create_train_state, config, model)
   abstract_state = jax.eval_shape(create, init_rng)
   state_shardings = sharding_lib.state_shardings(
       abstract_state, mesh, shard_params=config.mesh.shard_params)
@@ -384,7 +311,7 @@ def _load_splits(config: ml_collections.ConfigDict) -> dict[str, data.Split]:
 
   def load():
     try:
-      return data.load_splits(data_spec(config), config.data.data_dir)
+      return data.load_splits(build.data_spec(config), config.data.data_dir)
     except ValueError as e:  # e.g. too few distinct sequences for the splits
       raise config_validation.ConfigError(f"data: {e}") from e
 
@@ -440,7 +367,7 @@ def _train_loop(config: ml_collections.ConfigDict, model: Transformer,
   replicated = sharding_lib.replicated(mesh)
   step_fn = jax.jit(
       functools.partial(train_step, model=model,
-                        schedule=learning_rate_schedule(config)),
+                        schedule=build.learning_rate_schedule(config)),
       in_shardings=(state_shardings, batch_sharding, replicated),
       out_shardings=(state_shardings, replicated),
       donate_argnums=0)

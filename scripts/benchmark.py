@@ -28,10 +28,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import importlib.util
 import json
 import os
-import pathlib
 import platform
 import statistics
 import sys
@@ -48,6 +46,9 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from configs import default
+from mha import build
+from mha import cli
 from mha import data
 from mha import train
 from mha.attention import MultiHeadAttention
@@ -62,7 +63,7 @@ _REPEATS = flags.DEFINE_integer(
     "repeats", None, "Timed rounds per comparison (default 20; 3 with "
     "--quick).", lower_bound=1)
 
-_REPO = pathlib.Path(__file__).resolve().parents[1]
+_PROG = "benchmark.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,14 +311,6 @@ def flop_rate(shape: Shape, matmul_sizes: Sequence[int],
 # --------------------------------------------------------------------------
 
 
-def _get_config(arg: str):
-  spec = importlib.util.spec_from_file_location(
-      "default_config", _REPO / "configs" / "default.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
-
-
 def _random_batch(config, seed: int = 0) -> dict[str, Any]:
   """A batch of the config's shape: random lengths, symbols and targets."""
   rng = np.random.default_rng(seed)
@@ -341,14 +334,14 @@ def train_throughput(label: str, arg: str, window_s: float,
   compilation, a few steps estimate the step time; the rate is the median
   over ``windows`` windows of as many steps as take about ``window_s``.
   """
-  config = _get_config(arg)
-  model = train.make_model(config)
+  config = default.get_config(arg)
+  model = build.make_model(config)
   rng = jax.random.key(config.seed)
-  state = jax.jit(functools.partial(train.create_train_state, config, model))(
+  state = jax.jit(functools.partial(build.create_train_state, config, model))(
       rng)
   step_fn = jax.jit(
       functools.partial(train.train_step, model=model,
-                        schedule=train.learning_rate_schedule(config)),
+                        schedule=build.learning_rate_schedule(config)),
       donate_argnums=0)
   batch = _random_batch(config)
   num_params = sum(p.size for p in jax.tree.leaves(state.params))
@@ -522,18 +515,12 @@ def format_tables(results: Mapping[str, Any]) -> str:
 # --------------------------------------------------------------------------
 
 
-def _fail(message: str) -> None:
-  print(f"benchmark.py: error: {message}", file=sys.stderr, flush=True)
-  sys.exit(2)
-
-
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+  del argv
   out = os.path.abspath(os.path.expanduser(_OUT.value))
   if os.path.isdir(out):
-    _fail(f"--out {out} is a directory; give a file path such as "
-          f"{os.path.join(out, 'benchmark.json')}")
+    cli.fail(_PROG, f"--out {out} is a directory; give a file path such as "
+             f"{os.path.join(out, 'benchmark.json')}")
   logging.set_verbosity(logging.WARNING)
   plan = QUICK if _QUICK.value else FULL
   if _QUICK.value:
@@ -553,13 +540,5 @@ def main(argv: list[str]) -> None:
   log(f"Wrote {out} and {os.path.splitext(out)[0] + '.md'}")
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:  # A bad flag or value: one line, exit 2.
-    _fail(str(e).splitlines()[0])
-    raise  # Unreachable: _fail exits.
-
-
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=cli.flags_parser(_PROG))

@@ -7,7 +7,7 @@ more seeds of its config (reused on a second run), measures every head's
 importance on validation (gradient, leave-one-out, confidence, entropy),
 prunes heads in each order and measures test accuracy, times physically
 pruned models, and writes ``results.json``, ``report.md`` and PNG plots to
-``--out`` (default ``<workdir>/pruning``). See mha/pruning_experiment.py.
+``--out`` (default ``<workdir>/pruning``). See mha/pruning/experiment.py.
 
 A user's mistake (no checkpoint, a fraction outside [0, 1], a head that
 does not exist) is one line on stderr and exit code 2.
@@ -16,15 +16,22 @@ does not exist) is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 from absl import app
 from absl import flags
 from absl import logging
 
+from mha import checkpoint as ckpt_lib
+from mha import cli
+from mha import pruning
+from mha.pruning import experiment
+
+_PROG = "prune_heads.py"
+
 _WORKDIR = flags.DEFINE_string("workdir", None,
-                               "Training workdir holding the checkpoint.")
+                               "Training workdir holding the checkpoint.",
+                               required=True)
 _STEP = flags.DEFINE_integer(
     "step", None, "Checkpoint step to analyse (default: the newest).")
 _OUT = flags.DEFINE_string("out", None,
@@ -60,41 +67,20 @@ _BATCH_SIZE = flags.DEFINE_integer("batch_size", 1000,
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random orders.")
 
 
-class UsageError(Exception):
-  """A mistake in the command line: reported in one line, exit code 2."""
-
-
-def _fail(message: str) -> None:
-  print(f"prune_heads.py: error: {message}", file=sys.stderr, flush=True)
-  sys.exit(2)
-
-
-def _numbers(name: str, values: list[str], kind: type) -> tuple:
-  """The comma-separated values of flag ``name`` as ``kind`` (int or float)."""
-  try:
-    return tuple(kind(v) for v in values)
-  except ValueError:
-    what = "integers" if kind is int else "numbers"
-    raise UsageError(f"--{name} must be {what}, got {','.join(values)}"
-                     ) from None
-
-
-def _options():
-  from mha import pruning, pruning_experiment
-
+def _options() -> experiment.Options:
   try:
     heads = tuple(pruning.parse_heads(_REMOVE_HEADS.value))
   except ValueError as e:
-    raise UsageError(f"--remove_heads: {e}") from None
-  options = pruning_experiment.Options(
+    raise cli.UsageError(f"--remove_heads: {e}") from None
+  options = experiment.Options(
       num_seeds=_NUM_SEEDS.value,
       num_random_orders=_NUM_RANDOM.value,
       step_fraction=_STEP_FRACTION.value,
       reestimate=_REESTIMATE.value,
       tolerance=_TOLERANCE.value,
-      speed_fractions=_numbers("speed_fractions", _SPEED_FRACTIONS.value,
+      speed_fractions=cli.numbers("speed_fractions", _SPEED_FRACTIONS.value,
                                  float),
-      batch_sizes=_numbers("batch_sizes", _BATCH_SIZES.value, int),
+      batch_sizes=cli.numbers("batch_sizes", _BATCH_SIZES.value, int),
       speed_repeats=_SPEED_REPEATS.value,
       speed_order=_SPEED_ORDER.value,
       speed=_SPEED.value,
@@ -105,43 +91,36 @@ def _options():
   try:
     options.validate()
   except ValueError as e:
-    raise UsageError(str(e)) from None
+    raise cli.UsageError(str(e)) from None
   return options
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+  del argv
   logging.set_verbosity(logging.WARNING)
-  if not _WORKDIR.value:
-    _fail("--workdir is required")
-  workdir = os.path.abspath(os.path.expanduser(_WORKDIR.value))
-  if not os.path.isdir(workdir):
-    _fail(f"workdir {workdir} does not exist or is not a directory")
+  workdir = cli.existing_dir(_PROG, _WORKDIR.value)
   out = os.path.abspath(os.path.expanduser(
       _OUT.value or os.path.join(workdir, "pruning")))
   if os.path.exists(out) and not os.path.isdir(out):
-    _fail(f"--out {out} exists and is not a directory")
+    cli.fail(_PROG, f"--out {out} exists and is not a directory")
 
   try:
     options = _options()
-  except UsageError as e:
-    _fail(str(e))
-
-  from mha import checkpoint as ckpt_lib, pruning, pruning_experiment
+  except cli.UsageError as e:
+    cli.fail(_PROG, e)
 
   try:  # Every user error is found before the long work starts.
     first = ckpt_lib.load_checkpoint(workdir, _STEP.value)
-    pruning_experiment.check_step(first, _STEP.value, options.num_seeds)
+    experiment.check_step(first, _STEP.value, options.num_seeds)
     if options.remove_heads:
       pruning.prune_heads(first.params, first.model_config,
                           options.remove_heads)
   except (FileNotFoundError, ValueError) as e:
-    _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    cli.fail(_PROG, str(e).splitlines()[0] if str(e) else type(e).__name__)
 
   start = time.time()
   print(f"Pruning experiment on {workdir} -> {out}", flush=True)
-  results = pruning_experiment.run(workdir, out, options, _STEP.value)
+  results = experiment.run(workdir, out, options, _STEP.value)
   _print_summary(results, out, time.time() - start)
 
 
@@ -176,13 +155,5 @@ def _print_summary(results, out: str, seconds: float) -> None:
         f"{os.path.join(out, 'report.md')} and plots.", flush=True)
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:  # A bad flag value: one line, exit 2.
-    _fail(str(e).splitlines()[0])
-    raise  # Unreachable: _fail exits.
-
-
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=cli.flags_parser(_PROG))

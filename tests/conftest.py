@@ -1,6 +1,77 @@
-"""Test-wide JAX settings."""
+"""Test-wide JAX settings and the expensive setup every module shares.
+
+Session-scoped, built once per test run:
+
+* ``data_dir``: a TFDS data directory; the ``tiny`` datasets of every task are
+  prepared there on first use (``mha.data.load_splits`` caches on disk).
+* ``tiny_run``: the ``tiny`` config trained to completion in its own workdir:
+  a ``TinyRun`` with the config, the workdir and the final train state. Tests
+  that need a trained checkpoint read it; tests that write into a workdir copy
+  it first (``copy_workdir``).
+* ``subprocess_env``: the environment for ``train.py`` & co. run as
+  subprocesses: CPU only, and a persistent compilation cache shared by all of
+  them, so each program is compiled once per test run, not once per process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from typing import Any
 
 import jax
+import ml_collections
+import pytest
 
 # Catch silent broadcasting between arrays of different rank.
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyRun:
+  """A finished ``tiny`` training run."""
+
+  config: ml_collections.ConfigDict
+  workdir: str
+  state: Any
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> str:
+  """A data directory shared by the whole session."""
+  return str(tmp_path_factory.mktemp("tfds"))
+
+
+@pytest.fixture(scope="session")
+def subprocess_env(tmp_path_factory) -> dict[str, str]:
+  """Environment of the entry points run as subprocesses."""
+  return dict(os.environ, JAX_PLATFORMS="cpu",
+              JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jit")),
+              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def tiny_config(data_dir: str, *overrides: str) -> ml_collections.ConfigDict:
+  """The ``tiny`` config on ``data_dir``, with ``key=value`` overrides."""
+  from configs import default
+  return default.get_config(",".join(["tiny", f"data.data_dir={data_dir}",
+                                      *overrides]))
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, data_dir) -> TinyRun:
+  """The ``tiny`` config trained to completion (20 steps)."""
+  from mha import train
+  config = tiny_config(data_dir)
+  workdir = str(tmp_path_factory.mktemp("tiny_run"))
+  state = train.train_and_evaluate(config, workdir)
+  return TinyRun(config=config, workdir=workdir, state=state)
+
+
+def copy_workdir(source: str, target: os.PathLike | str) -> str:
+  """A copy of a workdir, to change without touching the shared one."""
+  shutil.copytree(source, target)
+  return str(target)

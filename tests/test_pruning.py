@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import default
 from mha import data
+from mha import train
 from mha import pruning
 from mha.model import Transformer, TransformerConfig
 
@@ -283,15 +285,8 @@ def test_time_predictions_reports_rates_and_flops():
 @pytest.fixture(scope="module")
 def tiny_workdir(tmp_path_factory):
   """A tiny config trained to completion in a fresh workdir and data dir."""
-  import importlib.util
-  from mha import train
-
-  spec = importlib.util.spec_from_file_location(
-      "default_config", os.path.join(ROOT, "configs", "default.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
   data_dir = str(tmp_path_factory.mktemp("tfds"))
-  config = module.get_config(f"tiny,data.data_dir={data_dir}")
+  config = default.get_config(f"tiny,data.data_dir={data_dir}")
   workdir = str(tmp_path_factory.mktemp("tiny_pruning"))
   train.train_and_evaluate(config, workdir)
   return workdir

@@ -2,7 +2,6 @@
 survives SIGTERM/SIGINT, kill -9, damaged checkpoints and non-finite losses."""
 
 import glob
-import importlib.util
 import os
 import shutil
 import signal
@@ -16,6 +15,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from configs import default
 import mha
 from mha import checkpoint as ckpt_lib
 from mha import config_validation
@@ -23,9 +23,6 @@ from mha import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = os.path.join(ROOT, "configs", "default.py")
-_spec = importlib.util.spec_from_file_location("default_config", CONFIG_FILE)
-CONFIGS = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(CONFIGS)
 
 # The run every resumed run is compared with: long enough to be interrupted
 # between checkpoints, short enough for a test.
@@ -35,7 +32,7 @@ RUN_OVERRIDES = (f"num_train_steps={STEPS}", f"checkpoint_every_steps={EVERY}",
 
 
 def _run_config(data_dir, *overrides):
-  return CONFIGS.get_config(
+  return default.get_config(
       ",".join(("tiny", f"data.data_dir={data_dir}") + overrides))
 
 
@@ -104,9 +101,9 @@ def _snapshot(path):
 
 
 def test_every_config_field_has_a_declared_type():
-  keys = config_validation.flatten(CONFIGS.get_config().to_dict())
+  keys = config_validation.flatten(default.get_config().to_dict())
   assert set(keys) == set(config_validation.FIELDS)
-  assert config_validation.config_problems(CONFIGS.get_config("tiny")) == []
+  assert config_validation.config_problems(default.get_config("tiny")) == []
   assert config_validation.RESUMABLE_KEYS <= set(config_validation.FIELDS)
 
 
@@ -129,13 +126,13 @@ def test_every_config_field_has_a_declared_type():
 ])
 def test_bad_config_values_are_named(override, message):
   with pytest.raises(config_validation.ConfigError) as error:
-    config_validation.validate_config(CONFIGS.get_config(f"tiny,{override}"))
+    config_validation.validate_config(default.get_config(f"tiny,{override}"))
   assert message in str(error.value)
 
 
 def test_wrong_types_and_unknown_keys_are_named():
   # A hand-built config (say, in a notebook) has no type safety or lock.
-  fields = CONFIGS.get_config("tiny").to_dict()
+  fields = default.get_config("tiny").to_dict()
   fields["batch_size"] = "32"
   fields["model"]["dropout"] = 0.1  # a typo of dropout_rate
   with pytest.raises(config_validation.ConfigError) as error:
@@ -197,7 +194,7 @@ def test_command_line_mistakes_are_one_line_and_exit_code_2(tmp_path, env):
 def test_resuming_with_another_model_data_or_optimizer_is_refused(reference):
   config, workdir, _ = reference
   before = _snapshot(workdir)
-  other = CONFIGS.get_config(
+  other = default.get_config(
       f"tiny,data.data_dir={config.data.data_dir},model.d_model=32,"
       "learning_rate=0.02,data.num_symbols=12,num_train_steps=400")
   with pytest.raises(config_validation.ConfigError) as error:
@@ -211,7 +208,7 @@ def test_resuming_with_another_model_data_or_optimizer_is_refused(reference):
 
   saved = ckpt_lib.saved_config(workdir)
   assert saved == config.to_dict()
-  resumable = CONFIGS.get_config(
+  resumable = default.get_config(
       f"tiny,data.data_dir=/elsewhere,num_train_steps=900,log_every_steps=7,"
       "eval_every_steps=9,checkpoint_every_steps=11,max_checkpoints_to_keep=1,"
       "eval_batch_size=16")

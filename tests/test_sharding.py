@@ -7,7 +7,6 @@ this process has one device. Everything of 8 devices runs in that one
 subprocess, to start and compile once.
 """
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from configs import default
 import mha
 from mha import config_validation
 from mha import data
@@ -28,9 +28,6 @@ from mha import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = os.path.join(ROOT, "configs", "default.py")
-_spec = importlib.util.spec_from_file_location("default_config", CONFIG_FILE)
-CONFIGS = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(CONFIGS)
 
 # Tiny runs of 10 steps, continued to 20; the loss logged at every step.
 OVERRIDES = ("tiny", "num_train_steps=10", "log_every_steps=1",
@@ -44,10 +41,7 @@ EIGHT_DEVICES = r"""
 import json, os, sys
 import jax
 from mha import config_validation, checkpoint, train
-import importlib.util
-spec = importlib.util.spec_from_file_location("c", sys.argv[1])
-configs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(configs)
+from configs import default as configs
 args = json.loads(sys.argv[2])
 get = lambda *o: configs.get_config(",".join(args["overrides"] + list(o)))
 out = {"devices": jax.device_count()}
@@ -71,7 +65,7 @@ print(json.dumps(out))
 
 
 def _config(data_dir, *overrides):
-  return CONFIGS.get_config(
+  return default.get_config(
       ",".join(OVERRIDES + (f"data.data_dir={data_dir}",) + overrides))
 
 
@@ -231,13 +225,13 @@ def test_bad_mesh_on_the_command_line_is_one_line_and_exit_code_2(tmp_path):
 
 
 def test_device_problems():
-  config = CONFIGS.get_config("tiny")
+  config = default.get_config("tiny")
   assert config_validation.device_problems(config, 8) == []
   assert config_validation.device_problems(config, 1) == []
   assert config_validation.device_problems(config, 3) == [
       "batch_size=32 is not divisible by the 3 devices of the data axis; use "
       "a multiple of 3"]
-  config = CONFIGS.get_config("tiny,mesh.data=8")
+  config = default.get_config("tiny,mesh.data=8")
   assert config_validation.device_problems(config, 8) == []
   assert "does not match the 4 devices" in (
       config_validation.device_problems(config, 4)[0])
@@ -246,7 +240,7 @@ def test_device_problems():
 def test_process_rows_build_the_global_batch_bitwise():
   rows = np.arange(100 * 6, dtype=np.int32).reshape(100, 6)
   split = data.Split(inputs=rows, targets=-rows)
-  config = CONFIGS.get_config("tiny,batch_size=24")
+  config = default.get_config("tiny,batch_size=24")
   for step in (0, 3, 9):  # 9: the batch crosses an epoch boundary
     whole = data.train_batch(split, seed=config.seed, step=step,
                              batch_size=24)

@@ -1,7 +1,6 @@
 """End-to-end tests of training, checkpoints, resume and eval.py."""
 
 import glob
-import importlib.util
 import json
 import os
 import struct
@@ -15,6 +14,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
+from configs import default
 import mha
 from mha import train
 
@@ -23,10 +23,7 @@ CONFIG_FILE = os.path.join(ROOT, "configs", "default.py")
 
 
 def _get_config(arg=""):
-  spec = importlib.util.spec_from_file_location("default_config", CONFIG_FILE)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  return default.get_config(arg)
 
 
 @pytest.fixture(scope="module")

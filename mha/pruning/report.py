@@ -1,6 +1,6 @@
 """``report.md`` and the PNG plots of the pruning experiment.
 
-Reads the results dict of :func:`mha.pruning_experiment.run` (NumPy arrays
+Reads the results dict of :func:`mha.pruning.experiment.run` (NumPy arrays
 or the lists of its JSON form alike) and writes, beside ``results.json``:
 
 * ``curves_token_accuracy.png``, ``curves_exact_match.png``: accuracy vs
@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from mha import pruning_plots
+from mha.pruning import plots as pruning_plots
 
 _CURVE_FILES = {"token_accuracy": "curves_token_accuracy.png",
                 "exact_match": "curves_exact_match.png"}

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -36,14 +35,15 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
 from mha import checkpoint as ckpt_lib
 from mha import data
-from mha import evaluate as eval_lib
-from mha import pruning
+from mha import train
+from mha import build
+from mha.pruning import core as pruning
+from mha.pruning import speed
 from mha.model import Transformer
 
 # Orders of the pruning curves: key -> label. Measures first, then baselines.
@@ -405,64 +405,6 @@ def aggregate(seed_results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 # --------------------------------------------------------------------------
 
 
-def speed_table(model: Transformer, params: Any, order: np.ndarray,
-                test: data.Split, options: Options,
-                log: Log = print) -> dict[str, Any]:
-  """Prunes the first ``fraction`` of ``order`` physically for every speed
-  fraction, checks the pruned model against the masked one on test, and
-  times prediction at every batch size."""
-  config = model.config
-  num_heads = int(pruning.existing_heads(config).sum())
-  fractions = sorted({0.0, *options.speed_fractions})
-  masked_logits = jax.jit(functools.partial(pruning.masked_logits, model))
-  inputs = jnp.asarray(test.inputs)
-  entries, models = [], []
-  for fraction in fractions:
-    k = int(round(fraction * num_heads))
-    removed = pruning.flat_to_pairs(config, order[:k])
-    p, c = pruning.prune_heads(params, config, removed)
-    pruned = Transformer(c)
-    # One whole-split call each (tiny data): the pruned model, and the
-    # original one under the equivalent mask.
-    logits = pruning.compile_prediction(pruned, p, inputs)(p, inputs)
-    reference = masked_logits(params, inputs,
-                              jnp.asarray(pruning.mask_without(config,
-                                                               order[:k])))
-    metrics = eval_lib.summarize(jax.device_get(eval_lib.metric_sums(
-        logits, jnp.asarray(test.targets), inputs)))
-    entries.append({
-        "fraction": fraction, "heads_removed": k,
-        "removed": [list(pair) for pair in removed],
-        "heads_per_layer": list(c.heads_per_layer),
-        "params": pruning.count_params(p),
-        "attention_params": pruning.count_params(
-            [p[f"layer_{i}"]["attention"] for i in range(c.num_layers)]),
-        **{f"test_{key}": value for key, value in metrics.items()},
-        "max_abs_logit_diff_pruned_vs_masked": float(
-            jnp.max(jnp.abs(logits - reference))),
-    })
-    models.append((pruned, p))
-
-  batches = {}
-  for bs in options.batch_sizes:
-    batches[bs] = np.tile(test.inputs, (-(-bs // len(test)), 1))[:bs]
-  log(f"  timing {len(models)} models x {len(batches)} batch sizes, "
-      f"median of {options.speed_repeats}, interleaved")
-  rates, flops = pruning.time_predictions(
-      models, batches, repeats=options.speed_repeats,
-      progress=lambda s: log("    " + s))
-  for entry, rate, flop in zip(entries, rates, flops):
-    entry["examples_per_sec"] = {str(bs): float(r)
-                                 for bs, r in zip(batches, rate)}
-    entry["speedup"] = {str(bs): float(r / base)
-                        for bs, r, base in zip(batches, rate, rates[0])}
-    entry["flops"] = {str(bs): float(f) for bs, f in zip(batches, flop)}
-    entry["flop_ratio"] = {str(bs): float(f / base)
-                           for bs, f, base in zip(batches, flop, flops[0])}
-  return {"order": options.speed_order, "batch_sizes":
-          list(options.batch_sizes), "entries": entries}
-
-
 def custom_pruning(model: Transformer, params: Any, test: data.Split,
                    heads: Sequence[tuple[int, int]],
                    batch_size: int) -> dict[str, Any]:
@@ -509,8 +451,6 @@ def seed_models(workdir: str, out_dir: str, num_seeds: int,
   """The workdir's checkpoint (its newest, or ``step``), then
   ``num_seeds - 1`` models of the same config trained with the next seeds
   under ``out_dir/seeds/`` (reused when already trained), at the same step."""
-  from mha import train  # Deferred: training pulls in optax schedules etc.
-
   first = ckpt_lib.load_checkpoint(workdir, step)
   check_step(first, step, num_seeds)
   loaded = [first]
@@ -542,8 +482,6 @@ def run(workdir: str, out_dir: str, options: Options,
     ValueError: bad options, a head to remove that does not exist, or a
       ``step`` the other seeds will not have.
   """
-  from mha import train  # Deferred, as above.
-
   options.validate()
   start = time.perf_counter()
   first = ckpt_lib.load_checkpoint(workdir, step)
@@ -553,7 +491,7 @@ def run(workdir: str, out_dir: str, options: Options,
   os.makedirs(out_dir, exist_ok=True)
   checkpoints = seed_models(workdir, out_dir, options.num_seeds, step, log)
   config = first.config
-  splits = data.load_splits(train.data_spec(config), config.data.data_dir)
+  splits = data.load_splits(build.data_spec(config), config.data.data_dir)
   rng = np.random.default_rng(options.seed)
 
   seeds = []
@@ -594,8 +532,11 @@ def run(workdir: str, out_dir: str, options: Options,
     order = np.asarray(seeds[0]["orders"][options.speed_order])
     results["speed"], seconds = _timed(
         log, "speed table",
-        lambda: speed_table(first.model, first.params, order,
-                            splits["test"], options, log))
+        lambda: speed.speed_table(
+            first.model, first.params, order, splits["test"],
+            fractions=options.speed_fractions,
+            batch_sizes=options.batch_sizes, repeats=options.speed_repeats,
+            log=log) | {"order": options.speed_order})
     seeds[0]["timings"]["speed_s"] = seconds
   if options.remove_heads:
     results["custom_pruning"] = custom_pruning(
@@ -630,14 +571,14 @@ def _jsonable(value: Any) -> Any:
 def write_outputs(results: Mapping[str, Any], out_dir: str) -> list[str]:
   """Writes ``results.json``, the plots and ``report.md``; returns the
   paths."""
-  from mha import pruning_report  # Deferred: matplotlib.
+  from mha.pruning import report  # Deferred: matplotlib.
 
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, "results.json")
   with open(path + ".tmp", "w", encoding="utf-8") as f:
     json.dump(_jsonable(results), f, indent=1, allow_nan=False)
   os.replace(path + ".tmp", path)
-  return [path] + pruning_report.write(results, out_dir)
+  return [path] + report.write(results, out_dir)
 
 
 def load_options(values: Mapping[str, Any]) -> Options:
@@ -647,5 +588,5 @@ def load_options(values: Mapping[str, Any]) -> Options:
 
 
 __all__ = ["Options", "ORDERINGS", "aggregate", "analyze_seed",
-           "custom_pruning", "run", "seed_models", "speed_table",
+           "custom_pruning", "run", "seed_models",
            "write_outputs"]

@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -558,69 +557,35 @@ def count_params(params: Params) -> int:
   return int(sum(np.size(p) for p in jax.tree.leaves(params)))
 
 
-# --------------------------------------------------------------------------
-# Prediction speed.
-# --------------------------------------------------------------------------
-
-
-def compile_prediction(model: Transformer, params: Params,
-                       inputs: Array) -> Any:
-  """The AOT-compiled prediction ``(params, inputs) -> logits`` (fused
-  attention, no weights) for these shapes."""
-  predict = jax.jit(lambda p, x: model.apply({"params": p}, x,
-                                             return_weights=False)[0])
-  return predict.lower(params, inputs).compile()
-
-
-def compiled_flops(compiled: Any) -> float:
-  """FLOPs of a compiled program from XLA's cost analysis (NaN if the
-  backend reports none)."""
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else {}
-  return float((cost or {}).get("flops", float("nan")))
-
-
-def time_predictions(models: Sequence[tuple[Transformer, Params]],
-                     inputs_by_batch: Mapping[int, np.ndarray], *,
-                     repeats: int = 5, min_seconds: float = 0.02,
-                     progress: Callable[[str], None] | None = None
-                     ) -> tuple[np.ndarray, np.ndarray]:
-  """Examples per second and FLOPs of each model at each batch size.
-
-  Per batch size, every model is compiled once (the same executable gives
-  the FLOP count) and warmed up; then the models are timed in alternation,
-  so machine noise hits them alike. Each repeat runs as many calls as take
-  about ``min_seconds``, blocking on every result; the figure is the median
-  over ``repeats``.
-
-  Returns:
-    ``(examples_per_sec, flops)``, both ``[len(models), len(batch sizes)]``.
-  """
-  rates = np.zeros((len(models), len(inputs_by_batch)))
-  flops = np.zeros_like(rates)
-  for col, (batch_size, inputs) in enumerate(inputs_by_batch.items()):
-    inputs = jnp.asarray(inputs)
-    fns, calls = [], []
-    for row, (model, params) in enumerate(models):
-      compiled = compile_prediction(model, params, inputs)
-      flops[row, col] = compiled_flops(compiled)
-      compiled(params, inputs).block_until_ready()  # warm-up
-      start = time.perf_counter()
-      compiled(params, inputs).block_until_ready()
-      once = max(time.perf_counter() - start, 1e-6)
-      fns.append(compiled)
-      calls.append(max(1, int(min_seconds / once)))
-    samples: list[list[float]] = [[] for _ in models]
-    for _ in range(repeats):
-      for row, (fn, (_, params)) in enumerate(zip(fns, models)):
-        start = time.perf_counter()
-        for _ in range(calls[row]):
-          fn(params, inputs).block_until_ready()
-        samples[row].append(calls[row] * batch_size /
-                            (time.perf_counter() - start))
-    rates[:, col] = [np.median(s) for s in samples]
-    if progress:
-      progress(f"batch {batch_size}: " + ", ".join(
-          f"{r:,.0f}" for r in rates[:, col]) + " examples/s")
-  return rates, flops
+__all__ = [
+    "HeadSpec",
+    "existing_heads",
+    "full_head_mask",
+    "mask_without",
+    "leave_one_out_masks",
+    "all_but_one_masks",
+    "masks_from_order",
+    "pruning_counts",
+    "masked_logits",
+    "per_example_loss",
+    "head_mask_gradients",
+    "masked_metric_sums",
+    "attention_statistics",
+    "normalize_per_layer",
+    "gradient_importance",
+    "evaluate_masks",
+    "evaluate_masks_loop",
+    "heads_to_array",
+    "leave_one_out",
+    "all_but_one",
+    "attention_confidence",
+    "order_from_importance",
+    "iterative_gradient_order",
+    "random_orders",
+    "curve_auc",
+    "max_prunable_fraction",
+    "prune_heads",
+    "parse_heads",
+    "flat_to_pairs",
+    "count_params",
+]

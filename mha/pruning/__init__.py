@@ -1,0 +1,17 @@
+"""Which attention heads matter, and can the others go?
+
+The core (:mod:`mha.pruning.core`: head masks, importance measures, orders,
+curves, physical pruning) and prediction timing (:mod:`mha.pruning.speed`)
+are re-exported here, so ``from mha import pruning; pruning.prune_heads(...)``
+works. The study built on them lives beside them and is imported by name:
+:mod:`mha.pruning.experiment` (the protocol), :mod:`mha.pruning.report`
+(``report.md``) and :mod:`mha.pruning.plots` (the figures). Imports point one
+way: the core never imports the study.
+"""
+
+from mha.pruning.core import *  # noqa: F401,F403
+from mha.pruning.core import __all__ as _core_all
+from mha.pruning.speed import *  # noqa: F401,F403
+from mha.pruning.speed import __all__ as _speed_all
+
+__all__ = [*_core_all, *_speed_all]
