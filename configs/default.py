@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 
 import ml_collections
+from ml_collections import config_dict
 
 TASKS = ("reverse", "sort", "histogram")
 
@@ -39,7 +40,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.num_train_steps = 500  # Total optimizer steps.
   config.learning_rate = 1e-2  # Peak learning rate of the schedule.
   config.warmup_steps = 50  # Linear warmup steps, then cosine decay to 0.
-  config.weight_decay = 0.01  # AdamW decoupled weight decay (kernels only).
+  # AdamW decoupled weight decay, on the Dense kernels only (not on biases,
+  # LayerNorm scales, or the token and position embeddings).
+  config.weight_decay = 0.01
   config.adam_b2 = 0.98  # AdamW second-moment decay.
   config.grad_clip_norm = 1.0  # Clip gradients to this global norm.
   config.log_every_steps = 50  # Train metrics to console/TensorBoard/JSONL.
@@ -49,13 +52,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   config.model = ml_collections.ConfigDict()
   config.model.num_layers = 2  # Encoder blocks.
-  config.model.num_heads = 4  # Attention heads per layer.
+  # Attention heads per layer: an int, or a list of one count per layer (a
+  # pruned model; 0 allowed, model.head_dim required).
+  config.model.num_heads = 4
   config.model.d_model = 32  # Residual stream width.
   config.model.mlp_dim = 64  # Feed-forward hidden width.
   config.model.dropout_rate = 0.0  # Dropout on embeddings and residual branches.
   config.model.attention_dropout_rate = 0.0  # Dropout on attention weights.
   config.model.pre_norm = True  # Pre-LayerNorm (True) or post-LayerNorm blocks.
   config.model.positional = "learned"  # Position embedding: learned|sinusoidal.
+  # Per-head width; None: d_model // num_heads.
+  config.model.head_dim = config_dict.placeholder(int)
 
   config.mesh = ml_collections.ConfigDict()
   config.mesh.data = -1  # Devices along the data (batch) axis; -1 = all.
@@ -103,16 +110,16 @@ def _apply_variant(config: ml_collections.ConfigDict, part: str) -> None:
       target = target[parent]
     if name not in target:
       raise KeyError(f"unknown config key {key.strip()!r} in {part!r}")
-    current = target[name]
+    kind = target.get_type(name)  # Also of a placeholder (None) field.
     try:
       parsed = ast.literal_eval(value.strip())
     except (ValueError, SyntaxError):
       parsed = value.strip()
     try:
-      target[name] = type(current)(parsed)
+      target[name] = kind(parsed)
     except (TypeError, ValueError) as e:
       raise ValueError(f"config key {key.strip()!r} must be of type "
-                       f"{type(current).__name__}, not {value.strip()!r}") from e
+                       f"{kind.__name__}, not {value.strip()!r}") from e
   else:
     raise ValueError(
         f"unknown config variant {part!r}: expected one of {TASKS}, 'tiny', "

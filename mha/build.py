@@ -40,21 +40,19 @@ def data_spec(config: ml_collections.ConfigDict) -> data.DataSpec:
 
 
 def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
-  """The ``TransformerConfig`` of a run config (the model/data boundary)."""
-  m = config.model
+  """The ``TransformerConfig`` of a run config (the model/data boundary).
+
+  ``config.model`` is passed wholesale (nanodo's ``DoConfig(**c.model, ...)``):
+  a new model hyperparameter is one field of ``TransformerConfig`` and one line
+  in ``configs/default.py``. The data decides the vocabulary and the positions.
+  A config saved before a field existed (e.g. ``head_dim``) lacks it and gets
+  the dataclass default.
+  """
   return TransformerConfig(
+      **config.model,
       vocab_size=data.vocab_size(config.task, config.data.num_symbols,
                                  config.data.max_len),
-      num_layers=m.num_layers,
-      num_heads=(tuple(m.num_heads) if isinstance(m.num_heads, (list, tuple))
-                 else m.num_heads),
-      d_model=m.d_model,
-      mlp_dim=m.mlp_dim,
       max_len=config.data.max_len,
-      dropout_rate=m.dropout_rate,
-      attention_dropout_rate=m.attention_dropout_rate,
-      pre_norm=m.pre_norm,
-      positional=m.positional,
   )
 
 
@@ -75,8 +73,15 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
 
 
 def weight_decay_mask(params: Any) -> Any:
-  """True for the parameters weight decay applies to."""
-  return jax.tree.map(lambda p: p.ndim > 1, params)
+  """True for the parameters weight decay applies to: the kernels of the
+  Dense and DenseGeneral layers (leaf name ``kernel``), whatever their rank.
+
+  Not the biases (the attention's ``[H, Dh]`` biases have rank 2, so a mask
+  by rank would decay them), the LayerNorm scales and biases, the token
+  embedding or the learned position embedding.
+  """
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], "key", None) == "kernel", params)
 
 
 def make_optimizer(
@@ -89,10 +94,15 @@ def make_optimizer(
   )
 
 
+def init_params(model: Transformer, rng: Array) -> Any:
+  """Fresh parameters of ``model``."""
+  tokens = jnp.ones((1, model.config.max_len), jnp.int32)
+  return model.init(rng, tokens)["params"]
+
+
 def create_train_state(config: ml_collections.ConfigDict, model: Transformer,
                        rng: Array) -> TrainState:
   """Fresh parameters and optimizer state at step 0."""
-  tokens = jnp.ones((1, model.config.max_len), jnp.int32)
-  params = model.init(rng, tokens)["params"]
-  return TrainState.create(apply_fn=model.apply, params=params,
+  return TrainState.create(apply_fn=model.apply,
+                           params=init_params(model, rng),
                            tx=make_optimizer(config))

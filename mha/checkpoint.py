@@ -326,7 +326,8 @@ def load_checkpoint(workdir: str | os.PathLike,
   ``step``.
 
   Nothing but the workdir is needed: the config saved in the checkpoint
-  rebuilds the model. The parameters come back replicated on every device
+  rebuilds the model. Only the parameters are read (an orbax partial
+  restore, :func:`restore_params`): no optimizer is built. The parameters come back replicated on every device
   (``mha.sharding.make_mesh()``), whatever the device count of the run that
   saved them. Reads only: a damaged step is skipped with a warning on stderr
   when no ``step`` is given.
@@ -361,15 +362,41 @@ def load_checkpoint(workdir: str | os.PathLike,
     manager.close()
 
 
+def restore_params(manager: ocp.CheckpointManager, step: int,
+                   abstract_params: Any) -> Any:
+  """Restores only the ``params`` of the train state saved at ``step`` into
+  the structure, shapes and shardings of ``abstract_params``.
+
+  An orbax partial restore (``PyTreeRestore(partial_restore=True)``): the
+  step counter and the optimizer state are neither read nor built, so no
+  optimizer is needed to load a model.
+  """
+  item = {"params": abstract_params}
+  restored = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.PyTreeRestore(
+          item=item,
+          restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+          partial_restore=True)))
+  return restored["state"]["params"]
+
+
+def read_params(manager: ocp.CheckpointManager, step: int,
+                abstract_params: Any) -> Any:
+  """``restore_params``, raising ``DamagedCheckpointError`` naming the step's
+  folder when a parameter cannot be read back."""
+  try:
+    return restore_params(manager, step, abstract_params)
+  except Exception as e:  # orbax and tensorstore raise many kinds.
+    raise _damaged(manager, step, e) from e
+
+
 def _load(manager: ocp.CheckpointManager, step: int) -> LoadedCheckpoint:
   config = read_config(manager, step)
   model = build.make_model(config)
   abstract = jax.eval_shape(
-      lambda: build.create_train_state(config, model, jax.random.key(0)))
-  mesh = sharding_lib.make_mesh()
-  abstract = sharding_lib.with_shardings(
-      abstract, sharding_lib.state_shardings(abstract, mesh,
-                                             shard_params=False))
-  state = read_state(manager, step, abstract)
-  return LoadedCheckpoint(config=config, model=model, params=state.params,
+      lambda: build.init_params(model, jax.random.key(0)))
+  abstract = sharding_lib.with_shardings(abstract, sharding_lib.state_shardings(
+      abstract, sharding_lib.make_mesh(), shard_params=False))
+  params = read_params(manager, step, abstract)
+  return LoadedCheckpoint(config=config, model=model, params=params,
                           step=int(step))

@@ -13,49 +13,16 @@ resumed with another ``data.max_len`` is refused by :func:`check_resume`.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any, Mapping
 
 import ml_collections
 
+from configs import default
 from mha.data import TASKS
 from mha.model import POSITIONAL_KINDS
-
-# Every key of a run config and its type (a float field also takes an int).
-FIELDS: dict[str, type] = {
-    "task": str,
-    "seed": int,
-    "batch_size": int,
-    "eval_batch_size": int,
-    "num_train_steps": int,
-    "learning_rate": float,
-    "warmup_steps": int,
-    "weight_decay": float,
-    "adam_b2": float,
-    "grad_clip_norm": float,
-    "log_every_steps": int,
-    "eval_every_steps": int,
-    "checkpoint_every_steps": int,
-    "max_checkpoints_to_keep": int,
-    "model.num_layers": int,
-    "model.num_heads": int,
-    "model.d_model": int,
-    "model.mlp_dim": int,
-    "model.dropout_rate": float,
-    "model.attention_dropout_rate": float,
-    "model.pre_norm": bool,
-    "model.positional": str,
-    "mesh.data": int,
-    "mesh.shard_params": bool,
-    "data.num_symbols": int,
-    "data.min_len": int,
-    "data.max_len": int,
-    "data.num_train_examples": int,
-    "data.num_eval_examples": int,
-    "data.seed": int,
-    "data.data_dir": str,
-}
 
 # The keys a resumed run may change: none of them changes the model, the data
 # or the optimizer state. (``num_train_steps`` stretches or shortens the cosine
@@ -77,8 +44,7 @@ RESUMABLE_KEYS: frozenset[str] = frozenset({
 _AT_LEAST_ONE = (
     "batch_size", "eval_batch_size", "num_train_steps", "log_every_steps",
     "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
-    "model.num_layers", "model.num_heads", "model.d_model", "model.mlp_dim",
-    "data.num_symbols", "data.min_len", "data.num_train_examples",
+    "model.num_layers", "model.d_model", "model.mlp_dim", "data.num_symbols", "data.min_len", "data.num_train_examples",
     "data.num_eval_examples")
 _AT_LEAST_ZERO = ("warmup_steps", "data.seed")
 
@@ -98,32 +64,99 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
   return flat
 
 
+def declared_types(
+    config: ml_collections.ConfigDict | None = None,
+    prefix: str = "") -> dict[str, type]:
+  """Every key of a run config and its type, read off ``default.get_config()``
+  (the one place the fields are declared; a placeholder's declared type too).
+  """
+  config = default.get_config() if config is None else config
+  types = {}
+  for key, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      types.update(declared_types(value, f"{prefix}{key}."))
+    else:
+      types[f"{prefix}{key}"] = config.get_type(key)
+  return types
+
+
+@functools.cache
+def _optional_keys() -> frozenset[str]:
+  """Keys whose default is a placeholder (None): a config saved before the
+  key existed lacks it and means the default."""
+  return frozenset(key for key, value in flatten(
+      default.get_config().to_dict()).items() if value is None)
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _type_problem(key: str, value: Any, kind: type) -> str | None:
+  if value is None and key in _optional_keys():
+    return None
   if kind is float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
   elif kind is int:
-    ok = isinstance(value, int) and not isinstance(value, bool)
+    # ``model.num_heads`` may also be one count per layer (a pruned model).
+    ok = _is_int(value) or (key == "model.num_heads" and isinstance(
+        value, (list, tuple)) and all(map(_is_int, value)))
   else:
     ok = isinstance(value, kind)
   return None if ok else (f"{key}={value!r} must be of type {kind.__name__}, "
                           f"not {type(value).__name__}")
 
 
+def _head_problems(values: Mapping[str, Any]) -> list[str]:
+  """What is wrong with ``model.num_heads`` and ``model.head_dim``."""
+  heads, head_dim = values["model.num_heads"], values.get("model.head_dim")
+  layers, width = values["model.num_layers"], values["model.d_model"]
+  problems = []
+  if head_dim is not None and head_dim < 1:
+    problems.append(f"model.head_dim={head_dim} must be >= 1")
+  if isinstance(heads, (list, tuple)):
+    if len(heads) != layers:
+      problems.append(f"model.num_heads={list(heads)} has {len(heads)} "
+                      f"entries, not one per layer (model.num_layers={layers})")
+    if any(h < 0 for h in heads):
+      problems.append(f"model.num_heads={list(heads)} must be >= 0 each")
+    if head_dim is None:
+      problems.append(f"model.num_heads={list(heads)} is per layer: it needs "
+                      "model.head_dim")
+  elif heads < 1:
+    problems.append(f"model.num_heads={heads} must be >= 1")
+  elif head_dim is None and width % heads:
+    problems.append(f"model.d_model={width} is not divisible by "
+                    f"model.num_heads={heads}")
+  return problems
+
+
 def config_problems(config: ml_collections.ConfigDict) -> list[str]:
-  """Everything wrong with a run config, one phrase each (empty: it is fine)."""
+  """Everything wrong with a run config, one phrase each (empty: it is fine).
+
+  The keys and their types are those of ``default.get_config()``; a key whose
+  default is a placeholder may be absent (a config saved before it existed).
+  """
+  fields = declared_types()
   values = flatten(config.to_dict())
   problems = [f"unknown config key {key!r}" for key in values
-              if key not in FIELDS]
-  problems += [f"missing config key {key!r}" for key in FIELDS
-               if key not in values]
+              if key not in fields]
+  problems += [f"missing config key {key!r}" for key in fields
+               if key not in values and key not in _optional_keys()]
   problems += filter(None, (_type_problem(key, values[key], kind)
-                            for key, kind in FIELDS.items() if key in values))
+                            for key, kind in fields.items() if key in values))
   if problems:  # The range checks below need every field, of its type.
     return problems
+  return _range_problems(values)
+
+
+def _range_problems(values: Mapping[str, Any]) -> list[str]:
+  """The values out of range of a config whose every field has its type."""
 
   def value(key):
     return values[key]
 
+  problems = []
   if value("task") not in TASKS:
     problems.append(f"task={value('task')!r} is not a task; the tasks are "
                     f"{', '.join(TASKS)}")
@@ -141,10 +174,7 @@ def config_problems(config: ml_collections.ConfigDict) -> list[str]:
   for key in ("model.dropout_rate", "model.attention_dropout_rate"):
     if not 0 <= value(key) < 1:
       problems.append(f"{key}={value(key)} must be in [0, 1)")
-  heads, width = value("model.num_heads"), value("model.d_model")
-  if heads >= 1 and width % heads:
-    problems.append(f"model.d_model={width} is not divisible by "
-                    f"model.num_heads={heads}")
+  problems += _head_problems(values)
   if value("model.positional") not in POSITIONAL_KINDS:
     problems.append(f"model.positional={value('model.positional')!r} is not "
                     f"one of {', '.join(POSITIONAL_KINDS)}")
@@ -200,12 +230,18 @@ def check_workdir(workdir: str) -> None:
 def resume_conflicts(saved: Mapping[str, Any],
                      config: ml_collections.ConfigDict) -> list[str]:
   """The keys, with both values, in which ``config`` may not differ from the
-  ``saved`` config (as a dict) of the run it would resume."""
+  ``saved`` config (as a dict) of the run it would resume.
+
+  A key absent from one side (a config saved before the key existed) counts
+  as its ``default.get_config()`` value.
+  """
   old, new = flatten(saved), flatten(config.to_dict())
+  defaults = flatten(default.get_config().to_dict())
   missing = object()
   conflicts = []
   for key in sorted(old.keys() | new.keys()):
-    a, b = old.get(key, missing), new.get(key, missing)
+    a = old.get(key, defaults.get(key, missing))
+    b = new.get(key, defaults.get(key, missing))
     if key not in RESUMABLE_KEYS and _comparable(a) != _comparable(b):
       show = lambda v: "<absent>" if v is missing else repr(v)
       conflicts.append(f"{key} (saved {show(a)}, now {show(b)})")

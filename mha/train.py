@@ -25,6 +25,7 @@ checkpoints.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import signal
@@ -186,6 +187,53 @@ def _all_finite(tree: Any) -> Array:
   return jnp.all(jnp.stack(leaves))
 
 
+class _NoWriter:
+  """The ``MetricWriter`` of processes other than process 0: writes nothing."""
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    del step, scalars
+
+  def write_text(self, step: int, tag: str, text: str) -> None:
+    del step, tag, text
+
+  def close(self) -> None:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """What every part of a training run works with, built once by
+  :func:`train_and_evaluate` (instead of a dozen parameters passed on)."""
+
+  config: ml_collections.ConfigDict
+  workdir: str
+  model: Transformer
+  splits: Mapping[str, data.Split]
+  mesh: Mesh
+  state_shardings: Any  # of the train state, leaf by leaf
+  dropout_rng: Array
+  checkpoints: ckpt_lib.TrainCheckpoints
+  writer: MetricWriter | _NoWriter
+  stop: _StopRequest
+  start_time: float  # time.time() when train_and_evaluate was called
+
+  def log(self, message: str) -> None:
+    """Prints ``message`` once: on process 0."""
+    _log(message)
+
+  def evaluate(self, params: Any, name: str, step: int) -> dict[str, float]:
+    """Evaluates on split ``name`` and writes (and prints) the metrics."""
+    metrics = eval_lib.evaluate(self.model, params, self.splits[name],
+                                self.config.eval_batch_size, mesh=self.mesh)
+    self.writer.write_scalars(step,
+                              {f"{name}/{k}": v for k, v in metrics.items()})
+    self.log(f"{name} @ step {step}: loss {metrics['loss']:.4f} | "
+             f"tok_acc {metrics['token_accuracy']:.4f} | "
+             f"exact {metrics['exact_match']:.4f} "
+             f"({format_duration(time.time() - self.start_time)} since start)")
+    return metrics
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict,
                        workdir: str | os.PathLike) -> TrainState:
   """Trains ``config`` in ``workdir``, resuming from its newest checkpoint.
@@ -212,13 +260,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     DamagedCheckpointError: a save that cannot be read back.
   """
   start_time = time.time()
-  config_validation.validate_config(config)
-  config_validation.validate_devices(config, jax.device_count())
-  workdir = os.path.abspath(os.path.expanduser(os.fspath(workdir)))
-  config_validation.check_workdir(workdir)
-  saved = ckpt_lib.saved_config(workdir)
-  if saved is not None:
-    config_validation.check_resume(saved, config, workdir)
+  workdir = _checked_workdir(config, workdir)
   splits = _load_splits(config)
   model = build.make_model(config)
   mesh = sharding_lib.make_mesh(config.mesh.data)
@@ -230,9 +272,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   abstract_state = jax.eval_shape(create, init_rng)
   state_shardings = sharding_lib.state_shardings(
       abstract_state, mesh, shard_params=config.mesh.shard_params)
-  # Jitted: eager initialisation runs op by op and takes seconds.
-  init = jax.jit(create, out_shardings=state_shardings)
-  main_process = sharding_lib.is_main_process()
 
   os.makedirs(workdir, exist_ok=True)
   checkpoints = ckpt_lib.TrainCheckpoints(
@@ -243,52 +282,59 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     cleanup.callback(checkpoints.close)  # Even on errors: finish the saves.
     restored = checkpoints.restore_latest()
     if restored is None:
-      state = init(init_rng)
+      # Jitted: eager initialisation runs op by op and takes seconds.
+      state = jax.jit(create, out_shardings=state_shardings)(init_rng)
     else:
       state = restored[1]
       _log(f"Resumed from checkpoint at step {restored[0]} in {workdir}")
-    start_step = int(state.step)
-    if main_process:
-      with open(os.path.join(workdir, "config.json"), "w",
-                encoding="utf-8") as f:
-        f.write(ckpt_lib.config_to_json(config) + "\n")
-
-    writer = cleanup.enter_context(contextlib.closing(
-        MetricWriter(workdir) if main_process else _NoWriter()))
-    if start_step == 0:
-      writer.write_text(0, "config", f"```\n{config}\n```")
-      num_params = sum(p.size for p in jax.tree.leaves(state.params))
-      _log(f"Training {config.task}: {num_params:,} parameters, "
-           f"{config.num_train_steps} steps of batch {config.batch_size} on "
-           f"{_describe_devices(mesh)}; workdir {workdir}")
-    stop = cleanup.enter_context(_StopRequest())
+    main_process = sharding_lib.is_main_process()
+    run = _Run(
+        config=config, workdir=workdir, model=model, splits=splits,
+        mesh=mesh, state_shardings=state_shardings, dropout_rng=dropout_rng,
+        checkpoints=checkpoints,
+        writer=cleanup.enter_context(contextlib.closing(
+            MetricWriter(workdir) if main_process else _NoWriter())),
+        stop=cleanup.enter_context(_StopRequest()), start_time=start_time)
+    _write_run_header(run, state)
     try:
-      state = _train_loop(config, model, state, splits, dropout_rng, mesh,
-                          state_shardings, checkpoints, writer, stop,
-                          start_time)
+      state = _train_loop(run, state)
     except FloatingPointError as e:
       raise FloatingPointError(
           f"{e}; stopped without saving it (newest checkpoint: "
           f"{_describe_latest(checkpoints)})") from e
-
-    final_step = int(state.step)
-    _evaluate_and_write(writer, model, state.params, splits["test"], "test",
-                        final_step, config.eval_batch_size, start_time, mesh)
+    run.evaluate(state.params, "test", int(state.step))
     checkpoints.verify()
   return state
 
 
-class _NoWriter:
-  """The ``MetricWriter`` of processes other than process 0: writes nothing."""
+def _checked_workdir(config: ml_collections.ConfigDict,
+                     workdir: str | os.PathLike) -> str:
+  """The absolute workdir, once the config, the devices and the workdir
+  (another run's?) are checked; raises ``ConfigError`` otherwise."""
+  config_validation.validate_config(config)
+  config_validation.validate_devices(config, jax.device_count())
+  workdir = os.path.abspath(os.path.expanduser(os.fspath(workdir)))
+  config_validation.check_workdir(workdir)
+  saved = ckpt_lib.saved_config(workdir)
+  if saved is not None:
+    config_validation.check_resume(saved, config, workdir)
+  return workdir
 
-  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
-    del step, scalars
 
-  def write_text(self, step: int, tag: str, text: str) -> None:
-    del step, tag, text
-
-  def close(self) -> None:
-    pass
+def _write_run_header(run: _Run, state: TrainState) -> None:
+  """``config.json`` (process 0); at step 0 also the config as TensorBoard
+  text and a line saying what trains where."""
+  config = run.config
+  if sharding_lib.is_main_process():
+    with open(os.path.join(run.workdir, "config.json"), "w",
+              encoding="utf-8") as f:
+      f.write(ckpt_lib.config_to_json(config) + "\n")
+  if int(state.step) == 0:
+    run.writer.write_text(0, "config", f"```\n{config}\n```")
+    num_params = sum(p.size for p in jax.tree.leaves(state.params))
+    run.log(f"Training {config.task}: {num_params:,} parameters, "
+            f"{config.num_train_steps} steps of batch {config.batch_size} on "
+            f"{_describe_devices(run.mesh)}; workdir {run.workdir}")
 
 
 def _log(message: str) -> None:
@@ -355,88 +401,100 @@ def _describe_latest(checkpoints: ckpt_lib.TrainCheckpoints) -> str:
   return "none" if step is None else f"step {step} in {checkpoints.directory}"
 
 
-def _train_loop(config: ml_collections.ConfigDict, model: Transformer,
-                state: TrainState, splits: Mapping[str, data.Split],
-                dropout_rng: Array, mesh: Mesh, state_shardings: Any,
-                checkpoints: ckpt_lib.TrainCheckpoints,
-                writer: MetricWriter, stop: _StopRequest,
-                start_time: float) -> TrainState:
-  """Steps from ``state.step`` to ``num_train_steps``, evaluating, logging and
-  saving on the way; returns the final state (its checkpoint saved)."""
-  batch_sharding = sharding_lib.batch_sharding(mesh)
-  replicated = sharding_lib.replicated(mesh)
-  step_fn = jax.jit(
-      functools.partial(train_step, model=model,
-                        schedule=build.learning_rate_schedule(config)),
-      in_shardings=(state_shardings, batch_sharding, replicated),
-      out_shardings=(state_shardings, replicated),
-      donate_argnums=0)
-  rows = sharding_lib.process_rows(batch_sharding, config.batch_size)
-  start_step = int(state.step)
-  total = config.num_train_steps
-  window = _TrainMetrics()
-  window_start, window_step = time.time(), start_step
-  pending = None  # (step, metrics on device): fetched one step late.
+class _Progress:
+  """Train metrics of a logging window: checked, summed, logged (and timed,
+  for steps/s) as they are fetched from the device."""
 
-  def process(step: int, metrics) -> None:
-    nonlocal window_start, window_step
+  def __init__(self, run: _Run, step: int):
+    self._run = run
+    self._window = _TrainMetrics()
+    self.restart(step)
+
+  def restart(self, step: int) -> None:
+    """Restarts the steps/s clock at ``step`` (after an evaluation or a
+    save: steps/s measures training)."""
+    self._start, self._step = time.time(), step
+
+  def record(self, step: int, metrics: Mapping[str, Array]) -> None:
+    """Fetches the metrics of ``step``, checks them, and writes a summary
+    every ``log_every_steps`` and at the last step.
+
+    Raises:
+      FloatingPointError: a non-finite loss or gradient norm.
+    """
     metrics = jax.device_get(metrics)
     _check_finite(step, metrics)
-    window.add(metrics)
+    self._window.add(metrics)
+    config = self._run.config
+    total = config.num_train_steps
     if step % config.log_every_steps == 0 or step == total:
       now = time.time()
-      rate = (step - window_step) / max(now - window_start, 1e-9)
-      summary = window.summary()
-      writer.write_scalars(step, {**summary, "steps_per_sec": rate})
-      _log(_log_line(step, total, summary, rate, now - start_time))
-      window.reset()
-      window_start, window_step = now, step
+      rate = (step - self._step) / max(now - self._start, 1e-9)
+      summary = self._window.summary()
+      self._run.writer.write_scalars(step,
+                                     {**summary, "steps_per_sec": rate})
+      self._run.log(_log_line(step, total, summary, rate,
+                              now - self._run.start_time))
+      self._window.reset()
+      self.restart(step)
 
-  for step in range(start_step + 1, total + 1):
+
+def _compile_step(run: _Run):
+  """The train step, jitted once for the run's shardings, state donated."""
+  replicated = sharding_lib.replicated(run.mesh)
+  return jax.jit(
+      functools.partial(train_step, model=run.model,
+                        schedule=build.learning_rate_schedule(run.config)),
+      in_shardings=(run.state_shardings,
+                    sharding_lib.batch_sharding(run.mesh), replicated),
+      out_shardings=(run.state_shardings, replicated),
+      donate_argnums=0)
+
+
+def _train_loop(run: _Run, state: TrainState) -> TrainState:
+  """Steps from ``state.step`` to ``num_train_steps``, evaluating, logging and
+  saving on the way; returns the final state (its checkpoint saved)."""
+  config = run.config
+  step_fn = _compile_step(run)
+  batch_sharding = sharding_lib.batch_sharding(run.mesh)
+  rows = sharding_lib.process_rows(batch_sharding, config.batch_size)
+  total = config.num_train_steps
+  progress = _Progress(run, int(state.step))
+  pending = None  # (step, metrics on device): fetched one step late.
+  for step in range(int(state.step) + 1, total + 1):
     batch = sharding_lib.global_batch(
-        process_train_batch(splits["train"], config, step - 1, rows),
+        process_train_batch(run.splits["train"], config, step - 1, rows),
         batch_sharding, config.batch_size)
-    state, metrics = step_fn(state, batch, dropout_rng)
+    state, metrics = step_fn(state, batch, run.dropout_rng)
     if pending is not None:
-      process(*pending)
+      progress.record(*pending)
     pending = (step, metrics)
 
-    signum = _agreed_signal(stop.signum)
-    stopping = signum is not None
+    signum = _agreed_signal(run.stop.signum)
     do_eval = step % config.eval_every_steps == 0 or step == total
     do_save = (step % config.checkpoint_every_steps == 0 or step == total
-               or stopping)
+               or signum is not None)
     if do_eval or do_save:
       # Never evaluate or checkpoint before the finiteness check of this step.
-      process(*pending)
+      progress.record(*pending)
       pending = None
-    if do_eval and not stopping:
-      _evaluate_and_write(writer, model, state.params, splits["validation"],
-                          "validation", step, config.eval_batch_size,
-                          start_time, mesh)
-    if do_save:
-      if not bool(_all_finite(state)):
-        raise FloatingPointError(f"non-finite parameters after step {step}")
-      checkpoints.save(step, state, config)
-    if stopping:
-      checkpoints.verify()
-      raise TrainingInterrupted(signum, step, checkpoints.step_path(step))
-    if do_eval or do_save:  # steps/s measures training: restart its clock
-      window_start, window_step = time.time(), step
-
+      _evaluate_and_save(run, state, step, do_eval, do_save, signum)
+      progress.restart(step)
   if pending is not None:
-    process(*pending)
+    progress.record(*pending)
   return state
 
 
-def _evaluate_and_write(writer: MetricWriter, model: Transformer, params: Any,
-                        split: data.Split, name: str, step: int,
-                        batch_size: int, start_time: float,
-                        mesh: Mesh) -> dict[str, float]:
-  metrics = eval_lib.evaluate(model, params, split, batch_size, mesh=mesh)
-  writer.write_scalars(step, {f"{name}/{k}": v for k, v in metrics.items()})
-  _log(f"{name} @ step {step}: loss {metrics['loss']:.4f} | "
-       f"tok_acc {metrics['token_accuracy']:.4f} | "
-       f"exact {metrics['exact_match']:.4f} "
-       f"({format_duration(time.time() - start_time)} since start)")
-  return metrics
+def _evaluate_and_save(run: _Run, state: TrainState, step: int, do_eval: bool,
+                       do_save: bool, signum: int | None) -> None:
+  """What happens after step ``step`` besides training: validation, a
+  checkpoint, and stopping on a signal (``TrainingInterrupted``)."""
+  if do_eval and signum is None:
+    run.evaluate(state.params, "validation", step)
+  if do_save:
+    if not bool(_all_finite(state)):
+      raise FloatingPointError(f"non-finite parameters after step {step}")
+    run.checkpoints.save(step, state, run.config)
+  if signum is not None:
+    run.checkpoints.verify()
+    raise TrainingInterrupted(signum, step, run.checkpoints.step_path(step))

@@ -101,10 +101,47 @@ def _snapshot(path):
 
 
 def test_every_config_field_has_a_declared_type():
+  types = config_validation.declared_types()
   keys = config_validation.flatten(default.get_config().to_dict())
-  assert set(keys) == set(config_validation.FIELDS)
+  assert set(keys) == set(types)
+  assert types["learning_rate"] is float and types["model.pre_norm"] is bool
+  assert types["model.head_dim"] is int  # a placeholder's declared type
   assert config_validation.config_problems(default.get_config("tiny")) == []
-  assert config_validation.RESUMABLE_KEYS <= set(config_validation.FIELDS)
+  assert config_validation.RESUMABLE_KEYS <= set(types)
+
+
+def test_per_layer_heads_and_configs_saved_before_head_dim():
+  # A pruned model: one head count per layer, 0 allowed, head_dim required.
+  fields = default.get_config("tiny").to_dict()
+  fields["model"]["num_heads"] = [2, 0]
+  problems = config_validation.config_problems(ml_collections.ConfigDict(
+      fields))
+  assert problems == ["model.num_heads=[2, 0] is per layer: it needs "
+                      "model.head_dim"]
+  fields["model"]["head_dim"] = 8
+  assert config_validation.config_problems(
+      ml_collections.ConfigDict(fields)) == []
+  fields["model"]["num_heads"] = [2, -1, 1]
+  assert config_validation.config_problems(
+      ml_collections.ConfigDict(fields)) == [
+          "model.num_heads=[2, -1, 1] has 3 entries, not one per layer "
+          "(model.num_layers=2)",
+          "model.num_heads=[2, -1, 1] must be >= 0 each"]
+  fields["model"]["num_heads"] = [2, "x"]
+  assert config_validation.config_problems(
+      ml_collections.ConfigDict(fields)) == [
+          "model.num_heads=[2, 'x'] must be of type int, not list"]
+  # A config saved before model.head_dim existed: valid, and resuming it
+  # with head_dim at its default is no conflict; with another value it is.
+  config = default.get_config("tiny")
+  saved = config.to_dict()
+  del saved["model"]["head_dim"]
+  assert config_validation.config_problems(
+      ml_collections.ConfigDict(saved)) == []
+  assert config_validation.resume_conflicts(saved, config) == []
+  assert config_validation.resume_conflicts(
+      saved, default.get_config("tiny,model.head_dim=4")) == [
+          "model.head_dim (saved None, now 4)"]
 
 
 @pytest.mark.parametrize("override, message", [
