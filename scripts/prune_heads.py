@@ -15,6 +15,8 @@ does not exist) is one line on stderr and exit code 2.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import time
 
@@ -22,10 +24,14 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from mha import build
 from mha import checkpoint as ckpt_lib
 from mha import cli
+from mha import data
+from mha import evaluate
 from mha import pruning
 from mha.pruning import experiment
+from mha.pruning import export
 
 _PROG = "prune_heads.py"
 
@@ -65,6 +71,16 @@ _REMOVE_HEADS = flags.DEFINE_string(
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 1000,
                                    "Examples per evaluation call.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random orders.")
+_SAVE_PRUNED = flags.DEFINE_string(
+    "save_pruned", None, "Instead of the study: save the model with "
+    "--remove_heads (or --prune_fraction of --order) removed as a workdir "
+    "here, print its test metrics and exit.")
+_PRUNE_FRACTION = flags.DEFINE_float(
+    "prune_fraction", None, "With --save_pruned: the fraction of the heads "
+    "removed, the least important first in --order.")
+_ORDER = flags.DEFINE_string(
+    "order", None, "With --prune_fraction: an ordering of the study (not "
+    "random), or oracle (the best subset on validation token accuracy).")
 
 
 def _options() -> experiment.Options:
@@ -99,6 +115,10 @@ def main(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
   workdir = cli.existing_dir(_PROG, _WORKDIR.value)
+  if (_SAVE_PRUNED.value is not None or _PRUNE_FRACTION.value is not None
+      or _ORDER.value is not None):
+    _save_pruned(workdir)
+    return
   out = os.path.abspath(os.path.expanduser(
       _OUT.value or os.path.join(workdir, "pruning")))
   if os.path.exists(out) and not os.path.isdir(out):
@@ -122,6 +142,94 @@ def main(argv: list[str]) -> None:
   print(f"Pruning experiment on {workdir} -> {out}", flush=True)
   results = experiment.run(workdir, out, options, _STEP.value)
   _print_summary(results, out, time.time() - start)
+
+
+def _pruned_heads_or_order() -> tuple[list[tuple[int, int]], str | None]:
+  """The heads of --remove_heads, or (none and) the --order to take
+  --prune_fraction of; a UsageError for any inconsistent combination."""
+  if _SAVE_PRUNED.value is None:
+    raise cli.UsageError("--prune_fraction and --order need --save_pruned")
+  fraction, order = _PRUNE_FRACTION.value, _ORDER.value
+  if bool(_REMOVE_HEADS.value) == (fraction is not None):
+    raise cli.UsageError("--save_pruned needs exactly one of --remove_heads "
+                         "and --prune_fraction")
+  if _REMOVE_HEADS.value:
+    if order is not None:
+      raise cli.UsageError("--order goes with --prune_fraction, not "
+                           "--remove_heads")
+    try:
+      return pruning.parse_heads(_REMOVE_HEADS.value), None
+    except ValueError as e:
+      raise cli.UsageError(f"--remove_heads: {e}") from None
+  if not 0.0 <= fraction <= 1.0:
+    raise cli.UsageError(f"--prune_fraction must be in [0, 1], got {fraction}")
+  valid = [k for k in experiment.ORDERINGS if k != "random"] + ["oracle"]
+  if order is None:
+    raise cli.UsageError("--prune_fraction needs --order, one of: "
+                         + ", ".join(valid))
+  if order not in valid:
+    raise cli.UsageError(f"--order {order!r} is not one of: "
+                         + ", ".join(valid))
+  return [], order
+
+
+def _save_pruned(workdir: str) -> None:
+  """--save_pruned: write the pruned model, print its test metrics."""
+  try:
+    heads, order = _pruned_heads_or_order()
+    export.check_output_dir(_SAVE_PRUNED.value, workdir)
+    ckpt = ckpt_lib.load_checkpoint(workdir, _STEP.value)
+    if order is not None:
+      heads = _heads_of_order(ckpt, order, _PRUNE_FRACTION.value)
+    pruning.prune_heads(ckpt.params, ckpt.model_config, heads)  # Valid?
+  except (cli.UsageError, FileNotFoundError, ValueError) as e:
+    cli.fail(_PROG, e)
+  details = ({"order": order, "prune_fraction": _PRUNE_FRACTION.value}
+             if order is not None else {})
+  provenance = export.save_pruned(ckpt, heads, _SAVE_PRUNED.value,
+                                  source=workdir, details=details)
+  out = os.path.abspath(os.path.expanduser(_SAVE_PRUNED.value))
+  pruned = ckpt_lib.load_checkpoint(out)  # Evaluate what was written.
+  test = data.load_splits(build.data_spec(ckpt.config),
+                          ckpt.config.data.data_dir)["test"]
+  batch = ckpt.config.eval_batch_size
+  metrics = evaluate.evaluate(pruned.model, pruned.params, test, batch)
+  before = evaluate.evaluate(ckpt.model, ckpt.params, test, batch)
+  removed = ", ".join(f"{l}:{h}" for l, h in provenance["removed"]) or "none"
+  print(f"Wrote the model of {workdir} (step {ckpt.step}) without heads "
+        f"{removed} (heads per layer {provenance['heads_per_layer']}) to {out}")
+  print("Test: " + ", ".join(
+      f"{k} {metrics[k]:.4f} (unpruned {before[k]:.4f})"
+      for k in ("token_accuracy", "exact_match", "loss")))
+  print(json.dumps({"out": out, **provenance, "test": metrics,
+                    "test_unpruned": before}), flush=True)
+
+
+def _heads_of_order(ckpt, order: str, fraction: float
+                    ) -> list[tuple[int, int]]:
+  """The --prune_fraction least important heads of ``order`` (computed on
+  validation)."""
+  config = ckpt.config
+  validation = data.load_splits(build.data_spec(config),
+                                config.data.data_dir)["validation"]
+  options = dataclasses.replace(
+      _options(), reestimate=order == "gradient_iterative")
+  if order == "oracle":
+    from mha.pruning import oracle  # pylint: disable=import-outside-toplevel
+    n = int(pruning.existing_heads(ckpt.model_config).sum())
+    if n > options.oracle_max_heads:
+      raise cli.UsageError(
+          f"--order oracle evaluates 2^{n} subsets: more than "
+          f"--oracle_max_heads={options.oracle_max_heads} heads")
+    values = oracle.evaluate_subsets(ckpt.model, ckpt.params, validation,
+                                     batch_size=options.batch_size)
+    k = int(round(fraction * n))
+    flat = oracle.best_removals(values["token_accuracy"],
+                                ckpt.model_config)[k]
+    return pruning.flat_to_pairs(ckpt.model_config, flat)
+  orders = experiment.compute_orders(ckpt.model, ckpt.params, validation,
+                                     options)
+  return export.heads_for_fraction(ckpt.model_config, orders[order], fraction)
 
 
 def _print_summary(results, out: str, seconds: float) -> None:

@@ -1,0 +1,290 @@
+"""Pruned models saved as regular workdirs.
+
+A model whose heads were physically removed (:func:`mha.pruning.prune_heads`)
+is an ordinary :class:`mha.model.Transformer` with per-layer head counts. This
+module writes it as a training run would: an orbax checkpoint in
+``out/checkpoints/<step>/`` (the ``state`` and ``config`` items of
+:mod:`mha.checkpoint`) and ``out/config.json``, so that
+``mha.load_checkpoint(out)`` and ``python eval.py --workdir out`` work on it.
+
+* The config is the source run's, with ``model.num_heads`` a list of per-layer
+  head counts (0 for a layer that lost every head) and ``model.head_dim`` set.
+* The state is the source step's, heads sliced out of the parameters *and* out
+  of the optimizer's moments (they have the parameters' structure), so the
+  step, the learning-rate schedule and Adam's statistics carry on.
+* ``out/pruned_from.json`` records where it came from: the source workdir and
+  step, the removed ``[layer, head]`` pairs and how they were chosen. It is
+  also what makes ``out`` safe to overwrite: a non-empty ``out`` is replaced
+  only when this file names the same source workdir.
+
+    ckpt = mha.load_checkpoint("runs/reverse")
+    save_pruned(ckpt, [(0, 1), (1, 3)], "runs/reverse_pruned",
+                source="runs/reverse")
+    pruned = mha.load_checkpoint("runs/reverse_pruned")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Mapping, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from mha import build
+from mha import checkpoint as ckpt_lib
+from mha import sharding as sharding_lib
+from mha.model import Transformer, TransformerConfig
+from mha.pruning import core
+
+PROVENANCE_FILE = "pruned_from.json"
+
+
+# --------------------------------------------------------------------------
+# Where a pruned model may be written.
+# --------------------------------------------------------------------------
+
+
+def _real(path: str | os.PathLike) -> str:
+  return os.path.realpath(os.path.abspath(os.path.expanduser(path)))
+
+
+def read_provenance(out: str | os.PathLike) -> dict[str, Any] | None:
+  """The ``pruned_from.json`` of ``out``, or None when it has none (or it is
+  not readable JSON)."""
+  path = os.path.join(out, PROVENANCE_FILE)
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return value if isinstance(value, dict) else None
+
+
+def check_output_dir(out: str | os.PathLike,
+                     source: str | os.PathLike) -> None:
+  """Raises ValueError unless a pruned model of ``source`` may go to ``out``.
+
+  Allowed: ``out`` does not exist, is an empty directory, or is a pruned model
+  of the same source workdir (its ``pruned_from.json`` names it; that model is
+  replaced). Refused: a file, the source workdir itself, anything else that
+  is not empty. Writes nothing.
+  """
+  out, source = _real(out), _real(source)
+  if not os.path.exists(out):
+    return
+  if not os.path.isdir(out):
+    raise ValueError(f"--save_pruned {out} exists and is not a directory")
+  if out == source:
+    raise ValueError(f"--save_pruned {out} is the source workdir itself")
+  if not os.listdir(out):
+    return
+  provenance = read_provenance(out)
+  if provenance is None:
+    raise ValueError(f"--save_pruned {out} is not empty and is not a pruned "
+                     f"model (no {PROVENANCE_FILE}); refusing to overwrite it")
+  if _real(provenance.get("source_workdir", "")) != source:
+    raise ValueError(
+        f"--save_pruned {out} holds a pruned model of another workdir "
+        f"({provenance.get('source_workdir')}); refusing to overwrite it")
+
+
+# --------------------------------------------------------------------------
+# The pruned config and state.
+# --------------------------------------------------------------------------
+
+
+def pruned_run_config(config: ml_collections.ConfigDict,
+                      model_config: TransformerConfig
+                      ) -> ml_collections.ConfigDict:
+  """The run config of a pruned model: ``config`` with ``model.num_heads``
+  the per-layer counts of ``model_config`` and ``model.head_dim`` set."""
+  values = config.to_dict()
+  values["model"]["num_heads"] = [int(h) for h in model_config.heads_per_layer]
+  values["model"]["head_dim"] = int(model_config.resolved_head_dim)
+  new = ml_collections.ConfigDict(values)
+  new.lock()
+  return new
+
+
+def _prune_optimizer_state(opt_state: Any, params: Any,
+                           config: TransformerConfig,
+                           heads: core.HeadSpec) -> Any:
+  """Slices ``heads`` out of every subtree of ``opt_state`` shaped like the
+  parameters (Adam's moments); counts and empty states pass unchanged."""
+  structure = jax.tree.structure(params)
+
+  def is_params_like(node: Any) -> bool:
+    return isinstance(node, Mapping) and set(node) == set(params) and (
+        jax.tree.structure(node) == structure)
+
+  def prune(node: Any) -> Any:
+    if is_params_like(node):
+      return core.prune_heads(node, config, heads)[0]
+    return node
+
+  return jax.tree.map(prune, opt_state, is_leaf=is_params_like)
+
+
+def prune_train_state(state: build.TrainState, config: TransformerConfig,
+                      heads: core.HeadSpec
+                      ) -> tuple[build.TrainState, TransformerConfig]:
+  """The train state with ``heads`` removed from the parameters and the
+  optimizer's moments (same step); and the pruned model's config."""
+  params, pruned_config = core.prune_heads(state.params, config, heads)
+  opt_state = _prune_optimizer_state(state.opt_state, state.params, config,
+                                     heads)
+  return state.replace(params=params, opt_state=opt_state), pruned_config
+
+
+def _abstract_state(config: ml_collections.ConfigDict) -> Any:
+  """The train state's shapes for ``config``, replicated on every device
+  (what :func:`mha.checkpoint.load_checkpoint` restores into)."""
+  model = build.make_model(config)
+  abstract = jax.eval_shape(
+      lambda: build.create_train_state(config, model, jax.random.key(0)))
+  mesh = sharding_lib.make_mesh()
+  return sharding_lib.with_shardings(
+      abstract, sharding_lib.state_shardings(abstract, mesh,
+                                             shard_params=False))
+
+
+def read_train_state(workdir: str | os.PathLike,
+                     ckpt: ckpt_lib.LoadedCheckpoint) -> build.TrainState:
+  """The whole train state (optimizer included) of the step ``ckpt`` was
+  loaded from, read again from ``workdir``."""
+  manager = ckpt_lib.make_manager(workdir, read_only=True)
+  try:
+    return ckpt_lib.read_state(manager, ckpt.step, _abstract_state(ckpt.config))
+  finally:
+    manager.close()
+
+
+def _matched_to(state: build.TrainState,
+                config: ml_collections.ConfigDict) -> build.TrainState:
+  """``state`` with the pruned model's ``apply_fn`` and ``tx``; ValueError
+  unless its arrays have exactly the structure and shapes that a load of
+  ``config`` restores into (else the saved model would not load)."""
+  expected = _abstract_state(config)
+  state = state.replace(apply_fn=expected.apply_fn, tx=expected.tx)
+  shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
+  if (jax.tree.structure(expected) != jax.tree.structure(state)
+      or shapes(expected) != shapes(state)):
+    raise ValueError("the pruned train state does not match the structure of "
+                     "the pruned config's model (a bug in mha.pruning.export)")
+  return state
+
+
+# --------------------------------------------------------------------------
+# Saving.
+# --------------------------------------------------------------------------
+
+
+def heads_for_fraction(config: TransformerConfig, order: Sequence[int],
+                       fraction: float) -> list[tuple[int, int]]:
+  """The first ``round(fraction * N)`` heads of ``order`` (flat indices, least
+  important first) as ``(layer, head)`` pairs, ``N`` the existing heads."""
+  if not 0.0 <= fraction <= 1.0:
+    raise ValueError(f"--prune_fraction must be in [0, 1], got {fraction}")
+  count = int(round(fraction * int(core.existing_heads(config).sum())))
+  return core.flat_to_pairs(config, np.asarray(order, np.int64)[:count])
+
+
+def _write(out: str, step: int, state: Any,
+           config: ml_collections.ConfigDict,
+           provenance: Mapping[str, Any]) -> None:
+  manager = ckpt_lib.make_manager(out)
+  try:
+    ckpt_lib.save(manager, step, state, config)
+    manager.wait_until_finished()
+  finally:
+    manager.close()
+  with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+    f.write(ckpt_lib.config_to_json(config) + "\n")
+  with open(os.path.join(out, PROVENANCE_FILE), "w", encoding="utf-8") as f:
+    json.dump(provenance, f, indent=2)
+    f.write("\n")
+
+
+def _sorted_pairs(heads: core.HeadSpec) -> list[list[int]]:
+  if isinstance(heads, Mapping):
+    heads = [(layer, h) for layer, hs in heads.items() for h in hs]
+  return [list(pair) for pair in sorted({(int(l), int(h)) for l, h in heads})]
+
+
+def save_pruned(ckpt: ckpt_lib.LoadedCheckpoint, heads: core.HeadSpec,
+                out: str | os.PathLike, *, source: str | os.PathLike,
+                details: Mapping[str, Any] | None = None) -> dict[str, Any]:
+  """Writes the model of ``ckpt`` with ``heads`` removed as a workdir.
+
+  The model is written to a temporary folder beside ``out`` and moved into
+  place once complete, so ``out`` never holds half a model; a previous
+  pruned model of the same source in ``out`` is replaced.
+
+  Args:
+    ckpt: the loaded source checkpoint (``mha.load_checkpoint(source)``).
+    heads: ``(layer, head)`` pairs (or ``{layer: heads}``) to remove.
+    out: the new workdir.
+    source: the workdir ``ckpt`` was loaded from (its optimizer state is
+      read again from there; named in the provenance).
+    details: extra provenance (e.g. the order and fraction that chose the
+      heads), stored in ``pruned_from.json``.
+
+  Returns:
+    The provenance written to ``out/pruned_from.json``.
+
+  Raises:
+    ValueError: a head that does not exist, or ``out`` may not be written
+      (:func:`check_output_dir`).
+  """
+  source, out = _real(source), _real(out)
+  check_output_dir(out, source)
+  pairs = _sorted_pairs(heads)
+  state, model_config = prune_train_state(
+      read_train_state(source, ckpt), ckpt.model_config, pairs)
+  config = pruned_run_config(ckpt.config, model_config)
+  state = _matched_to(state, config)
+  provenance = {
+      "source_workdir": source,
+      "source_step": int(ckpt.step),
+      "removed": pairs,
+      "heads_per_layer": list(model_config.heads_per_layer),
+      **dict(details or {}),
+  }
+  parent = os.path.dirname(out)
+  os.makedirs(parent, exist_ok=True)
+  staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=parent)
+  try:
+    _write(staging, int(ckpt.step), state, config, provenance)
+    if os.path.exists(out):
+      shutil.rmtree(out)
+    os.rename(staging, out)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  return provenance
+
+
+def pruned_model(ckpt: ckpt_lib.LoadedCheckpoint,
+                 heads: core.HeadSpec) -> tuple[Transformer, Any]:
+  """The pruned ``(model, params)`` in memory (what :func:`save_pruned`
+  writes, without the optimizer state)."""
+  params, config = core.prune_heads(ckpt.params, ckpt.model_config, heads)
+  return Transformer(config), params
+
+
+__all__ = [
+    "PROVENANCE_FILE",
+    "read_provenance",
+    "check_output_dir",
+    "pruned_run_config",
+    "prune_train_state",
+    "read_train_state",
+    "heads_for_fraction",
+    "save_pruned",
+    "pruned_model",
+]
