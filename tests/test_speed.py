@@ -1,0 +1,160 @@
+"""The speed table (mha.pruning.speed): its protocol and its numbers' shape.
+
+No assertion here depends on how fast anything runs: the timing windows are
+replaced by a deterministic fake where the protocol is checked, and the real
+table is checked for structure only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mha import data
+from mha.model import Transformer, TransformerConfig
+from mha.pruning import core
+from mha.pruning import speed
+
+CONFIG = TransformerConfig(vocab_size=12, num_layers=2, num_heads=4,
+                           d_model=16, mlp_dim=32, max_len=6)
+
+
+def _model_and_params():
+  model = Transformer(CONFIG)
+  params = model.init(jax.random.key(0),
+                      jnp.ones((1, CONFIG.max_len), jnp.int32))["params"]
+  return model, params
+
+
+def _split(n: int = 8) -> data.Split:
+  rng = np.random.default_rng(0)
+  inputs = rng.integers(1, CONFIG.vocab_size, (n, CONFIG.max_len))
+  inputs[:, -2:] = 0  # some padding
+  return data.Split(inputs.astype(np.int32), inputs[:, ::-1].astype(np.int32))
+
+
+def test_median_interval_ranks_and_coverage():
+  # 10 samples: x_(2) and x_(9), coverage 1 - 2 P(Bin(10, 1/2) <= 1).
+  median, low, high, coverage = speed.median_interval(np.arange(10.0)[::-1])
+  assert (median, low, high) == (4.5, 1.0, 8.0)
+  assert coverage == pytest.approx(1 - 2 * 11 / 1024)
+  # 5 samples are too few for 95%: the range, with its own coverage.
+  assert speed.median_interval([3.0, 1, 2, 5, 4]) == (3.0, 1.0, 5.0,
+                                                      1 - 2 / 32)
+  assert speed.median_interval([7.0])[:3] == (7.0, 7.0, 7.0)
+
+
+def test_median_interval_covers_the_true_median_as_stated():
+  # Exponential(1) has median log 2. 4,000 simulated sets of 10: the share
+  # covering it is 0.9785 up to a binomial standard error of 0.0023; 0.012
+  # is 5 standard errors.
+  rng = np.random.default_rng(0)
+  hits = 0
+  for _ in range(4000):
+    _, low, high, coverage = speed.median_interval(rng.exponential(size=10))
+    hits += low <= math.log(2) <= high
+  assert hits / 4000 == pytest.approx(coverage, abs=0.012)
+
+
+def test_rotation_puts_every_model_in_every_slot():
+  schedule = speed.rotation(3, 6)
+  assert schedule[:3] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+  assert schedule[3:] == schedule[:3]
+  for slot in range(3):
+    counts = np.bincount([order[slot] for order in schedule], minlength=3)
+    assert list(counts) == [2, 2, 2]
+
+
+def test_compiled_costs_reads_xla_cost_analysis():
+  x = jnp.ones((8, 8))
+  compiled = jax.jit(lambda a: jnp.exp(a) @ a).lower(x).compile()
+  costs = speed.compiled_costs(compiled)
+  assert set(costs) == {"flops", "bytes_accessed", "transcendentals"}
+  assert costs["flops"] == 2 * 8 ** 3  # the matmul's multiply-adds
+  assert costs["transcendentals"] == 64  # one exp per element
+  assert costs["bytes_accessed"] >= 3 * 8 * 8 * 4  # x in, x again, out
+
+
+def test_time_models_rotates_every_round_and_pairs_the_ratios(monkeypatch):
+  model, params = _model_and_params()
+  pruned_params, pruned_config = core.prune_heads(params, CONFIG,
+                                                  [(0, 0), (1, 1), (1, 2)])
+  other_params, other_config = core.prune_heads(params, CONFIG, [(0, 3)])
+  models = [(model, params), (Transformer(pruned_config), pruned_params),
+            (Transformer(other_config), other_params)]
+  row_of = {id(p): row for row, (_, p) in enumerate(models)}
+  ran: list[int] = []
+
+  def fake_window(fn, p, inputs, calls):
+    del fn, inputs
+    ran.append(row_of[id(p)])
+    # Model r takes (r + 1) ms per call, and round k is (k + 1) times slower
+    # for everyone (a drifting machine): the paired ratio cancels the drift.
+    round_index = (len(ran) - 1) // len(models)
+    return calls * 1e-3 * (row_of[id(p)] + 1) * (round_index % 4 + 1)
+
+  monkeypatch.setattr(speed, "_window", fake_window)
+  monkeypatch.setattr(speed, "_calls_for", lambda *args: 5)
+  batches = {2: _split().inputs[:2], 4: _split().inputs[:4]}
+  timings = speed.time_models(models, batches, repeats=4, min_seconds=0.0)
+
+  schedule = [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+  assert timings.schedule == schedule
+  per_batch = [row for order in schedule for row in order]
+  assert ran == per_batch * len(batches)  # the order actually run
+  assert timings.rounds.shape == (3, 2, 4)
+  assert timings.examples_per_sec.shape == timings.speedup.shape == (3, 2)
+  assert timings.examples_per_sec_ci.shape == timings.speedup_ci.shape == (
+      3, 2, 2)
+  assert timings.calls_per_window.tolist() == [[5, 5]] * 3
+  # Round k of model r at batch b: b / ((r + 1) ms * (k + 1)).
+  expected = 2 / (1e-3 * np.arange(1, 5))
+  np.testing.assert_allclose(timings.rounds[0, 0], expected)
+  np.testing.assert_allclose(timings.speedup[:, 0], [1.0, 1 / 2, 1 / 3])
+  np.testing.assert_allclose(timings.speedup_ci[1, 1], [0.5, 0.5])
+  assert np.all(timings.examples_per_sec_ci[..., 0] <= timings.examples_per_sec)
+  assert np.all(timings.examples_per_sec <= timings.examples_per_sec_ci[..., 1])
+  # XLA's static counts: fewer heads, less of each.
+  for name in ("flops", "bytes_accessed", "transcendentals"):
+    assert timings.costs[name].shape == (3, 2)
+    assert np.all(timings.costs[name][1] < timings.costs[name][0]), name
+
+
+def test_speed_table_structure():
+  model, params = _model_and_params()
+  order = core.order_from_importance(
+      np.arange(8, dtype=np.float64).reshape(2, 4))
+  logged: list[str] = []
+  table = speed.speed_table(model, params, order, _split(),
+                            fractions=[0.5, 1.0], batch_sizes=[1, 4],
+                            repeats=3, min_seconds=0.0, log=logged.append)
+  assert table["batch_sizes"] == [1, 4]
+  timing = table["timing"]
+  assert timing["repeats"] == 3 and timing["min_seconds"] == 0.0
+  assert timing["schedule"] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+  assert 0 <= timing["coverage"] <= 1
+  entries = table["entries"]
+  assert [e["fraction"] for e in entries] == [0.0, 0.5, 1.0]
+  assert [e["heads_removed"] for e in entries] == [0, 4, 8]
+  assert entries[2]["heads_per_layer"] == [0, 0]
+  for entry in entries:
+    assert entry["max_abs_logit_diff_pruned_vs_masked"] < 1e-5
+    for key in ("examples_per_sec", "examples_per_sec_ci",
+                "examples_per_sec_rounds", "speedup", "speedup_ci",
+                "calls_per_window", "flops", "flop_ratio", "bytes_accessed",
+                "bytes_accessed_ratio", "transcendentals",
+                "transcendentals_ratio"):
+      assert list(entry[key]) == ["1", "4"], key
+    for bs in ("1", "4"):
+      low, high = entry["examples_per_sec_ci"][bs]
+      assert low <= entry["examples_per_sec"][bs] <= high
+      assert len(entry["examples_per_sec_rounds"][bs]) == 3
+      assert entry["calls_per_window"][bs] == 1  # min_seconds=0
+  assert entries[0]["speedup"] == {"1": 1.0, "4": 1.0}
+  assert entries[0]["flop_ratio"] == {"1": 1.0, "4": 1.0}
+  assert entries[2]["transcendentals_ratio"]["4"] < 1.0  # no softmax left
+  assert any("rotated" in line for line in logged)
