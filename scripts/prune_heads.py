@@ -60,8 +60,9 @@ _SPEED_FRACTIONS = flags.DEFINE_list(
     "Fractions of heads physically pruned for the speed table.")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "16", "64", "256"],
                                  "Batch sizes of the speed table.")
-_SPEED_REPEATS = flags.DEFINE_integer("speed_repeats", 5,
-                                      "Timing repeats (median).")
+_SPEED_REPEATS = flags.DEFINE_integer(
+    "speed_repeats", 10, "Timing rounds of >= 0.2 s per model, the models' "
+    "order rotated every round (median and its interval).")
 _SPEED_ORDER = flags.DEFINE_string(
     "speed_order", "gradient_l2", "Ordering pruned for the speed table.")
 _SPEED = flags.DEFINE_bool("speed", True, "Run the speed table.")
