@@ -183,16 +183,29 @@ def _gate_heads(context: Array, head_mask: Array | None) -> Array:
   return context * _expand_to_rank(gate, context.ndim)
 
 
+# Why a custom derivative. Differentiated through exp, sum and divide,
+# softmax's backward pass keeps the exponentials and a broadcast of 1 / sum:
+# two more [..., Lq, Lk] arrays than the rule below, which needs only the
+# output y (dy = y * (dx - sum(y * dx))), so training keeps less per layer
+# and the backward pass is faster (see scripts/benchmark.py).
+#
+# What JAX decided about its own: jax.nn.softmax got this same rule in
+# jax-ml/jax#15677 (April 2023), with the `jax_softmax_custom_jvp` flag as a
+# temporary way back to the old derivative. jax-ml/jax#16096 (May 2023)
+# turned the rule off by default ("basically undoing it") after some long
+# training runs failed after many steps with it on and not without, to stay
+# off "until we diagnose the cause". In the installed JAX (0.10.2) the flag
+# is still there and still False by default (jax/_src/config.py), so
+# jax.nn.softmax differentiates through exp/sum/divide unless a program opts
+# in. We could not find that the failures were ever diagnosed. We keep our
+# own rule rather than flip the process-wide flag (it would change every
+# other softmax in the program); tests/test_attention.py checks it against
+# jax.nn.softmax's derivative (JVP, VJP, masked keys, fully masked rows,
+# second derivatives).
 @jax.custom_jvp
 def _softmax(logits: Array) -> Array:
-  """``jax.nn.softmax`` over the last axis, with a cheaper derivative.
-
-  Unless the ``jax_softmax_custom_jvp`` flag is on (it is off by default),
-  ``jax.nn.softmax`` is differentiated through exp, sum and divide, and its
-  backward pass keeps the exponentials and a broadcast of ``1 / sum``: two
-  more ``[..., Lq, Lk]`` arrays than the rule below, which needs only the
-  output (a faster backward pass: see ``scripts/benchmark.py``).
-  """
+  """``jax.nn.softmax`` over the last axis, with a derivative that keeps only
+  its output (see the comment above)."""
   unnormalized = jnp.exp(
       logits - jnp.max(logits, -1, keepdims=True, initial=-jnp.inf))
   return unnormalized / jnp.sum(unnormalized, -1, keepdims=True)
