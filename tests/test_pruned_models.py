@@ -15,6 +15,7 @@ import pytest
 
 import mha
 from mha import build
+from mha import config_validation
 from mha import data
 from mha.pruning import core
 from mha.pruning import experiment
@@ -70,6 +71,7 @@ def test_saved_model_loads_and_equals_masked(tiny_run, source, splits,
   assert list(loaded.model_config.heads_per_layer) == heads_per_layer
   assert list(loaded.config.model.num_heads) == heads_per_layer
   assert loaded.config.model.head_dim == 8  # 16 // 2, kept explicit
+  assert config_validation.config_problems(loaded.config) == []
   inputs = jnp.asarray(splits["test"].inputs)
   logits, _ = loaded.model.apply({"params": loaded.params}, inputs,
                                  return_weights=False)
