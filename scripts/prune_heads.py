@@ -182,7 +182,8 @@ def _save_pruned(workdir: str) -> None:
     ckpt = ckpt_lib.load_checkpoint(workdir, _STEP.value)
     if order is not None:
       heads = _heads_of_order(ckpt, order, _PRUNE_FRACTION.value)
-    pruning.prune_heads(ckpt.params, ckpt.model_config, heads)  # Valid?
+    # A head that does not exist fails here, before anything is written.
+    pruning.prune_heads(ckpt.params, ckpt.model_config, heads)
   except (cli.UsageError, FileNotFoundError, ValueError) as e:
     cli.fail(_PROG, e)
   details = ({"order": order, "prune_fraction": _PRUNE_FRACTION.value}
