@@ -31,7 +31,7 @@ TASKS: tuple[str, ...] = ("reverse", "sort", "histogram")
 
 # Bump when the generation code changes so that stale prepared data on disk is
 # never silently reused (the version is part of the on-disk path).
-_VERSION = "1.0.0"
+_VERSION = "1.1.0"
 _SPLITS: tuple[str, ...] = ("train", "validation", "test")
 _READ_CHUNK = 4096  # records per `__getitems__` call when reading a split.
 
@@ -95,12 +95,12 @@ def vocab_size(task: str, num_symbols: int, max_len: int) -> int:
 
 def _sample_inputs(
     rng: np.random.Generator, spec: DataSpec, num: int
-) -> tuple[np.ndarray, np.ndarray]:
-  """Samples `num` padded input rows [num, max_len] int32 and their lengths."""
+) -> np.ndarray:
+  """Samples `num` padded input rows [num, max_len] int32."""
   lengths = rng.integers(spec.min_len, spec.max_len + 1, size=num)
   tokens = rng.integers(1, spec.num_symbols + 1, size=(num, spec.max_len))
   mask = np.arange(spec.max_len)[None, :] < lengths[:, None]
-  return np.where(mask, tokens, 0).astype(np.int32), lengths.astype(np.int32)
+  return np.where(mask, tokens, 0).astype(np.int32)
 
 
 def _compute_targets(task: str, inputs: np.ndarray) -> np.ndarray:
@@ -136,7 +136,7 @@ def _row_keys(inputs: np.ndarray) -> list[bytes]:
 
 
 def _generate_arrays(spec: DataSpec) -> dict[str, dict[str, np.ndarray]]:
-  """Generates all splits for `spec`: {split: {inputs, targets, length}}.
+  """Generates all splits for `spec`: {split: {inputs, targets}}.
 
   Deterministic in `spec` only. The train split is sampled i.i.d.; validation
   and test are sampled by rejection so that their valid prefixes never occur in
@@ -154,30 +154,28 @@ def _generate_arrays(spec: DataSpec) -> dict[str, dict[str, np.ndarray]]:
     rng = np.random.default_rng([spec.seed, split_id])
     need = sizes[split]
     if split == "train":
-      inputs, lengths = _sample_inputs(rng, spec, need)
+      inputs = _sample_inputs(rng, spec, need)
     else:
-      parts_x, parts_l, have = [], [], 0
+      parts_x, have = [], 0
       for _ in range(1000):
         if have >= need:
           break
-        cand_x, cand_l = _sample_inputs(rng, spec, max(2 * (need - have), 256))
+        cand_x = _sample_inputs(rng, spec, max(2 * (need - have), 256))
         keep = np.fromiter(
             (k not in seen for k in _row_keys(cand_x)), bool, len(cand_x)
         )
         parts_x.append(cand_x[keep][: need - have])
-        parts_l.append(cand_l[keep][: need - have])
         have += len(parts_x[-1])
       if have < need:
         raise ValueError(
             f"Could not sample {need} {split} sequences unseen in earlier "
             f"splits for {spec}; the sequence space is too small."
         )
-      inputs, lengths = np.concatenate(parts_x), np.concatenate(parts_l)
+      inputs = np.concatenate(parts_x)
     seen.update(_row_keys(inputs))
     out[split] = {
         "inputs": inputs,
         "targets": _compute_targets(spec.task, inputs),
-        "length": lengths,
     }
   return out
 
@@ -229,7 +227,10 @@ class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   # download, so no code path / checksums file is needed.
   code_path = None
   VERSION = tfds.core.Version(_VERSION)
-  RELEASE_NOTES = {_VERSION: "Initial release."}
+  RELEASE_NOTES = {
+      "1.0.0": "Initial release.",
+      "1.1.0": "No stored `length` feature (it is `inputs != 0`).",
+  }
   BUILDER_CONFIGS = [
       ToySeq2SeqConfig.from_spec(task, DataSpec(task=task)) for task in TASKS
   ]
@@ -249,7 +250,6 @@ class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
             "targets": tfds.features.Tensor(
                 shape=(spec.max_len,), dtype=np.int32
             ),
-            "length": tfds.features.Scalar(dtype=np.int32),
         }),
         supervised_keys=("inputs", "targets"),
         disable_shuffling=True,  # keep the generation order on disk.
@@ -265,7 +265,6 @@ class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
       yield i, {
           "inputs": arrays["inputs"][i],
           "targets": arrays["targets"][i],
-          "length": arrays["length"][i],
       }
 
 

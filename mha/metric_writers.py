@@ -39,11 +39,6 @@ class MetricWriter:
     """Writes a text summary (the config, at step 0) to TensorBoard."""
     self._tb.add_text(tag, text, global_step=int(step))
 
-  def flush(self) -> None:
-    """Flushes both sinks."""
-    self._jsonl.flush()
-    self._tb.flush()
-
   def close(self) -> None:
     """Flushes and closes both sinks."""
     self._jsonl.close()

@@ -15,7 +15,7 @@ figure is left open when the function is called in a loop.
 from __future__ import annotations
 
 import os
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -108,7 +108,6 @@ def attention_grid_figure(
     targets: np.ndarray | None = None,
     predictions: np.ndarray | None = None,
     title: str | None = None,
-    token_names: Callable[[int], str] | None = None,
 ) -> Figure:
   """Builds (but does not save) the layers x heads attention-heatmap figure.
 
@@ -124,7 +123,6 @@ def attention_grid_figure(
     """
   tokens, attention, targets, predictions = _check_inputs(
       tokens, attention, targets, predictions)
-  name = token_names if token_names is not None else (lambda t: str(t))
   n = valid_length(tokens)
   n_layers = len(attention)
   heads = [a.shape[0] for a in attention]
@@ -148,10 +146,10 @@ def attention_grid_figure(
                       gridspec_kw={"height_ratios": row_heights})
   norm = Normalize(vmin=0.0, vmax=1.0)
 
-  key_labels = [name(int(t)) for t in tokens[:n]]
+  key_labels = [str(int(t)) for t in tokens[:n]]
   if targets is not None:
     query_labels = [
-        f"{name(int(x))}\u2192{name(int(t))}"
+        f"{int(x)}\u2192{int(t)}"
         for x, t in zip(tokens[:n], targets[:n])
     ]
   else:
@@ -236,7 +234,6 @@ def plot_attention(
     targets: np.ndarray | None = None,
     predictions: np.ndarray | None = None,
     title: str | None = None,
-    token_names: Callable[[int], str] | None = None,
 ) -> None:
   """Writes a PNG grid of attention heatmaps (rows = layers, columns = heads).
 
@@ -257,7 +254,6 @@ def plot_attention(
       predictions: optional ``[L]`` int predicted tokens (requires ``targets``);
         query labels where ``prediction != target`` are drawn in bold red.
       title: optional figure title (``fig.suptitle``).
-      token_names: how to print a token id; default ``str(id)``.
 
     Raises:
       ValueError: if ``tokens`` is not 1-D or starts with padding, an attention
@@ -271,7 +267,6 @@ def plot_attention(
       targets=targets,
       predictions=predictions,
       title=title,
-      token_names=token_names,
   )
   path = os.fspath(path)
   parent = os.path.dirname(path)

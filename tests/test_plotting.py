@@ -129,7 +129,6 @@ def test_targets_and_predictions_label_mismatches(tmp_path):
       path,
       targets=targets,
       predictions=predictions,
-      token_names=lambda t: f"s{t}",
   )
   _assert_png(path)
 
@@ -138,14 +137,13 @@ def test_targets_and_predictions_label_mismatches(tmp_path):
       attention,
       targets=targets,
       predictions=predictions,
-      token_names=lambda t: f"s{t}",
   )
   ax = _cells(fig)[0]
   labels = ax.get_yticklabels()
   assert [lab.get_text() for lab in labels
-         ] == [f"s{x}\u2192s{t}" for x, t in zip(tokens[:n], targets[:n])]
+         ] == [f"{x}\u2192{t}" for x, t in zip(tokens[:n], targets[:n])]
   assert [lab.get_text() for lab in ax.get_xticklabels()
-         ] == [f"s{x}" for x in tokens[:n]]
+         ] == [f"{x}" for x in tokens[:n]]
   red = mcolors.to_rgba("tab:red")
   colours = [mcolors.to_rgba(lab.get_color()) for lab in labels]
   assert [c == red for c in colours] == [i == 2 for i in range(n)]
