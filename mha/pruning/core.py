@@ -176,6 +176,31 @@ def masked_metric_sums(model: Transformer, params: Params, inputs: Array,
   return eval_lib.metric_sums(logits, targets, inputs)
 
 
+def example_metric_sums(logits: Array, targets: Array,
+                        inputs: Array) -> dict[str, Array]:
+  """:func:`mha.evaluate.metric_sums` of each example ``[B]`` (their sums
+  over the batch are the batch's): what a bootstrap resample needs."""
+  valid = inputs != 0
+  ce = optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), targets)
+  right = (jnp.argmax(logits, -1) == targets) & valid
+  nonempty = jnp.any(valid, axis=-1)
+  return {
+      "loss_sum": jnp.sum(jnp.where(valid, ce, 0.0), axis=-1),
+      "correct": jnp.sum(right, axis=-1),
+      "tokens": jnp.sum(valid, axis=-1),
+      "exact": (jnp.all(right | ~valid, axis=-1) & nonempty).astype(jnp.int32),
+      "sequences": nonempty.astype(jnp.int32),
+  }
+
+
+def masked_example_sums(model: Transformer, params: Params, inputs: Array,
+                        targets: Array, head_mask: Array) -> dict[str, Array]:
+  """:func:`example_metric_sums` of the model under ``head_mask``."""
+  logits = masked_logits(model, params, inputs, head_mask)
+  return example_metric_sums(logits, targets, inputs)
+
+
 def attention_statistics(model: Transformer, params: Params,
                          inputs: Array) -> dict[str, Array]:
   """Sums over non-padding queries of each head's max weight and entropy.
@@ -216,19 +241,21 @@ def _abs_gradient_sums(model, params, inputs, targets, head_mask):
   return jnp.sum(jnp.abs(grads), axis=0)
 
 
-@functools.partial(jax.jit, static_argnames="model")
-def _metric_sums_per_mask(model, params, inputs, targets, masks):
-  fn = functools.partial(masked_metric_sums, model, params, inputs, targets)
-  return jax.vmap(fn)(masks)
+@functools.partial(jax.jit, static_argnames=("model", "per_example"))
+def _metric_sums_per_mask(model, params, inputs, targets, masks,
+                          per_example=False):
+  fn = masked_example_sums if per_example else masked_metric_sums
+  return jax.vmap(functools.partial(fn, model, params, inputs, targets))(masks)
 
 
 _metric_sums_one_mask = jax.jit(masked_metric_sums, static_argnames="model")
 _attention_statistics = jax.jit(attention_statistics, static_argnames="model")
 
 
-def _batches(split: data.Split, batch_size: int):
-  # Split across every device (rounded up to a multiple of them; padding rows
-  # count nothing), like mha.evaluate.
+def batches(split: data.Split, batch_size: int):
+  """``(inputs, targets)`` batches of ``split`` in order, split across every
+  device (rounded up to a multiple of them; the padding rows at the end
+  count nothing), like :mod:`mha.evaluate`."""
   mesh = sharding_lib.make_mesh()
   for batch in sharding_lib.eval_batches(
       split, min(batch_size, max(len(split), 1)), mesh):
@@ -265,7 +292,7 @@ def gradient_importance(model: Transformer, params: Params, split: data.Split,
   config = model.config
   mask = jnp.asarray(full_head_mask(config) if head_mask is None else head_mask)
   total = np.zeros(mask.shape, np.float64)
-  for inputs, targets in _batches(split, batch_size):
+  for inputs, targets in batches(split, batch_size):
     total += np.asarray(_abs_gradient_sums(model, params, inputs, targets,
                                            mask))
   importance = total / max(len(split), 1)
@@ -275,7 +302,8 @@ def gradient_importance(model: Transformer, params: Params, split: data.Split,
 
 def evaluate_masks(model: Transformer, params: Params, split: data.Split,
                    masks: np.ndarray, *, batch_size: int = 1000,
-                   chunk_size: int = 8) -> dict[str, np.ndarray]:
+                   chunk_size: int = 8,
+                   per_example: bool = False) -> dict[str, np.ndarray]:
   """Loss, token accuracy and exact match under each of ``masks``.
 
   The masks are split into even chunks of at most ``chunk_size``; each chunk
@@ -286,28 +314,39 @@ def evaluate_masks(model: Transformer, params: Params, split: data.Split,
   bounds the rows of a call rather than the examples.
 
   Returns:
-    ``loss``, ``token_accuracy``, ``exact_match``: arrays ``[N]``.
+    ``loss``, ``token_accuracy``, ``exact_match``: arrays ``[N]``. With
+    ``per_example``: the :func:`example_metric_sums` of every example,
+    ``[N, n]`` each (their sums over examples give the metrics through
+    :func:`mha.evaluate.summarize`).
   """
   masks = np.asarray(masks, np.float32)
   n = len(masks)
   chunk = -(-n // -(-n // max(chunk_size, 1)))  # even chunks, least padding
-  totals: dict[str, np.ndarray] = {}
+  totals: dict[str, list[np.ndarray]] = {}
   for start in range(0, n, chunk):
     part = masks[start:start + chunk]
     padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part), 0)])
     padded = jnp.asarray(padded)
-    sums: dict[str, np.ndarray] = {}
-    # batch_size bounds the rows of one call (masks x examples): what fits
-    # in cache sets the speed on CPU, not the number of calls.
-    for inputs, targets in _batches(split, -(-batch_size // chunk)):
-      out = jax.device_get(
-          _metric_sums_per_mask(model, params, inputs, targets, padded))
+    pieces: dict[str, list[np.ndarray]] = {}
+    for inputs, targets in batches(split, -(-batch_size // chunk)):
+      out = jax.device_get(_metric_sums_per_mask(
+          model, params, inputs, targets, padded, per_example))
       for key, value in out.items():
-        sums[key] = sums.get(key, 0.0) + np.asarray(value, np.float64)
-    for key, value in sums.items():
-      totals.setdefault(key, []).append(value[:len(part)])
+        pieces.setdefault(key, []).append(np.asarray(value))
+    for key, value in pieces.items():
+      if per_example:  # [chunk, B] per batch -> [chunk, n]
+        joined = np.concatenate(value, axis=-1)[:, :len(split)]
+      else:
+        joined = np.sum(np.stack(value), axis=0, dtype=np.float64)
+      totals.setdefault(key, []).append(joined[:len(part)])
   stacked = {k: np.concatenate(v) for k, v in totals.items()}
-  return eval_lib.summarize(stacked)
+  return stacked if per_example else eval_lib.summarize(stacked)
+
+
+def summarize_examples(sums: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Metrics ``[...]`` from per-example sums ``[..., n]`` (all examples)."""
+  return eval_lib.summarize({k: np.sum(np.asarray(v, np.float64), axis=-1)
+                             for k, v in sums.items()})
 
 
 def evaluate_masks_loop(model: Transformer, params: Params, split: data.Split,
@@ -319,7 +358,7 @@ def evaluate_masks_loop(model: Transformer, params: Params, split: data.Split,
   for mask in np.asarray(masks, np.float32):
     sums: dict[str, float] = {}
     mask = jnp.asarray(mask)
-    for inputs, targets in _batches(split, batch_size):
+    for inputs, targets in batches(split, batch_size):
       out = jax.device_get(
           _metric_sums_one_mask(model, params, inputs, targets, mask))
       for key, value in out.items():
@@ -379,7 +418,7 @@ def attention_confidence(model: Transformer, params: Params,
   """
   config = model.config
   sums = {"max_weight": 0.0, "entropy": 0.0, "queries": 0.0}
-  for inputs, _ in _batches(split, batch_size):
+  for inputs, _ in batches(split, batch_size):
     out = jax.device_get(_attention_statistics(model, params, inputs))
     for key in sums:
       sums[key] = sums[key] + np.asarray(out[key], np.float64)
@@ -402,6 +441,27 @@ def order_from_importance(importance: np.ndarray) -> np.ndarray:
   flat = np.asarray(importance, np.float64).reshape(-1)
   heads = np.flatnonzero(~np.isnan(flat))
   return heads[np.argsort(flat[heads], kind="stable")]
+
+
+def keep_one_per_layer(config: TransformerConfig,
+                       order: Sequence[int]) -> np.ndarray:
+  """``order`` without the head that would empty its layer: walking the
+  order, a layer's last remaining head is skipped (and never removed)."""
+  remaining = np.asarray(config.heads_per_layer, np.int64).copy()
+  kept = []
+  for head in np.asarray(order, np.int64):
+    layer = int(head) // config.max_heads
+    if remaining[layer] > 1:
+      remaining[layer] -= 1
+      kept.append(int(head))
+  return np.asarray(kept, np.int64)
+
+
+def removable_keeping_layers(config: TransformerConfig) -> int:
+  """How many heads can go with one head left in every layer that has
+  heads."""
+  counts = np.asarray(config.heads_per_layer)
+  return int(np.sum(np.maximum(counts - 1, 0)))
 
 
 def iterative_gradient_order(model: Transformer, params: Params,
@@ -570,6 +630,10 @@ __all__ = [
     "per_example_loss",
     "head_mask_gradients",
     "masked_metric_sums",
+    "example_metric_sums",
+    "masked_example_sums",
+    "batches",
+    "summarize_examples",
     "attention_statistics",
     "normalize_per_layer",
     "gradient_importance",
@@ -581,6 +645,8 @@ __all__ = [
     "attention_confidence",
     "order_from_importance",
     "iterative_gradient_order",
+    "keep_one_per_layer",
+    "removable_keeping_layers",
     "random_orders",
     "curve_auc",
     "max_prunable_fraction",

@@ -1,0 +1,288 @@
+"""The exhaustive oracle: every subset of heads, evaluated.
+
+With ``N`` heads there are ``2**N`` subsets. For each number ``k`` of heads
+removed, the best subset (chosen on validation, reported on test) is the
+ground truth every importance ordering is measured against; the same table
+gives exact Shapley values.
+
+Subset ``s`` keeps existing head ``i`` (the ``i``-th of
+``np.flatnonzero(core.existing_heads(config))``, layer by layer) iff bit ``i``
+of ``s`` is set, so ``s = 2**N - 1`` keeps every head and ``s = 0`` none.
+
+Work is shared: a head of layer ``l`` changes only layer ``l`` and the layers
+above it, so the model runs layer by layer and layer ``l`` is computed once
+for each distinct mask of the layers below it, vmapped over its own
+``2**H_l`` masks. Inside one layer vmap shares more: the head mask gates each
+head's context just before the out-projection, so the query/key/value
+projections and the attention weights do not depend on the layer's own mask
+and XLA computes them once per prefix. The cost is about one MLP and one
+read-out per subset, not ``L`` full layers.
+
+    values = evaluate_subsets(model, params, splits["validation"])
+    removed = best_removals(values["token_accuracy"], model.config)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mha import data
+from mha import evaluate as eval_lib
+from mha.attention import padding_mask_from_tokens
+from mha.model import EncoderBlock, Transformer, TransformerConfig
+from mha.model import sinusoidal_positions
+from mha.pruning import core
+
+Array = jax.Array
+Params = Any
+
+#: Rows (subsets x examples) of one jitted call: enough to amortise a call,
+#: few enough that the activations of one layer stay near the cache.
+ROWS_PER_CALL = 1 << 13
+
+
+# --------------------------------------------------------------------------
+# Subsets.
+# --------------------------------------------------------------------------
+
+
+def num_heads(config: TransformerConfig) -> int:
+  """Number of existing heads ``N``."""
+  return int(core.existing_heads(config).sum())
+
+
+def _bits(count: int) -> np.ndarray:
+  """``[2**count, count]`` float32: row ``s`` holds the bits of ``s``."""
+  codes = np.arange(2 ** count, dtype=np.int64)
+  return ((codes[:, None] >> np.arange(count)[None, :]) & 1).astype(np.float32)
+
+
+def subset_masks(config: TransformerConfig) -> np.ndarray:
+  """``[2**N, L, H]`` float32 head masks: mask ``s`` keeps existing head
+  ``i`` iff bit ``i`` of ``s`` is set."""
+  exists = core.existing_heads(config)
+  flat = np.flatnonzero(exists)
+  masks = np.zeros((2 ** len(flat), exists.size), np.float32)
+  masks[:, flat] = _bits(len(flat))
+  return masks.reshape((-1,) + exists.shape)
+
+
+def subset_index(config: TransformerConfig, masks: np.ndarray) -> np.ndarray:
+  """The subset index ``s`` of each dense mask ``[..., L, H]``."""
+  flat = np.flatnonzero(core.existing_heads(config))
+  masks = np.asarray(masks).reshape(np.shape(masks)[:-2] + (-1,))
+  kept = masks[..., flat] > 0.5
+  return np.sum(kept.astype(np.int64) << np.arange(len(flat)), axis=-1)
+
+
+def kept_counts(config: TransformerConfig) -> np.ndarray:
+  """``[2**N]``: how many heads subset ``s`` keeps."""
+  return _bits(num_heads(config)).sum(axis=1).astype(np.int64)
+
+
+def _layer_offsets(config: TransformerConfig) -> np.ndarray:
+  return np.concatenate([[0], np.cumsum(config.heads_per_layer)])
+
+
+# --------------------------------------------------------------------------
+# The pure core: the model layer by layer, every subset at once.
+# --------------------------------------------------------------------------
+
+
+def _embed(model: Transformer, params: Params, tokens: Array) -> Array:
+  """The model's input to its first block (no dropout)."""
+  cfg = model.config
+  x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype).apply(
+      {"params": params["embed"]}, tokens)
+  if cfg.positional == "learned":
+    pos = params["pos_embedding"]
+  else:
+    pos = jnp.asarray(sinusoidal_positions(cfg.max_len, cfg.d_model))
+  return x + jnp.broadcast_to(pos[:tokens.shape[-1]].astype(x.dtype), x.shape)
+
+
+def _block(model: Transformer, params: Params, layer: int, x: Array,
+           attention_mask: Array, layer_mask: Array) -> Array:
+  """Block ``layer`` of the model under its ``[H_l]`` head mask."""
+  cfg = model.config
+  block = EncoderBlock(cfg, cfg.heads_per_layer[layer])
+  y, _ = block.apply({"params": params[f"layer_{layer}"]}, x, attention_mask,
+                     layer_mask, deterministic=True, return_weights=False)
+  return y
+
+
+def _readout(model: Transformer, params: Params, x: Array) -> Array:
+  """Final LayerNorm (pre-norm models) and the logits."""
+  cfg = model.config
+  if cfg.pre_norm:
+    x = nn.LayerNorm(dtype=cfg.dtype).apply({"params": params["ln_final"]}, x)
+  return nn.Dense(cfg.vocab_size, dtype=cfg.dtype).apply(
+      {"params": params["logits"]}, x)
+
+
+def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
+                       targets: Array) -> dict[str, Array]:
+  """Per-example :func:`core.example_metric_sums` under every subset.
+
+  Pure (``jit``, ``vmap`` over stacked parameters). Layer ``l`` runs once
+  per distinct mask of the layers below it (see the module docstring).
+
+  Returns:
+    ``loss_sum``, ``correct``, ``exact``: ``[2**N, B]``; ``tokens``,
+    ``sequences``: ``[B]``.
+  """
+  cfg = model.config
+  attention_mask = padding_mask_from_tokens(inputs)
+  xs = _embed(model, params, inputs)[None]  # [prefixes, B, T, D]
+  for layer, count in enumerate(cfg.heads_per_layer):
+    codes = jnp.asarray(_bits(count))
+    run = functools.partial(_block, model, params, layer,
+                            attention_mask=attention_mask)
+    per_prefix = lambda x, run=run, codes=codes: jax.vmap(
+        lambda m: run(x=x, layer_mask=m))(codes)
+    xs = jax.vmap(per_prefix)(xs).reshape((-1,) + xs.shape[1:])
+
+  def metrics(x):
+    sums = core.example_metric_sums(_readout(model, params, x), targets,
+                                    inputs)
+    return sums["loss_sum"], sums["correct"], sums["exact"]
+
+  per_subset = jax.vmap(metrics)(xs)
+  # xs is ordered C-style over (m_0, ..., m_{L-1}); subset s has layer 0 in
+  # its lowest bits: reverse the layer axes.
+  sizes = [2 ** c for c in cfg.heads_per_layer]
+  axes = tuple(reversed(range(len(sizes)))) + (len(sizes),)
+  loss, correct, exact = (
+      jnp.transpose(v.reshape(sizes + [v.shape[-1]]), axes).reshape(
+          (-1, v.shape[-1])) for v in per_subset)
+  valid = inputs != 0
+  return {"loss_sum": loss, "correct": correct, "exact": exact,
+          "tokens": jnp.sum(valid, axis=-1),
+          "sequences": jnp.any(valid, axis=-1).astype(jnp.int32)}
+
+
+@functools.partial(jax.jit, static_argnames=("model", "per_example"))
+def _subset_sums(model, params, inputs, targets, per_example):
+  sums = subset_metric_sums(model, params, inputs, targets)
+  if per_example:
+    return sums
+  return {k: jnp.sum(v.astype(jnp.float32), axis=-1) for k, v in sums.items()}
+
+
+# --------------------------------------------------------------------------
+# Drivers.
+# --------------------------------------------------------------------------
+
+
+def evaluate_subsets(model: Transformer, params: Params, split: data.Split, *,
+                     batch_size: int = 1000,
+                     per_example: bool = False) -> dict[str, np.ndarray]:
+  """Metrics of every subset of heads on ``split``.
+
+  Args:
+    model, params: the model.
+    split: the examples (select on validation, report on test).
+    batch_size: at most this many examples per jitted call (fewer when
+      ``2**N`` subsets x examples would exceed :data:`ROWS_PER_CALL`).
+    per_example: return per-example sums instead of metrics.
+
+  Returns:
+    ``loss``, ``token_accuracy``, ``exact_match``: ``[2**N]``. With
+    ``per_example``: the :func:`core.example_metric_sums` of every example,
+    ``loss_sum``, ``correct``, ``exact``, ``tokens``, ``sequences``, each
+    ``[2**N, n]``; :func:`mha.evaluate.summarize` of their sums over the
+    examples (any resample of them) gives the metrics.
+  """
+  subsets = 2 ** num_heads(model.config)
+  examples = max(1, min(batch_size, ROWS_PER_CALL // subsets))
+  parts: dict[str, list[np.ndarray]] = {}
+  for inputs, targets in core.batches(split, examples):
+    out = jax.device_get(_subset_sums(model, params, inputs, targets,
+                                      per_example))
+    for key, value in out.items():
+      parts.setdefault(key, []).append(np.asarray(value))
+  if not per_example:
+    totals = {k: np.sum(np.stack(v), axis=0, dtype=np.float64)
+              for k, v in parts.items()}
+    return eval_lib.summarize(totals)
+  n = len(split)
+  out = {k: np.concatenate(v, axis=-1)[..., :n] for k, v in parts.items()}
+  for key in ("tokens", "sequences"):
+    out[key] = np.broadcast_to(out[key], (subsets, n))
+  return out
+
+
+def best_removals(values: np.ndarray, config: TransformerConfig, *,
+                  no_layer_emptied: bool = False) -> list[np.ndarray]:
+  """For each number ``k`` of heads removed, the best subset's removed heads.
+
+  Args:
+    values: ``[2**N]`` one number per subset, higher is better (pass
+      ``-loss`` for the loss).
+    config: the model's config.
+    no_layer_emptied: only subsets keeping at least one head in every layer
+      that has heads; then ``k`` goes up to ``N - (layers with heads)``.
+
+  Returns:
+    for ``k = 0, 1, ...`` the flat head indices (``layer * H + head``, as in
+    the orders of :mod:`mha.pruning.core`) of the best subset with ``k``
+    heads removed (ties: the lowest subset index).
+  """
+  values = np.asarray(values, np.float64)
+  flat = np.flatnonzero(core.existing_heads(config))
+  n = len(flat)
+  if values.shape != (2 ** n,):
+    raise ValueError(f"values must be [2**N] = [{2 ** n}], got "
+                     f"{values.shape}.")
+  bits = _bits(n) > 0.5
+  kept = bits.sum(axis=1)
+  allowed = np.ones(2 ** n, bool)
+  if no_layer_emptied:
+    offsets = _layer_offsets(config)
+    for start, stop in zip(offsets[:-1], offsets[1:]):
+      if stop > start:
+        allowed &= bits[:, start:stop].any(axis=1)
+  out = []
+  for k in range(n + 1):
+    candidates = np.flatnonzero(allowed & (kept == n - k))
+    if len(candidates) == 0:
+      break
+    best = candidates[np.argmax(values[candidates])]
+    out.append(flat[~bits[best]])
+  return out
+
+
+def shapley_values(values: np.ndarray, config: TransformerConfig) -> np.ndarray:
+  """Exact Shapley value of every head for the value function ``values``.
+
+  ``phi_h = sum over S without h of |S|! (N - |S| - 1)! / N! *
+  (v(S + h) - v(S))``, where ``v(S) = values[S]`` (the metric with exactly
+  the heads of ``S`` kept). The values sum to ``v(all) - v(none)``.
+
+  Returns:
+    ``[L, H]``, NaN where a head does not exist.
+  """
+  values = np.asarray(values, np.float64)
+  n = num_heads(config)
+  kept = kept_counts(config)
+  weight = np.asarray([math.factorial(s) * math.factorial(n - s - 1) /
+                       math.factorial(n) for s in range(n)])
+  subsets = np.arange(2 ** n, dtype=np.int64)
+  phi = np.empty(n)
+  for i in range(n):
+    without = subsets[(subsets >> i) & 1 == 0]
+    gain = values[without | (1 << i)] - values[without]
+    phi[i] = np.sum(weight[kept[without]] * gain)
+  return core.heads_to_array(config, phi)
+
+
+__all__ = ["subset_masks", "subset_index", "kept_counts", "num_heads",
+           "subset_metric_sums", "evaluate_subsets", "best_removals",
+           "shapley_values"]

@@ -1,0 +1,224 @@
+"""Tests of the exhaustive oracle and exact Shapley values
+(mha.pruning.oracle)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mha import data
+from mha.model import Transformer, TransformerConfig
+from mha.pruning import core
+from mha.pruning import experiment
+from mha.pruning import oracle
+
+
+def _tokens(rng, n, config):
+  tokens = rng.integers(1, config.vocab_size, (n, config.max_len))
+  lengths = rng.integers(1, config.max_len + 1, n)
+  tokens[np.arange(config.max_len)[None, :] >= lengths[:, None]] = 0
+  return tokens.astype(np.int32)
+
+
+def _random_model(config, seed=0, n=24):
+  model = Transformer(config)
+  params = model.init(jax.random.key(seed),
+                      jnp.ones((1, config.max_len), jnp.int32))["params"]
+  rng = np.random.default_rng(seed)
+  inputs = _tokens(rng, n, config)
+  targets = np.where(inputs != 0, (inputs * 3 + 1) % config.vocab_size, 0)
+  return model, params, data.Split(inputs, targets.astype(np.int32))
+
+
+def test_subset_masks_follow_the_bit_convention():
+  config = TransformerConfig(vocab_size=8, num_layers=2, num_heads=(2, 1),
+                             d_model=8, head_dim=4, mlp_dim=8, max_len=4)
+  masks = oracle.subset_masks(config)
+  assert masks.shape == (8, 2, 2)
+  # Existing heads in flat order: (0, 0), (0, 1), (1, 0); (1, 1) is absent.
+  np.testing.assert_array_equal(masks[0b101], [[1, 0], [1, 0]])
+  np.testing.assert_array_equal(masks[0b010], [[0, 1], [0, 0]])
+  assert np.all(masks[:, 1, 1] == 0)
+  np.testing.assert_array_equal(oracle.subset_index(config, masks),
+                                np.arange(8))
+  np.testing.assert_array_equal(oracle.kept_counts(config),
+                                [0, 1, 1, 2, 1, 2, 2, 3])
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(num_layers=2, num_heads=3),
+    dict(num_layers=3, num_heads=(2, 0, 1), head_dim=4),  # an empty layer
+    dict(num_layers=2, num_heads=2, pre_norm=False, positional="sinusoidal"),
+])
+def test_subsets_equal_masked_models(kwargs):
+  """Layer by layer with shared prefixes == the full model under each mask
+  (float32 sums over a few hundred tokens: 1e-5 relative)."""
+  config = TransformerConfig(vocab_size=7, d_model=12, mlp_dim=16, max_len=5,
+                             **kwargs)
+  model, params, split = _random_model(config)
+  masks = oracle.subset_masks(config)
+  reference = core.evaluate_masks(model, params, split, masks, batch_size=8)
+  got = oracle.evaluate_subsets(model, params, split, batch_size=5)
+  for key in reference:
+    np.testing.assert_allclose(got[key], reference[key], rtol=1e-5, atol=1e-6)
+  examples = oracle.evaluate_subsets(model, params, split, per_example=True)
+  assert examples["correct"].shape == (len(masks), len(split))
+  summed = core.summarize_examples(examples)
+  for key in reference:
+    np.testing.assert_allclose(summed[key], reference[key], rtol=1e-5,
+                               atol=1e-6)
+  # Pure: jit passes through and stacked parameters vmap.
+  stacked = jax.tree.map(lambda a: jnp.stack([a, a]), params)
+  sums = jax.jit(jax.vmap(lambda p: oracle.subset_metric_sums(
+      model, p, split.inputs, split.targets)))(stacked)
+  np.testing.assert_array_equal(sums["correct"][0].sum(-1),
+                                examples["correct"].sum(-1))
+
+
+def test_best_removals_by_hand():
+  config = TransformerConfig(vocab_size=8, num_layers=2, num_heads=2,
+                             d_model=8, mlp_dim=8, max_len=4)
+  # Heads (flat index): bit 0 -> 0, bit 1 -> 1, bit 2 -> 2, bit 3 -> 3.
+  values = np.zeros(16)
+  values[0b1111] = 1.0
+  values[0b0111] = 0.9   # without head 3
+  values[0b1011] = 0.95  # without head 2: the best single removal
+  values[0b0011] = 0.8   # layer 1 emptied: the best pair
+  values[0b0101] = 0.7   # the best pair keeping a head per layer
+  removals = oracle.best_removals(values, config)
+  assert [list(r) for r in removals[:3]] == [[], [2], [2, 3]]
+  assert len(removals) == 5 and list(removals[4]) == [0, 1, 2, 3]
+  kept = oracle.best_removals(values, config, no_layer_emptied=True)
+  assert len(kept) == 3  # at most 4 - 2 heads go
+  assert [list(r) for r in kept] == [[], [2], [1, 3]]
+  with pytest.raises(ValueError, match=r"\[2\*\*N\]"):
+    oracle.best_removals(np.zeros(8), config)
+
+
+def test_shapley_efficiency_symmetry_and_null_player():
+  config = TransformerConfig(vocab_size=8, num_layers=2, num_heads=2,
+                             d_model=8, mlp_dim=8, max_len=4)
+  rng = np.random.default_rng(0)
+  values = rng.uniform(size=16)
+  phi = oracle.shapley_values(values, config).reshape(-1)
+  # Efficiency: exact up to float64 rounding of 16 terms.
+  assert phi.sum() == pytest.approx(values[-1] - values[0], abs=1e-12)
+  # Head 2 a null player, heads 0 and 1 interchangeable:
+  # v(S) = f(|S & {0, 1}|) + g(3 in S).
+  s = np.arange(16)
+  pair = ((s & 1) + ((s >> 1) & 1)).astype(float)
+  values = np.array([0.0, 0.3, 0.5])[pair.astype(int)] + 0.2 * ((s >> 3) & 1)
+  phi = oracle.shapley_values(values, config).reshape(-1)
+  np.testing.assert_allclose(phi, [0.25, 0.25, 0.0, 0.2], atol=1e-12)
+  # Against the permutation definition on a random game of 3 heads.
+  small = TransformerConfig(vocab_size=8, num_layers=1, num_heads=3,
+                            d_model=6, mlp_dim=8, max_len=4)
+  values = rng.uniform(size=8)
+  expected = np.zeros(3)
+  import itertools  # pylint: disable=import-outside-toplevel
+  perms = list(itertools.permutations(range(3)))
+  for perm in perms:
+    subset = 0
+    for head in perm:
+      expected[head] += values[subset | (1 << head)] - values[subset]
+      subset |= 1 << head
+  np.testing.assert_allclose(oracle.shapley_values(values, small)[0],
+                             expected / len(perms), atol=1e-12)
+
+
+# --------------------------------------------------------------------------
+# A planted model: the best pair to remove is not the two least important.
+# --------------------------------------------------------------------------
+
+# One layer, heads A, B, C, D. Every example repeats one token (type 1, 2 or
+# 3); attention is uniform, so a head's context is its value of that token.
+# The margin of the target class over a rival class, per type:
+#   type 1 (50% of tokens): 4 * (1.5 * (A + B) - 1): right iff A or B kept;
+#   type 2 (20%):           4 * (C - 0.5):           right iff C kept;
+#   type 3 (30%):           4 * (D - 0.5):           right iff D kept.
+# Removing A or B alone costs nothing, so both rank least important, but
+# removing both loses 50% of the tokens; the best pair, {A or B, C}, loses
+# 20%. Shapley values split type 1's credit (A = B = 0.25 > C = 0.2).
+_TYPES = {1: (10, (1.5, 1.5, 0.0, 0.0), 1.0),  # examples, per-head d, bar
+          2: (4, (0.0, 0.0, 1.0, 0.0), 0.5),
+          3: (6, (0.0, 0.0, 0.0, 1.0), 0.5)}
+_TARGET, _RIVAL, _SCALE, _BIG = 4, 5, 4.0, 1000.0
+
+
+def _planted():
+  config = TransformerConfig(vocab_size=6, num_layers=1, num_heads=4,
+                             d_model=8, mlp_dim=4, max_len=4)
+  model = Transformer(config)
+  params = jax.tree.map(lambda a: np.zeros(a.shape, np.float32), model.init(
+      jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"])
+  embed = np.zeros((6, 8), np.float32)
+  for t in _TYPES:
+    embed[t, t - 1] = 1.0  # coordinates 0-2: the type
+  embed[:, 6], embed[:, 7] = _BIG, -_BIG  # LayerNorms ~ a fixed scale
+  params["embed"]["embedding"] = embed
+  block = params["layer_0"]
+  for norm in ("ln_attention", "ln_mlp"):
+    block[norm]["scale"] = np.ones(8, np.float32)
+  params["ln_final"]["scale"] = np.ones(8, np.float32)
+  # Values: head h's first value unit is d_h(type) (LN(embedding) -> d).
+  normed = np.asarray(nn.LayerNorm().apply(
+      {"params": {"scale": np.ones(8), "bias": np.zeros(8)}},
+      jnp.asarray(embed[1:4])))
+  wanted = np.asarray([_TYPES[t][1] for t in (1, 2, 3)])  # [3 types, 4 heads]
+  kernel, *_ = np.linalg.lstsq(normed, wanted, rcond=None)
+  block["attention"]["value"]["kernel"][:, :, 0] = kernel
+  block["attention"]["out"]["kernel"][:, 0, 3] = 1.0  # into coordinate 3
+  # Logits from the final LayerNorm (scale sigma ~ BIG / 2): target reads
+  # coordinate 3, the rival the type's bar; other classes never win.
+  sigma = _BIG / 2
+  logits = np.zeros((8, 6), np.float32)
+  logits[3, _TARGET], logits[4, _TARGET] = _SCALE * sigma, -_SCALE * sigma
+  for t, (_, _, bar) in _TYPES.items():
+    logits[t - 1, _RIVAL] = _SCALE * sigma * bar
+    logits[4, _RIVAL] -= _SCALE * sigma * bar
+  params["logits"]["kernel"] = logits
+  params["logits"]["bias"] = np.asarray([-20, -20, -20, -20, 0, 0],
+                                        np.float32)
+  inputs = np.concatenate([np.full((n, 4), t, np.int32)
+                           for t, (n, _, _) in _TYPES.items()])
+  targets = np.full(inputs.shape, _TARGET, np.int32)
+  return model, params, data.Split(inputs, targets)
+
+
+def test_planted_model_has_the_designed_accuracies():
+  model, params, split = _planted()
+  metrics = oracle.evaluate_subsets(model, params, split)
+  acc = metrics["token_accuracy"]
+  full, a, b, c, d = 0b1111, 0b0001, 0b0010, 0b0100, 0b1000
+  assert acc[full] == 1.0
+  assert acc[full & ~a] == acc[full & ~b] == 1.0
+  assert acc[full & ~(a | b)] == pytest.approx(0.5)
+  assert acc[full & ~c] == pytest.approx(0.8)
+  assert acc[full & ~(a | c)] == pytest.approx(0.8)
+  assert acc[0] == 0.0
+
+
+def test_oracle_finds_the_pair_the_greedy_orders_miss():
+  model, params, split = _planted()
+  a, b, c = 0, 1, 2  # flat head indices
+  metrics = oracle.evaluate_subsets(model, params, split)
+  removals = oracle.best_removals(experiment.subset_values(metrics),
+                                  model.config)
+  assert sorted(removals[2]) in ([a, c], [b, c])
+  options = experiment.Options(batch_size=32, reestimate=True)
+  orders = experiment.compute_orders(model, params, split, options)
+  for name in ("gradient", "gradient_l2", "leave_one_out"):
+    assert sorted(orders[name][:2]) == [a, b], (name, orders[name])
+  pair = lambda order: core.mask_without(model.config, order[:2])
+  accuracy = lambda mask: core.evaluate_masks(
+      model, params, split, mask[None])["token_accuracy"][0]
+  assert accuracy(pair(orders["gradient"])) == pytest.approx(0.5)
+  assert accuracy(pair(removals[2])) == pytest.approx(0.8)
+  # Measures that account for interactions get it right here: Shapley
+  # values split type 1's credit between A and B, and re-estimating the
+  # gradient after A is gone sees that B is now needed.
+  for name in ("shapley", "gradient_iterative"):
+    assert sorted(orders[name][:2]) in ([a, c], [b, c]), (name, orders[name])
+  shapley = oracle.shapley_values(metrics["token_accuracy"], model.config)
+  np.testing.assert_allclose(shapley[0], [0.25, 0.25, 0.2, 0.3], atol=1e-6)
