@@ -43,8 +43,16 @@ _STEP = flags.DEFINE_integer(
 _OUT = flags.DEFINE_string("out", None,
                            "Output folder (default: <workdir>/pruning).")
 _NUM_SEEDS = flags.DEFINE_integer(
-    "num_seeds", 3, "Models analysed: the workdir's and num_seeds-1 more "
+    "num_seeds", 5, "Models analysed: the workdir's and num_seeds-1 more "
     "trained with the next seeds.")
+_RETRAIN_SEEDS = flags.DEFINE_bool(
+    "retrain_seeds", False, "Retrain a seed directory that was trained with "
+    "another config (otherwise that is an error).")
+_ORACLE_MAX_HEADS = flags.DEFINE_integer(
+    "oracle_max_heads", 12, "Evaluate every subset of heads (the oracle, "
+    "Shapley values) up to this many heads; skipped above it.")
+_NUM_BOOTSTRAP = flags.DEFINE_integer(
+    "num_bootstrap", 1000, "Bootstrap resamples of every 95% interval.")
 _NUM_RANDOM = flags.DEFINE_integer("num_random_orders", 20,
                                    "Random orders per seed (the baseline).")
 _STEP_FRACTION = flags.DEFINE_float(
@@ -81,7 +89,7 @@ _PRUNE_FRACTION = flags.DEFINE_float(
     "removed, the least important first in --order.")
 _ORDER = flags.DEFINE_string(
     "order", None, "With --prune_fraction: an ordering of the study (not "
-    "random), or oracle (the best subset on validation token accuracy).")
+    "random), or oracle (the best subset on validation, as in the study).")
 
 
 def _options() -> experiment.Options:
@@ -91,6 +99,9 @@ def _options() -> experiment.Options:
     raise cli.UsageError(f"--remove_heads: {e}") from None
   options = experiment.Options(
       num_seeds=_NUM_SEEDS.value,
+      retrain_seeds=_RETRAIN_SEEDS.value,
+      oracle_max_heads=_ORACLE_MAX_HEADS.value,
+      num_bootstrap=_NUM_BOOTSTRAP.value,
       num_random_orders=_NUM_RANDOM.value,
       step_fraction=_STEP_FRACTION.value,
       reestimate=_REESTIMATE.value,
@@ -133,6 +144,8 @@ def main(argv: list[str]) -> None:
   try:  # Every user error is found before the long work starts.
     first = ckpt_lib.load_checkpoint(workdir, _STEP.value)
     experiment.check_step(first, _STEP.value, options.num_seeds)
+    experiment.check_seed_dirs(first, out, options.num_seeds,
+                               options.retrain_seeds)
     if options.remove_heads:
       pruning.prune_heads(first.params, first.model_config,
                           options.remove_heads)
@@ -218,40 +231,48 @@ def _heads_of_order(ckpt, order: str, fraction: float
       _options(), reestimate=order == "gradient_iterative")
   if order == "oracle":
     from mha.pruning import oracle  # pylint: disable=import-outside-toplevel
-    n = int(pruning.existing_heads(ckpt.model_config).sum())
-    if n > options.oracle_max_heads:
+    n = oracle.num_heads(ckpt.model_config)
+    if not experiment.oracle_applies(ckpt.model_config, options):
       raise cli.UsageError(
           f"--order oracle evaluates 2^{n} subsets: more than "
           f"--oracle_max_heads={options.oracle_max_heads} heads")
-    values = oracle.evaluate_subsets(ckpt.model, ckpt.params, validation,
-                                     batch_size=options.batch_size)
+    metrics = oracle.evaluate_subsets(ckpt.model, ckpt.params, validation,
+                                      batch_size=options.batch_size)
     k = int(round(fraction * n))
-    flat = oracle.best_removals(values["token_accuracy"],
+    flat = oracle.best_removals(experiment.subset_values(metrics),
                                 ckpt.model_config)[k]
     return pruning.flat_to_pairs(ckpt.model_config, flat)
   orders = experiment.compute_orders(ckpt.model, ckpt.params, validation,
                                      options)
+  if order not in orders:  # Shapley values need the oracle's subsets.
+    raise cli.UsageError(
+        f"--order {order} is not computed for this model (more than "
+        f"--oracle_max_heads={options.oracle_max_heads} heads)")
   return export.heads_for_fraction(ckpt.model_config, orders[order], fraction)
 
 
 def _print_summary(results, out: str, seconds: float) -> None:
   agg = results["aggregate"]["curve_summary"]
-  labels = results["orderings"]
-  print("\nordering                   AUC tok.acc     prunable (<=1pt)")
+  labels = results["curve_labels"]
+  print("\ncurve                      AUC tok.acc [95% CI]   prunable heads "
+        "(validation) [95% CI]")
   for key, label in labels.items():
     if key in agg:
-      auc = agg[key]["auc_token_accuracy"]
-      frac = agg[key]["max_prunable_token_accuracy"]
-      print(f"  {label:<25}{auc['mean']:.3f} ± {auc['std']:.3f}   "
-            f"{frac['mean']:.2f} ± {frac['std']:.2f}")
+      auc, ci = agg[key]["auc_token_accuracy"], agg[key][
+          "auc_token_accuracy_ci"]
+      heads = agg[key]["prunable_heads_token_accuracy"]
+      hci = agg[key]["prunable_heads_token_accuracy_ci"]
+      print(f"  {label:<25}{auc:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]   "
+            f"{heads:.1f} [{hci[0]:.1f}, {hci[1]:.1f}]")
   rho = results["aggregate"]["spearman"]
-  print(f"Spearman gradient vs leave-one-out: "
-        f"{rho['gradient_vs_leave_one_out']['mean']:.2f}; gradient on two "
-        f"validation halves: {rho['gradient_halves']['mean']:.2f}")
-  t = results["seeds"][0]["timings"]
-  print(f"Leave-one-out vmapped {t['leave_one_out_vmapped_warm_s']:.3f} s vs "
-        f"loop {t['leave_one_out_loop_s']:.3f} s "
-        f"(x{t['leave_one_out_speedup']:.1f})")
+  print(f"Spearman gradient vs leave-one-out (Fisher mean over seeds): "
+        f"{rho['gradient_vs_leave_one_out']['rho']:.2f}; gradient on two "
+        f"validation halves: {rho['gradient_halves']['rho']:.2f}")
+  for s in results["seeds"]:
+    t = s["timings"]
+    oracle = (f"oracle {t['oracle_s']:.1f} s" if "oracle_s" in t else
+              "oracle skipped")
+    print(f"Seed {s['seed']}: analysis {t['total_s']:.1f} s ({oracle})")
   if "speed" in results:
     for e in results["speed"]["entries"]:
       rates = ", ".join(f"bs {b}: x{s:.2f}"
