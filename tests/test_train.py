@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -15,7 +16,12 @@ from absl import flags
 from ml_collections import config_flags
 
 from configs import default
+
+from conftest import copy_workdir, tiny_config
 import mha
+from mha import build
+from mha import data
+from mha import evaluate
 from mha import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,20 +30,6 @@ CONFIG_FILE = os.path.join(ROOT, "configs", "default.py")
 
 def _get_config(arg=""):
   return default.get_config(arg)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, data_dir):
-  """A tiny config trained for 20 steps: (config, workdir, final state)."""
-  config = _get_config(f"tiny,data.data_dir={data_dir}")
-  workdir = str(tmp_path_factory.mktemp("tiny_run"))
-  state = train.train_and_evaluate(config, workdir)
-  return config, workdir, state
 
 
 def _read_jsonl(workdir):
@@ -62,7 +54,7 @@ def _event_tags(workdir):
 
 
 def test_train_writes_metrics_checkpoints_and_events(tiny_run):
-  config, workdir, state = tiny_run
+  config, workdir, state = tiny_run.config, tiny_run.workdir, tiny_run.state
   assert int(state.step) == config.num_train_steps
   rows = _read_jsonl(workdir)
   train_rows = [r for r in rows if "loss" in r]
@@ -71,10 +63,24 @@ def test_train_writes_metrics_checkpoints_and_events(tiny_run):
               "learning_rate", "grad_norm", "steps_per_sec"):
     assert all(key in r for r in train_rows), key
   assert all(abs(r["time"] - time.time()) < 3600 for r in rows)
+  # The logged learning rate is the schedule's at the window's last step
+  # (the step counter before that update). Near the end of the cosine it is
+  # 1 + cos(x) with cos(x) close to -1: that cancellation turns the float32
+  # rounding of cos (XLA's inside the step, eager here) into up to ~1e-5.
+  schedule = build.learning_rate_schedule(config)
+  for r in train_rows:
+    assert r["learning_rate"] == pytest.approx(float(schedule(r["step"] - 1)),
+                                               rel=1e-4)
   val_steps = [r["step"] for r in rows if "validation/exact_match" in r]
   assert val_steps == [10, 20]
   test_rows = [r for r in rows if "test/exact_match" in r]
-  assert len(test_rows) == 1 and 0 <= test_rows[0]["test/exact_match"] <= 1
+  assert len(test_rows) == 1 and test_rows[0]["step"] == 20
+  # The test metrics are those of the final parameters on the test split
+  # (the same program on the same data: equal to the last bit).
+  splits = data.load_splits(build.data_spec(config), config.data.data_dir)
+  expected = evaluate.evaluate(build.make_model(config), state.params,
+                               splits["test"], config.eval_batch_size)
+  assert {k: test_rows[0][f"test/{k}"] for k in expected} == expected
   # The loss goes down on this tiny problem.
   assert train_rows[-1]["loss"] < train_rows[0]["loss"]
 
@@ -83,14 +89,16 @@ def test_train_writes_metrics_checkpoints_and_events(tiny_run):
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [
       "10", "20"]
   with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
-    assert json.load(f)["model"]["d_model"] == config.model.d_model
+    assert json.load(f) == config.to_dict()
 
 
 def test_load_checkpoint_restores_params_and_config(tiny_run):
-  config, workdir, state = tiny_run
+  config, workdir, state = tiny_run.config, tiny_run.workdir, tiny_run.state
   ckpt = mha.load_checkpoint(workdir)
   assert ckpt.step == 20
   assert ckpt.config.to_dict() == config.to_dict()
+  assert (jax.tree.structure(ckpt.params) ==
+          jax.tree.structure(state.params))
   for a, b in zip(jax.tree.leaves(ckpt.params), jax.tree.leaves(state.params)):
     np.testing.assert_array_equal(a, b)
   tokens = np.array([[1, 2, 3, 0, 0, 0, 0, 0]])
@@ -105,17 +113,32 @@ def test_load_checkpoint_restores_params_and_config(tiny_run):
 
 
 def test_second_call_resumes_and_continues(tiny_run, tmp_path, data_dir):
-  config, workdir, state = tiny_run
   # A copy of the finished run, continued for 10 more steps.
-  import shutil
-  resumed_dir = str(tmp_path / "resumed")
-  shutil.copytree(workdir, resumed_dir)
-  longer = _get_config(f"tiny,data.data_dir={data_dir},num_train_steps=30")
+  resumed_dir = copy_workdir(tiny_run.workdir, tmp_path / "resumed")
+  longer = tiny_config(data_dir, "num_train_steps=30")
   new_state = train.train_and_evaluate(longer, resumed_dir)
   assert int(new_state.step) == 30
   steps = [r["step"] for r in _read_jsonl(resumed_dir) if "loss" in r]
   assert steps == [5, 10, 15, 20, 25, 30]  # 5..20 from the first call
   assert "30" in os.listdir(os.path.join(resumed_dir, "checkpoints"))
+
+
+def test_resume_with_dropout_equals_an_uninterrupted_run(tiny_run, tmp_path,
+                                                         data_dir):
+  # Dropout draws its masks from fold_in(rng, step): a run resumed from step
+  # 10 must draw those of steps 11..20 again, and end bitwise the same.
+  config = tiny_config(data_dir, "model.dropout_rate=0.3",
+                       "model.attention_dropout_rate=0.3")
+  whole = train.train_and_evaluate(config, str(tmp_path / "whole"))
+  resumed_dir = copy_workdir(tmp_path / "whole", tmp_path / "resumed")
+  shutil.rmtree(os.path.join(resumed_dir, "checkpoints", "20"))
+  resumed = train.train_and_evaluate(config, resumed_dir)
+  assert int(resumed.step) == 20
+  for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole)):
+    np.testing.assert_array_equal(a, b)
+  # Dropout was on: the same run without it (tiny_run) ends elsewhere.
+  assert not np.array_equal(whole.params["logits"]["kernel"],
+                            tiny_run.state.params["logits"]["kernel"])
 
 
 def _parse_flags(argv):
@@ -153,16 +176,24 @@ def test_config_variants():
     _get_config().new_field = 1
 
 
-def test_eval_script_prints_json_and_writes_heatmaps(tiny_run):
-  _, workdir, _ = tiny_run
+def test_eval_script_prints_json_and_writes_heatmaps(tiny_run, tmp_path,
+                                                     subprocess_env):
+  workdir = copy_workdir(tiny_run.workdir, tmp_path / "run")  # eval/ goes in
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "eval.py"), f"--workdir={workdir}",
        "--split=validation", "--num_examples=2"],
-      capture_output=True, text=True, check=True)
+      capture_output=True, text=True, check=True, env=subprocess_env)
   last = json.loads(result.stdout.strip().splitlines()[-1])
   assert last["step"] == 20 and last["split"] == "validation"
+  # The validation metrics training logged at step 20, with the same
+  # parameters, data and program: equal to the last bit.
+  logged = [r for r in _read_jsonl(workdir)
+            if r["step"] == 20 and "validation/loss" in r]
   for key in ("loss", "token_accuracy", "exact_match"):
-    assert 0 <= last[key] < 100
+    assert last[key] == logged[-1][f"validation/{key}"], key
+  with open(os.path.join(workdir, "eval", "metrics_validation_step20.json"),
+            encoding="utf-8") as f:
+    assert json.load(f) == last
   pngs = glob.glob(os.path.join(workdir, "eval", "*.png"))
   assert len(pngs) == 2
   for path in pngs:
@@ -170,16 +201,21 @@ def test_eval_script_prints_json_and_writes_heatmaps(tiny_run):
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_eval_script_bad_input(tiny_run, tmp_path):
-  _, workdir, _ = tiny_run
-  for args, message in (
+def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
+  workdir = tiny_run.workdir
+  cases = (
       ([f"--workdir={tmp_path / 'missing'}"], "does not exist"),
       ([f"--workdir={tmp_path}"], "no checkpoints"),
       ([f"--workdir={workdir}", "--step=3"], "steps saved: 10, 20"),
-  ):
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "eval.py")] + args,
-        capture_output=True, text=True)
-    assert result.returncode == 2, result.stderr
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
+  )
+  procs = [subprocess.Popen(
+      [sys.executable, os.path.join(ROOT, "eval.py")] + args,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env=subprocess_env) for args, _ in cases]
+  for proc, (_, message) in zip(procs, cases):
+    _, stderr = proc.communicate()
+    assert proc.returncode == 2, stderr
+    assert stderr.strip().splitlines() == [
+        f"eval.py: error: {stderr.strip()[len('eval.py: error: '):]}"]
+    assert message in stderr
+  assert not os.path.exists(os.path.join(workdir, "eval"))
