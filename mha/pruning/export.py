@@ -38,7 +38,7 @@ import numpy as np
 from mha import build
 from mha import checkpoint as ckpt_lib
 from mha import sharding as sharding_lib
-from mha.model import Transformer, TransformerConfig
+from mha.model import TransformerConfig
 from mha.pruning import core
 
 PROVENANCE_FILE = "pruned_from.json"
@@ -269,14 +269,6 @@ def save_pruned(ckpt: ckpt_lib.LoadedCheckpoint, heads: core.HeadSpec,
   return provenance
 
 
-def pruned_model(ckpt: ckpt_lib.LoadedCheckpoint,
-                 heads: core.HeadSpec) -> tuple[Transformer, Any]:
-  """The pruned ``(model, params)`` in memory (what :func:`save_pruned`
-  writes, without the optimizer state)."""
-  params, config = core.prune_heads(ckpt.params, ckpt.model_config, heads)
-  return Transformer(config), params
-
-
 __all__ = [
     "PROVENANCE_FILE",
     "read_provenance",
@@ -286,5 +278,4 @@ __all__ = [
     "read_train_state",
     "heads_for_fraction",
     "save_pruned",
-    "pruned_model",
 ]
