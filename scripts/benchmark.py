@@ -14,6 +14,13 @@ Measures in one process, float32, on JAX's default device:
    peak, measured in the same run with ``jnp.dot`` on square matrices.
 4. Train-step throughput (``mha.train.train_step``) at the default config and
    at a larger one, on random batches already on the device.
+5. The pruning study's mask evaluations, on a model of the default config
+   (random weights: the speed does not depend on them) and random examples:
+   leave-one-out (every single-head mask and the full one) vmapped over masks
+   against a Python loop of one jitted call per mask; and every subset of
+   heads (the oracle) layer by layer with shared prefixes
+   (``mha.pruning.oracle.evaluate_subsets``) against ``evaluate_masks`` over
+   the same ``2**N`` masks.
 
 Machines are noisy, so the compared functions run interleaved, in alternating
 order (ours first in even rounds, Flax first in odd ones), and the figures are
@@ -52,6 +59,8 @@ from mha import cli
 from mha import data
 from mha import train
 from mha.attention import MultiHeadAttention
+from mha.pruning import core as pruning
+from mha.pruning import oracle
 
 _QUICK = flags.DEFINE_bool(
     "quick", False, "Tiny shapes, few repeats and XLA optimizations off: a "
@@ -92,6 +101,9 @@ class Plan:
     train_configs: ``(label, get_config argument)`` of the train steps timed.
     train_window_s: about how long a timed window of train steps lasts.
     train_windows: timed windows (the rate is their median).
+    pruning_config: ``get_config`` argument of the pruning-mask timings.
+    pruning_examples: examples evaluated under each mask.
+    pruning_repeats: timed rounds of the pruning-mask timings.
   """
   name: str
   layer_shapes: tuple[Shape, ...]
@@ -101,6 +113,9 @@ class Plan:
   train_configs: tuple[tuple[str, str], ...]
   train_window_s: float
   train_windows: int
+  pruning_config: str = ""
+  pruning_examples: int = 1000
+  pruning_repeats: int = 5
 
 
 # The larger train-step config: 4 layers of width 128, 8 heads, MLP 512.
@@ -128,6 +143,9 @@ QUICK = Plan(
     train_configs=(("tiny", "tiny"),),
     train_window_s=0.01,
     train_windows=2,
+    pruning_config="tiny",
+    pruning_examples=64,
+    pruning_repeats=2,
 )
 
 
@@ -374,6 +392,74 @@ def train_throughput(label: str, arg: str, window_s: float,
 
 
 # --------------------------------------------------------------------------
+# The pruning study's mask evaluations.
+# --------------------------------------------------------------------------
+
+
+def _random_model_and_split(arg: str, examples: int, seed: int = 0):
+  config = default.get_config(arg)
+  model = build.make_model(config)
+  params = jax.jit(model.init)(
+      jax.random.key(seed), jnp.ones((1, config.data.max_len), jnp.int32)
+  )["params"]
+  rng = np.random.default_rng(seed)
+  inputs = rng.integers(1, config.data.num_symbols + 1,
+                        (examples, config.data.max_len))
+  lengths = rng.integers(config.data.min_len, config.data.max_len + 1,
+                         (examples, 1))
+  inputs = np.where(np.arange(config.data.max_len)[None] < lengths, inputs, 0)
+  targets = np.where(inputs != 0, inputs[:, ::-1], 0)
+  return model, params, data.Split(inputs.astype(np.int32),
+                                   targets.astype(np.int32))
+
+
+def pruning_masks(arg: str, examples: int, repeats: int) -> dict[str, Any]:
+  """Seconds per evaluation of the study's mask sets, two ways each:
+  leave-one-out vmapped vs a loop of jitted calls, and all ``2**N`` subsets
+  layer by layer vs ``evaluate_masks``; with the largest difference in loss
+  between the two ways (they compute the same numbers)."""
+  model, params, split = _random_model_and_split(arg, examples)
+  config = model.config
+  loo = np.concatenate([pruning.full_head_mask(config)[None],
+                        pruning.leave_one_out_masks(config)])
+  subsets = oracle.subset_masks(config)
+  outs: dict[str, Any] = {}
+
+  def keep(name, fn):
+    def call():
+      outs[name] = fn()
+      return 0
+    return call
+
+  loo_times = time_interleaved({
+      "vmapped": keep("vmapped", lambda: pruning.evaluate_masks(
+          model, params, split, loo)),
+      "loop": keep("loop", lambda: pruning.evaluate_masks_loop(
+          model, params, split, loo))}, repeats)
+  subset_times = time_interleaved({
+      "layer_by_layer": keep("layer_by_layer", lambda: oracle.evaluate_subsets(
+          model, params, split)),
+      "evaluate_masks": keep("evaluate_masks", lambda: pruning.evaluate_masks(
+          model, params, split, subsets))}, repeats)
+  diff = lambda a, b: float(np.max(np.abs(outs[a]["loss"] - outs[b]["loss"])))
+  return {
+      "config_arg": arg, "examples": examples, "heads": len(loo) - 1,
+      "leave_one_out": {
+          "masks": len(loo), "vmapped_ms": _ms(loo_times["vmapped"]),
+          "loop_ms": _ms(loo_times["loop"]),
+          "speedup": _ms(loo_times["loop"]) / _ms(loo_times["vmapped"]),
+          "max_abs_loss_diff": diff("vmapped", "loop")},
+      "subsets": {
+          "masks": len(subsets),
+          "layer_by_layer_ms": _ms(subset_times["layer_by_layer"]),
+          "evaluate_masks_ms": _ms(subset_times["evaluate_masks"]),
+          "speedup": _ms(subset_times["evaluate_masks"]) /
+                     _ms(subset_times["layer_by_layer"]),
+          "max_abs_loss_diff": diff("layer_by_layer", "evaluate_masks")},
+  }
+
+
+# --------------------------------------------------------------------------
 # The run and its report.
 # --------------------------------------------------------------------------
 
@@ -435,6 +521,10 @@ def run(plan: Plan, log: Callable[[str], None] = lambda _: None
     log(f"train step: {label}")
     results["train"].append(
         train_throughput(label, arg, plan.train_window_s, plan.train_windows))
+  log(f"pruning masks: {plan.pruning_config or 'default'} config, "
+      f"{plan.pruning_examples} examples")
+  results["pruning_masks"] = pruning_masks(
+      plan.pruning_config, plan.pruning_examples, plan.pruning_repeats)
   results["load_average_end"] = _load()
   return results
 
@@ -507,7 +597,23 @@ def format_tables(results: Mapping[str, Any]) -> str:
   lines.append("")
   lines.append("tokens/s counts positions, padding included; the train "
                "batch is already on the device.")
-  return "\n".join(lines) + "\n"
+  return "\n".join(lines + _pruning_lines(results["pruning_masks"])) + "\n"
+
+
+def _pruning_lines(p: Mapping[str, Any]) -> list[str]:
+  loo, sub = p["leave_one_out"], p["subsets"]
+  return [
+      "",
+      f"| pruning masks ({p['heads']} heads, {p['examples']} examples) | "
+      "masks | batched (ms) | baseline (ms) | speed-up | max loss diff |",
+      "| --- | ---: | ---: | ---: | ---: | ---: |",
+      f"| leave-one-out: vmapped vs loop of jitted calls | {loo['masks']} | "
+      f"{loo['vmapped_ms']:.1f} | {loo['loop_ms']:.1f} | "
+      f"{loo['speedup']:.2f} | {loo['max_abs_loss_diff']:.1e} |",
+      f"| every subset: layer by layer vs evaluate_masks | {sub['masks']} | "
+      f"{sub['layer_by_layer_ms']:.1f} | {sub['evaluate_masks_ms']:.1f} | "
+      f"{sub['speedup']:.2f} | {sub['max_abs_loss_diff']:.1e} |",
+  ]
 
 
 # --------------------------------------------------------------------------

@@ -331,3 +331,23 @@ def test_speed_errors(tmp_path):
                   flop_ratio=[1.0, 0.5])
   with pytest.raises(ValueError, match="batch_sizes"):
     pp.plot_speed([], [0.0], np.ones((1, 0)), tmp_path / "x.png")
+
+
+def test_pruning_curves_with_intervals_draw_only_those_bands(tmp_path):
+  fractions = np.linspace(0.0, 1.0, 5)
+  curves = {"gradient": 1 - fractions, "oracle (best subset)":
+            1 - fractions ** 2, "random": 1 - fractions ** 0.5}
+  intervals = {"oracle (best subset)": (curves["oracle (best subset)"] - 0.05,
+                                        curves["oracle (best subset)"] + 0.05)}
+  fig = pp.pruning_curves_figure(fractions, curves, intervals=intervals)
+  (ax,) = fig.axes
+  bands = [c for c in ax.collections if c.get_paths()]
+  assert len(bands) == 1  # only the oracle's interval
+  band = bands[0].get_paths()[0].vertices
+  np.testing.assert_allclose(band[:, 1].max(), 1.05)
+  texts = _legend_texts(fig)
+  assert "oracle (best subset) (band: 95% CI)" in texts
+  assert "gradient" in texts  # no run count, no band
+  path = tmp_path / "ci.png"
+  _assert_png(path, pp.plot_pruning_curves(fractions, curves, str(path),
+                                           intervals=intervals))

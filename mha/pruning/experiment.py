@@ -10,13 +10,17 @@
    after each removal), leave-one-out loss increase (every mask in one
    vmapped call), attention confidence and entropy (Voita et al.); the
    Spearman correlations between them and between two disjoint halves.
-3. Per seed, on the *test* split: pruning curves for every order (each
-   measure, ``num_random_orders`` random orders, the reverse of the gradient
-   order), their areas and the largest fraction prunable within
-   ``tolerance``; Michel et al.'s single-head ablation and all-but-one
-   tables.
-4. Across seeds: mean and spread of every curve summary, and paired
-   comparisons of each measure with the random and reverse orders.
+   With at most ``oracle_max_heads`` heads, every subset of heads on
+   validation (:mod:`mha.pruning.oracle`): the oracle (the best subset for
+   each number of heads removed) and exact Shapley values.
+3. Per seed, pruning curves for every order (each measure,
+   ``num_random_orders`` random orders, the reverse of the gradient order)
+   and the oracle, on validation and test, plain and never emptying a
+   layer; the level prunable within ``tolerance`` is chosen on validation
+   and its test accuracy reported; Michel et al.'s single-head ablation
+   (paired t-tests, Benjamini-Hochberg) and all-but-one tables.
+4. Intervals: a paired bootstrap over examples (and seeds), see
+   :mod:`mha.pruning.summary`.
 5. On the first seed: physical pruning (:func:`mha.pruning.prune_heads`) at
    ``speed_fractions`` of the heads, examples/s at ``batch_sizes`` against
    the parameter and FLOP counts.
@@ -31,20 +35,24 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
-from scipy import stats
 
+from mha import build
 from mha import checkpoint as ckpt_lib
+from mha import config_validation
 from mha import data
 from mha import train
-from mha import build
-from mha.pruning import core as pruning
-from mha.pruning import speed
 from mha.model import Transformer
+from mha.pruning import core as pruning
+from mha.pruning import oracle
+from mha.pruning import speed
+from mha.pruning import stats
+from mha.pruning import summary
 
 # Orders of the pruning curves: key -> label. Measures first, then baselines.
 ORDERINGS = {
@@ -54,11 +62,15 @@ ORDERINGS = {
     "leave_one_out": "leave-one-out",
     "confidence": "confidence",
     "entropy": "entropy",
+    "shapley": "Shapley value",
     "reverse_gradient": "reverse gradient",
     "random": "random",
 }
-BASELINES = ("random", "reverse_gradient")
-CURVE_METRICS = ("token_accuracy", "exact_match")
+#: The curves: every ordering and the oracle (not an ordering: its subsets
+#: for k and k + 1 heads removed need not be nested).
+CURVE_LABELS = {**ORDERINGS, "oracle": "oracle (best subset)"}
+BASELINES = summary.BASELINES
+CURVE_METRICS = summary.CURVE_METRICS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +80,11 @@ class Options:
   Attributes:
     num_seeds: models analysed: the workdir's, then ``num_seeds - 1`` more
       trained with seeds ``config.seed + 1, ...``.
+    retrain_seeds: retrain a seed directory trained with another config
+      (otherwise that is an error).
+    oracle_max_heads: evaluate every subset of heads (the oracle, Shapley
+      values) up to this many heads; above it both are skipped.
+    num_bootstrap: bootstrap resamples of every interval.
     num_random_orders: random orders per seed (the baseline).
     step_fraction: fraction of the heads removed per curve point; 0 removes
       one head at a time.
@@ -88,7 +105,10 @@ class Options:
     speed: whether to run the speed table.
   """
 
-  num_seeds: int = 3
+  num_seeds: int = 5
+  retrain_seeds: bool = False
+  oracle_max_heads: int = 12
+  num_bootstrap: int = 1000
   num_random_orders: int = 20
   step_fraction: float = 0.0
   reestimate: bool = True
@@ -106,6 +126,12 @@ class Options:
     """Raises ValueError naming the first bad setting."""
     if self.num_seeds < 1:
       raise ValueError(f"--num_seeds must be >= 1, got {self.num_seeds}")
+    if self.oracle_max_heads < 1:
+      raise ValueError(
+          f"--oracle_max_heads must be >= 1, got {self.oracle_max_heads}")
+    if self.num_bootstrap < 1:
+      raise ValueError(
+          f"--num_bootstrap must be >= 1, got {self.num_bootstrap}")
     if self.num_random_orders < 1:
       raise ValueError(
           f"--num_random_orders must be >= 1, got {self.num_random_orders}")
@@ -126,8 +152,10 @@ class Options:
           f"--speed_repeats must be >= 1, got {self.speed_repeats}")
     if self.batch_size < 1:
       raise ValueError(f"--batch_size must be >= 1, got {self.batch_size}")
-    if self.speed_order not in ORDERINGS or self.speed_order == "random":
-      valid = ", ".join(k for k in ORDERINGS if k != "random")
+    if self.speed_order not in ORDERINGS or self.speed_order in (
+        "random", "shapley"):
+      valid = ", ".join(k for k in ORDERINGS
+                        if k not in ("random", "shapley"))
       raise ValueError(
           f"--speed_order {self.speed_order!r} is not one of: {valid}")
     if self.speed_order == "gradient_iterative" and not self.reestimate:
@@ -135,27 +163,6 @@ class Options:
 
 
 Log = Callable[[str], None]
-
-
-# --------------------------------------------------------------------------
-# One seed.
-# --------------------------------------------------------------------------
-
-
-def _halves(split: data.Split) -> tuple[data.Split, data.Split]:
-  n = len(split) // 2
-  first = data.Split(split.inputs[:n], split.targets[:n])
-  second = data.Split(split.inputs[n:], split.targets[n:])
-  return first, second
-
-
-def _spearman(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
-  a, b = np.ravel(a), np.ravel(b)
-  keep = ~(np.isnan(a) | np.isnan(b))
-  if keep.sum() < 3 or np.ptp(a[keep]) == 0 or np.ptp(b[keep]) == 0:
-    return {"rho": float("nan"), "p": float("nan")}
-  result = stats.spearmanr(a[keep], b[keep])
-  return {"rho": float(result.statistic), "p": float(result.pvalue)}
 
 
 def _timed(log: Log, what: str, fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -166,135 +173,268 @@ def _timed(log: Log, what: str, fn: Callable[[], Any]) -> tuple[Any, float]:
   return out, seconds
 
 
-def analyze_seed(model: Transformer, params: Any,
-                 splits: Mapping[str, data.Split], options: Options,
-                 rng: np.random.Generator, log: Log = print) -> dict[str, Any]:
-  """Importance measures (validation) and pruning curves (test) of one
-  model. Returns a JSON-able dict of arrays and numbers."""
-  config = model.config
-  val, test = splits["validation"], splits["test"]
-  bs = options.batch_size
-  timings: dict[str, float] = {}
-  out: dict[str, Any] = {}
+def _quiet(_: str) -> None:
+  pass
 
-  # -- importance, on validation ------------------------------------------
+
+# --------------------------------------------------------------------------
+# Importance measures and orders, on validation.
+# --------------------------------------------------------------------------
+
+
+def _halves(split: data.Split) -> tuple[data.Split, data.Split]:
+  n = len(split) // 2
+  first = data.Split(split.inputs[:n], split.targets[:n])
+  second = data.Split(split.inputs[n:], split.targets[n:])
+  return first, second
+
+
+def measure_importance(model: Transformer, params: Any, validation: data.Split,
+                       options: Options, log: Log = _quiet,
+                       timings: dict[str, float] | None = None
+                       ) -> dict[str, Any]:
+  """Every per-head measure on ``validation``: ``[L, H]`` arrays (NaN where
+  no head), and ``validation``, the unpruned metrics."""
+  timings = {} if timings is None else timings
+  bs = options.batch_size
   grad, timings["gradient_s"] = _timed(
       log, "gradient importance (vmap of grad, per-example |.|)",
-      lambda: pruning.gradient_importance(model, params, val, batch_size=bs))
-  masks = pruning.leave_one_out_masks(config)
-  loo, timings["leave_one_out_vmapped_s"] = _timed(
-      log, f"leave-one-out, {len(masks)} masks in vmapped calls",
-      lambda: pruning.leave_one_out(model, params, val, batch_size=bs))
-  # The same masks (plus the full one), one jitted call per mask: the loop
-  # the vmapped version replaces. Warm both first, then time both.
-  all_masks = np.concatenate([pruning.full_head_mask(config)[None], masks])
-  pruning.evaluate_masks_loop(model, params, val, all_masks[:1],
-                              batch_size=bs)
-  loop, timings["leave_one_out_loop_s"] = _timed(
-      log, "leave-one-out, the same masks in a Python loop",
-      lambda: pruning.evaluate_masks_loop(model, params, val, all_masks,
+      lambda: pruning.gradient_importance(model, params, validation,
                                           batch_size=bs))
-  _, timings["leave_one_out_vmapped_warm_s"] = _timed(
-      log, "leave-one-out, vmapped again (compiled)",
-      lambda: pruning.evaluate_masks(model, params, val, all_masks,
-                                     batch_size=bs))
-  timings["leave_one_out_speedup"] = (timings["leave_one_out_loop_s"] /
-                                      timings["leave_one_out_vmapped_warm_s"])
-  loop_loss = pruning.heads_to_array(config, loop["loss"][1:])
-  out["leave_one_out_loop_max_abs_diff"] = float(
-      np.nanmax(np.abs(loop_loss - loo["loss"])))
+  loo, timings["leave_one_out_s"] = _timed(
+      log, "leave-one-out (every head's mask in vmapped calls)",
+      lambda: pruning.leave_one_out(model, params, validation, batch_size=bs))
   attn, timings["confidence_s"] = _timed(
       log, "attention confidence and entropy",
-      lambda: pruning.attention_confidence(model, params, val, batch_size=bs))
-  half_a, half_b = _halves(val)
-  grad_a = pruning.gradient_importance(model, params, half_a, batch_size=bs)
-  grad_b = pruning.gradient_importance(model, params, half_b, batch_size=bs)
-
-  importance = {
+      lambda: pruning.attention_confidence(model, params, validation,
+                                           batch_size=bs))
+  half_a, half_b = _halves(validation)
+  return {
       "gradient": grad,
       "gradient_l2": pruning.normalize_per_layer(grad),
       "leave_one_out": loo["loss_increase"],
       "confidence": attn["confidence"],
       "entropy": attn["entropy"],
-  }
-  out["importance"] = {
-      **importance,
       "leave_one_out_token_accuracy_drop":
           loo["base"]["token_accuracy"] - loo["token_accuracy"],
-      "gradient_validation_half_a": grad_a,
-      "gradient_validation_half_b": grad_b,
-  }
-  out["validation"] = loo["base"]
-  out["spearman"] = {
-      "gradient_vs_leave_one_out": _spearman(grad, loo["loss_increase"]),
-      "gradient_l2_vs_leave_one_out": _spearman(importance["gradient_l2"],
-                                                loo["loss_increase"]),
-      "gradient_halves": _spearman(grad_a, grad_b),
-      "confidence_vs_leave_one_out": _spearman(attn["confidence"],
-                                               loo["loss_increase"]),
+      "gradient_validation_half_a": pruning.gradient_importance(
+          model, params, half_a, batch_size=bs),
+      "gradient_validation_half_b": pruning.gradient_importance(
+          model, params, half_b, batch_size=bs),
+      "validation": loo["base"],
   }
 
-  # -- orders ----------------------------------------------------------------
+
+def orders_from_importance(importance: Mapping[str, np.ndarray]
+                           ) -> dict[str, np.ndarray]:
+  """The order (least important first) of every measure in ``importance``
+  and the reverse gradient order."""
   orders = {
-      "gradient": pruning.order_from_importance(grad),
+      "gradient": pruning.order_from_importance(importance["gradient"]),
       "gradient_l2": pruning.order_from_importance(importance["gradient_l2"]),
-      "leave_one_out": pruning.order_from_importance(loo["loss_increase"]),
-      "confidence": pruning.order_from_importance(attn["confidence"]),
+      "leave_one_out": pruning.order_from_importance(
+          importance["leave_one_out"]),
+      "confidence": pruning.order_from_importance(importance["confidence"]),
       # Low entropy = focused = important: remove the most diffuse first.
-      "entropy": pruning.order_from_importance(-attn["entropy"]),
+      "entropy": pruning.order_from_importance(-importance["entropy"]),
   }
-  if options.reestimate:
-    orders["gradient_iterative"], timings["gradient_iterative_s"] = _timed(
-        log, "gradient importance re-estimated after each removal",
-        lambda: pruning.iterative_gradient_order(model, params, val,
-                                                 batch_size=bs))
+  shapley = importance.get("shapley_token_accuracy")
+  if shapley is not None and not np.all(np.isnan(shapley)):
+    orders["shapley"] = pruning.order_from_importance(shapley)
   orders["reverse_gradient"] = orders["gradient"][::-1].copy()
-  random_orders = pruning.random_orders(config, options.num_random_orders, rng)
-  out["orders"] = {**orders, "random": random_orders}
+  return orders
 
-  # -- curves, on test -------------------------------------------------------
-  num_heads = int(pruning.existing_heads(config).sum())
-  counts = pruning.pruning_counts(num_heads, options.step_fraction)
-  fractions = counts / max(num_heads, 1)
-  named = [(name, order) for name, order in orders.items()]
-  named += [("random", order) for order in random_orders]
-  masks = np.concatenate([pruning.masks_from_order(config, order, counts)
-                          for _, order in named])
-  unique, inverse = np.unique(masks.reshape(len(masks), -1), axis=0,
-                              return_inverse=True)
-  metrics, timings["curves_s"] = _timed(
-      log, f"pruning curves on test: {len(named)} orders x {len(counts)} "
-      f"points = {len(unique)} distinct masks, vmapped",
-      lambda: pruning.evaluate_masks(
-          model, params, test, unique.reshape((-1,) + masks.shape[1:]),
-          batch_size=bs))
-  curves: dict[str, dict[str, np.ndarray]] = {}
-  per_order = {k: v[np.ravel(inverse)].reshape(len(named), len(counts))
-               for k, v in metrics.items()}
-  for i, (name, _) in enumerate(named):
-    for key, values in per_order.items():
-      curves.setdefault(name, {}).setdefault(key, []).append(values[i])
-  curves = {name: {k: np.asarray(v) if name == "random" else np.asarray(v[0])
-                   for k, v in by_metric.items()}
-            for name, by_metric in curves.items()}
-  out["counts"] = counts
-  out["fractions"] = fractions
-  out["curves"] = curves
-  out["test"] = {k: float(v[0]) for k, v in curves["gradient"].items()}
-  out["curve_summary"] = _curve_summaries(fractions, curves, options.tolerance)
 
-  # -- Michel's tables, on test (all-but-one selects on validation) ----------
-  def tables():
-    single = pruning.leave_one_out(model, params, test, batch_size=bs)
-    abo_val = pruning.all_but_one(model, params, val, batch_size=bs)
-    abo_test = pruning.all_but_one(model, params, test, batch_size=bs)
-    return single, abo_val, abo_test
+def oracle_applies(config: Any, options: Options) -> bool:
+  """Whether every subset of the model's heads is evaluated."""
+  return oracle.num_heads(config) <= options.oracle_max_heads
 
-  (single, abo_val, abo_test), timings["tables_s"] = _timed(
-      log, "single-head ablation and all-but-one tables", tables)
-  out["single_head_ablation"] = {
-      f"{k}_change": single[k] - single["base"][k]
-      for k in ("token_accuracy", "exact_match", "loss")}
+
+def subset_values(metrics: Mapping[str, np.ndarray]) -> np.ndarray:
+  """The oracle's and Shapley's value of each subset: token accuracy, ties
+  broken by the loss (differences in token accuracy are multiples of one
+  token in the split, far above 1e-9 x loss)."""
+  return metrics["token_accuracy"] - 1e-9 * metrics["loss"]
+
+
+def compute_orders(model: Transformer, params: Any, validation: data.Split,
+                   options: Options) -> dict[str, np.ndarray]:
+  """The order (flat head indices, least important first) of every
+  non-random ordering of :data:`ORDERINGS`, measured on ``validation``
+  (``shapley`` only when the model has at most ``oracle_max_heads``
+  heads)."""
+  importance = measure_importance(model, params, validation, options)
+  if oracle_applies(model.config, options):
+    metrics = oracle.evaluate_subsets(model, params, validation,
+                                      batch_size=options.batch_size)
+    importance["shapley_token_accuracy"] = oracle.shapley_values(
+        metrics["token_accuracy"], model.config)
+  orders = orders_from_importance(importance)
+  if options.reestimate:
+    orders["gradient_iterative"] = pruning.iterative_gradient_order(
+        model, params, validation, batch_size=options.batch_size)
+  return orders
+
+
+# --------------------------------------------------------------------------
+# The masks a seed evaluates, and their per-example results.
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Plan:
+  """Distinct masks ``[M, L, H]`` and, per variant and curve, the ``[R, P]``
+  mask ids of its points (R = 1 but for ``random``); the ids of the oracle
+  at every ``k`` and of the single-head and all-but-one masks."""
+
+  masks: list[np.ndarray] = dataclasses.field(default_factory=list)
+  index: dict[bytes, int] = dataclasses.field(default_factory=dict)
+  curves: dict[str, dict[str, np.ndarray]] = dataclasses.field(
+      default_factory=dict)
+  counts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  oracle: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  single: np.ndarray | None = None
+  all_but_one: np.ndarray | None = None
+
+  def add(self, mask: np.ndarray) -> int:
+    """The id of ``mask``, added if new."""
+    key = np.asarray(mask, np.float32).tobytes()
+    if key not in self.index:
+      self.index[key] = len(self.masks)
+      self.masks.append(np.asarray(mask, np.float32))
+    return self.index[key]
+
+  def add_curve(self, variant: str, name: str, config: Any,
+                removals: Sequence[Sequence[int]]) -> None:
+    """A curve whose point ``p`` removes the heads ``removals[p]``; several
+    calls with one name stack (random orders)."""
+    ids = [self.add(pruning.mask_without(config, r)) for r in removals]
+    curves = self.curves.setdefault(variant, {})
+    row = np.asarray(ids, np.int64)[None]
+    curves[name] = row if name not in curves else np.concatenate(
+        [curves[name], row])
+
+
+def plan_masks(config: Any, orders: Mapping[str, np.ndarray],
+               random_orders: np.ndarray, oracle_removals: Mapping[str, Any],
+               counts: np.ndarray) -> Plan:
+  """Every curve of both variants (``all``; ``no_layer_emptied``, which
+  skips a layer's last head and stops at ``N - layers with heads``), the
+  full mask (id 0) and the single-head and all-but-one masks."""
+  plan = Plan()
+  plan.add(pruning.full_head_mask(config))
+  limit = pruning.removable_keeping_layers(config)
+  plan.counts = {"all": counts, "no_layer_emptied": counts[counts <= limit]}
+  named = [(k, v) for k, v in orders.items()] + [
+      ("random", o) for o in random_orders]
+  for variant, points in plan.counts.items():
+    for name, order in named:
+      if variant == "no_layer_emptied":
+        order = pruning.keep_one_per_layer(config, order)
+      plan.add_curve(variant, name, config, [order[:k] for k in points])
+    removals = oracle_removals.get(variant)
+    if removals is not None:
+      plan.add_curve(variant, "oracle", config, [removals[k] for k in points])
+      plan.oracle[variant] = np.asarray(
+          [plan.add(pruning.mask_without(config, r)) for r in removals])
+  plan.single = np.asarray([plan.add(m) for m in
+                            pruning.leave_one_out_masks(config)])
+  plan.all_but_one = np.asarray([plan.add(m) for m in
+                                 pruning.all_but_one_masks(config)])
+  return plan
+
+
+def _per_example(model: Transformer, params: Any, split: data.Split,
+                 masks: np.ndarray, table: Mapping[str, np.ndarray] | None,
+                 options: Options) -> dict[str, np.ndarray]:
+  """Per-example sums ``[M, n]`` of ``masks``: looked up in ``table`` (every
+  subset) when given; else every subset is evaluated when that is cheaper
+  (at least half as many masks as subsets), else just ``masks``."""
+  config = model.config
+  if table is None and oracle_applies(config, options) and (
+      2 * len(masks) >= 2 ** oracle.num_heads(config)):
+    table = oracle.evaluate_subsets(model, params, split, per_example=True,
+                                    batch_size=options.batch_size)
+  if table is not None:
+    ids = oracle.subset_index(config, masks)
+    return {k: np.asarray(v)[ids] for k, v in table.items()}
+  return pruning.evaluate_masks(model, params, split, masks,
+                                batch_size=options.batch_size,
+                                per_example=True)
+
+
+# --------------------------------------------------------------------------
+# One seed.
+# --------------------------------------------------------------------------
+
+
+def _oracle(model: Transformer, params: Any, validation: data.Split,
+            options: Options, log: Log, timings: dict[str, float]
+            ) -> tuple[dict[str, np.ndarray] | None, np.ndarray,
+                       dict[str, list[np.ndarray]]]:
+  """Every subset on validation (per example), Shapley values ``[L, H]``
+  and the oracle's removals per variant; ``(None, NaN, {})`` above
+  ``oracle_max_heads``."""
+  config = model.config
+  n = oracle.num_heads(config)
+  if not oracle_applies(config, options):
+    log(f"  oracle and Shapley values skipped: {n} heads > "
+        f"--oracle_max_heads={options.oracle_max_heads}")
+    return None, np.where(pruning.existing_heads(config), np.nan, np.nan), {}
+  table, timings["oracle_s"] = _timed(
+      log, f"oracle: all {2 ** n} subsets of heads on validation, layer by "
+      "layer", lambda: oracle.evaluate_subsets(
+          model, params, validation, per_example=True,
+          batch_size=options.batch_size))
+  metrics = pruning.summarize_examples(table)
+  values = subset_values(metrics)
+  removals = {"all": oracle.best_removals(values, config),
+              "no_layer_emptied": oracle.best_removals(
+                  values, config, no_layer_emptied=True)}
+  shapley = oracle.shapley_values(metrics["token_accuracy"], config)
+  return table, shapley, removals
+
+
+def _oracle_entries(config: Any, plan: Plan, variant: str,
+                    val: Mapping[str, np.ndarray],
+                    test: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
+  """The ``oracle`` list of ``results.json``: for every ``k`` the removed
+  heads and their validation and test metrics."""
+  entries = []
+  for k, mask_id in enumerate(plan.oracle.get(variant, [])):
+    removed = np.flatnonzero(plan.masks[mask_id].reshape(-1) == 0)
+    removed = removed[pruning.existing_heads(config).reshape(-1)[removed]]
+    entries.append({
+        "k": k, "removed": [list(p) for p in
+                            pruning.flat_to_pairs(config, removed)],
+        "validation": {m: float(v[mask_id]) for m, v in val.items()},
+        "test": {m: float(v[mask_id]) for m, v in test.items()},
+    })
+  return entries
+
+
+def _ablations(config: Any, plan: Plan, val: Mapping[str, np.ndarray],
+               test: Mapping[str, np.ndarray],
+               test_sums: Mapping[str, np.ndarray]) -> dict[str, Any]:
+  """Michel et al.'s tables on test: each head removed alone (change, paired
+  t-test over examples, Benjamini-Hochberg q), and each layer reduced to
+  one head (the best head chosen on validation)."""
+  single: dict[str, Any] = {}
+  for metric, key in (("token_accuracy", "correct"), ("exact_match",
+                                                      "exact")):
+    single[f"{metric}_change"] = pruning.heads_to_array(
+        config, test[metric][plan.single] - test[metric][0])
+    p = stats.paired_ttest_pvalues(test_sums[key][0],
+                                   test_sums[key][plan.single])
+    single[f"{metric}_p"] = pruning.heads_to_array(config, p)
+    single[f"{metric}_q"] = pruning.heads_to_array(
+        config, stats.benjamini_hochberg(p))
+  single["loss_change"] = pruning.heads_to_array(
+      config, test["loss"][plan.single] - test["loss"][0])
+  abo_val = {m: pruning.heads_to_array(config, v[plan.all_but_one])
+             for m, v in val.items()}
+  abo_test = {m: pruning.heads_to_array(config, v[plan.all_but_one])
+              for m, v in test.items()}
   best = []
   for layer, count in enumerate(config.heads_per_layer):
     if count == 0:
@@ -303,101 +443,136 @@ def analyze_seed(model: Transformer, params: Any,
     head = int(np.nanargmax(abo_val["token_accuracy"][layer]))
     best.append({
         "layer": layer, "head": head,
-        "validation_token_accuracy": float(abo_val["token_accuracy"][layer,
-                                                                      head]),
+        "validation_token_accuracy": float(
+            abo_val["token_accuracy"][layer, head]),
         **{f"test_{k}": float(abo_test[k][layer, head])
-           for k in ("token_accuracy", "exact_match", "loss")},
-    })
-  out["all_but_one"] = {"test": abo_test, "validation": abo_val,
-                        "best_head_per_layer": best}
-  out["timings"] = timings
-  return out
+           for k in ("token_accuracy", "exact_match", "loss")}})
+  return {"single_head_ablation": single,
+          "all_but_one": {"test": abo_test, "validation": abo_val,
+                          "best_head_per_layer": best}}
 
 
-def _curve_summaries(fractions: np.ndarray,
-                     curves: Mapping[str, Mapping[str, np.ndarray]],
-                     tolerance: float) -> dict[str, dict[str, Any]]:
-  summary: dict[str, dict[str, Any]] = {}
-  for name, by_metric in curves.items():
-    entry: dict[str, Any] = {}
-    for metric in CURVE_METRICS:
-      values = np.atleast_2d(by_metric[metric])
-      aucs = [pruning.curve_auc(fractions, v) for v in values]
-      prunable = [pruning.max_prunable_fraction(fractions, v, tolerance)
-                  for v in values]
-      entry[f"auc_{metric}"] = float(np.mean(aucs))
-      entry[f"max_prunable_{metric}"] = float(np.mean(prunable))
-      if name == "random":
-        entry[f"auc_{metric}_per_order"] = aucs
-        entry[f"max_prunable_{metric}_per_order"] = prunable
-    summary[name] = entry
-  return summary
-
-
-# --------------------------------------------------------------------------
-# Across seeds.
-# --------------------------------------------------------------------------
-
-
-def _mean_std(values: Sequence[float]) -> dict[str, float]:
-  values = np.asarray(values, np.float64)
-  return {"mean": float(np.nanmean(values)),
-          "std": float(np.nanstd(values, ddof=1)) if len(values) > 1 else 0.0,
-          "min": float(np.nanmin(values)), "max": float(np.nanmax(values)),
-          "per_seed": [float(v) for v in values]}
-
-
-def _paired(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
-  """Paired comparison of per-seed ``a - b``: mean, wins, t-test."""
-  diff = np.asarray(a, np.float64) - np.asarray(b, np.float64)
-  result: dict[str, Any] = {
-      "mean_difference": float(np.mean(diff)),
-      "per_seed_difference": [float(d) for d in diff],
-      "wins": int(np.sum(diff > 0)), "seeds": int(len(diff)),
-      "t": float("nan"), "p_two_sided": float("nan"),
+def _spearman(importance: Mapping[str, np.ndarray]) -> dict[str, Any]:
+  pairs = {
+      "gradient_vs_leave_one_out": ("gradient", "leave_one_out"),
+      "gradient_l2_vs_leave_one_out": ("gradient_l2", "leave_one_out"),
+      "gradient_halves": ("gradient_validation_half_a",
+                          "gradient_validation_half_b"),
+      "confidence_vs_leave_one_out": ("confidence", "leave_one_out"),
+      "shapley_vs_leave_one_out": ("shapley_token_accuracy",
+                                   "leave_one_out_token_accuracy_drop"),
+      "shapley_vs_gradient": ("shapley_token_accuracy", "gradient"),
   }
-  if len(diff) > 1 and np.ptp(diff) > 0:
-    test = stats.ttest_1samp(diff, 0.0)
-    result["t"], result["p_two_sided"] = float(test.statistic), float(
-        test.pvalue)
-  return result
+  return {name: stats.spearman(importance[a], importance[b])
+          for name, (a, b) in pairs.items()}
 
 
-def aggregate(seed_results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-  """Mean and spread of every curve summary across seeds, and the paired
-  comparisons of each measure with the random and reverse baselines."""
-  names = list(seed_results[0]["curve_summary"])
-  out: dict[str, Any] = {"curve_summary": {}, "vs_random": {},
-                         "vs_reverse_gradient": {}, "spearman": {}}
-  for name in names:
-    out["curve_summary"][name] = {
-        key: _mean_std([r["curve_summary"][name][key] for r in seed_results])
-        for key in seed_results[0]["curve_summary"][name]
-        if not key.endswith("_per_order")}
-  for metric in CURVE_METRICS:
-    key = f"auc_{metric}"
-    random_auc = [r["curve_summary"]["random"][key] for r in seed_results]
-    reverse_auc = [r["curve_summary"]["reverse_gradient"][key]
-                   for r in seed_results]
-    for name in names:
-      if name in BASELINES:
-        continue
-      auc = [r["curve_summary"][name][key] for r in seed_results]
-      vs_random = _paired(auc, random_auc)
-      # Per seed: the share of random orders at least as good (a one-sided
-      # permutation p-value of "this order is no better than chance").
-      vs_random["per_seed_p_random_at_least_as_good"] = [
-          float((1 + np.sum(np.asarray(
-              r["curve_summary"]["random"][f"{key}_per_order"]) >= a)) /
-                (1 + len(r["curve_summary"]["random"][f"{key}_per_order"])))
-          for r, a in zip(seed_results, auc)]
-      out["vs_random"].setdefault(name, {})[metric] = vs_random
-      out["vs_reverse_gradient"].setdefault(name, {})[metric] = _paired(
-          auc, reverse_auc)
-  for key in seed_results[0]["spearman"]:
-    out["spearman"][key] = _mean_std(
-        [r["spearman"][key]["rho"] for r in seed_results])
-  return out
+@dataclasses.dataclass(frozen=True)
+class Resamples:
+  """The bootstrap resamples shared by every seed: ``[R, n]`` example counts
+  of validation and test, and ``[R, S]`` seed weights."""
+
+  validation: np.ndarray
+  test: np.ndarray
+  seeds: np.ndarray
+
+  @classmethod
+  def draw(cls, splits: Mapping[str, data.Split], num_seeds: int,
+           num_bootstrap: int, rng: np.random.Generator) -> "Resamples":
+    """Independent resamples of both splits and of the seeds."""
+    return cls(
+        stats.example_weights(len(splits["validation"]), num_bootstrap, rng),
+        stats.example_weights(len(splits["test"]), num_bootstrap, rng),
+        stats.seed_weights(num_seeds, num_bootstrap, rng))
+
+
+def _measure_seed(model: Transformer, params: Any,
+                  splits: Mapping[str, data.Split], options: Options,
+                  rng: np.random.Generator, log: Log,
+                  timings: dict[str, float]) -> dict[str, Any]:
+  """Importance, orders, the oracle and the per-example sums of every mask
+  the seed's curves and tables need, on validation and test."""
+  config = model.config
+  val, test = splits["validation"], splits["test"]
+  importance = measure_importance(model, params, val, options, log, timings)
+  validation = importance.pop("validation")
+  table, shapley, removals = _oracle(model, params, val, options, log,
+                                     timings)
+  importance["shapley_token_accuracy"] = shapley
+  orders = orders_from_importance(importance)
+  if options.reestimate:
+    orders["gradient_iterative"], timings["gradient_iterative_s"] = _timed(
+        log, "gradient importance re-estimated after each removal",
+        lambda: pruning.iterative_gradient_order(
+            model, params, val, batch_size=options.batch_size))
+  random_orders = pruning.random_orders(config, options.num_random_orders,
+                                        rng)
+  n = oracle.num_heads(config)
+  plan = plan_masks(config, orders, random_orders, removals,
+                    pruning.pruning_counts(n, options.step_fraction))
+  masks = np.stack(plan.masks)
+  val_sums, timings["validation_masks_s"] = _timed(
+      log, f"{len(masks)} distinct masks on validation",
+      lambda: _per_example(model, params, val, masks, table, options))
+  test_sums, timings["test_masks_s"] = _timed(
+      log, f"{len(masks)} distinct masks on test (curves, oracle, tables)",
+      lambda: _per_example(model, params, test, masks, None, options))
+  return {"importance": importance, "validation": validation,
+          "orders": {**orders, "random": random_orders}, "plan": plan,
+          "val_sums": val_sums, "test_sums": test_sums, "num_heads": n,
+          "oracle_ran": table is not None}
+
+
+def analyze_seed(model: Transformer, params: Any,
+                 splits: Mapping[str, data.Split], options: Options,
+                 rng: np.random.Generator, resamples: Resamples,
+                 log: Log = print) -> tuple[dict[str, Any],
+                                            dict[summary.Key, np.ndarray]]:
+  """Importance measures (validation), the oracle, pruning curves and
+  Michel et al.'s tables (test) of one model.
+
+  Returns:
+    ``(result, statistics)``: the JSON-able result of the seed, and its
+    bootstrap statistics (:func:`mha.pruning.summary.seed_statistics`) for
+    :func:`aggregate`.
+  """
+  config = model.config
+  timings: dict[str, float] = {}
+  m = _measure_seed(model, params, splits, options, rng, log, timings)
+  plan = m["plan"]
+  statistics = summary.seed_statistics(
+      plan.curves, plan.counts, m["num_heads"], m["val_sums"],
+      m["test_sums"], resamples.validation, resamples.test,
+      options.tolerance)
+  val = pruning.summarize_examples(m["val_sums"])
+  test = pruning.summarize_examples(m["test_sums"])
+  nested = summary.seed_summary(statistics)
+  out: dict[str, Any] = {
+      "importance": m["importance"], "validation": m["validation"],
+      "test": {k: float(v[0]) for k, v in test.items()},
+      "spearman": _spearman(m["importance"]), "orders": m["orders"],
+      "counts": plan.counts["all"],
+      "fractions": plan.counts["all"] / max(m["num_heads"], 1),
+      **nested["all"],
+      "oracle": _oracle_entries(config, plan, "all", val, test),
+      "no_layer_emptied": {
+          "counts": plan.counts["no_layer_emptied"],
+          "fractions": plan.counts["no_layer_emptied"] / max(
+              m["num_heads"], 1),
+          **nested["no_layer_emptied"],
+          "oracle": _oracle_entries(config, plan, "no_layer_emptied", val,
+                                    test)},
+      **_ablations(config, plan, val, test, m["test_sums"]),
+      "timings": timings,
+  }
+  if not m["oracle_ran"]:
+    out["oracle_skipped"] = (
+        f"{m['num_heads']} heads > --oracle_max_heads="
+        f"{options.oracle_max_heads}: 2**{m['num_heads']} subsets not "
+        "evaluated")
+  out["examples"] = {"masks": np.stack(plan.masks),
+                     "validation": m["val_sums"], "test": m["test_sums"]}
+  return out, statistics
 
 
 # --------------------------------------------------------------------------
@@ -445,88 +620,203 @@ def check_step(first: ckpt_lib.LoadedCheckpoint, step: int | None,
         f"{', '.join(map(str, steps))}; pick one of them or --num_seeds=1")
 
 
+def _seed_config(first: ckpt_lib.LoadedCheckpoint, offset: int) -> Any:
+  config = copy.deepcopy(first.config)
+  config.seed = first.config.seed + offset
+  return config
+
+
+def seed_dir(out_dir: str, seed: int) -> str:
+  """Where the study trains the model of ``seed``."""
+  return os.path.join(out_dir, "seeds", f"seed_{seed}")
+
+
+def seed_conflicts(first: ckpt_lib.LoadedCheckpoint, out_dir: str,
+                   num_seeds: int) -> dict[str, list[str]]:
+  """Seed directories under ``out_dir`` whose recorded config differs from
+  the workdir's (seed aside, and the keys a resumed run may change,
+  ``config_validation.RESUMABLE_KEYS``): directory -> differing keys."""
+  out = {}
+  for i in range(1, num_seeds):
+    config = _seed_config(first, i)
+    directory = seed_dir(out_dir, config.seed)
+    saved = ckpt_lib.saved_config(directory) if os.path.isdir(
+        directory) else None
+    if saved is not None:
+      conflicts = config_validation.resume_conflicts(saved, config)
+      if conflicts:
+        out[directory] = [c.split(" ", 1)[0] for c in conflicts]
+  return out
+
+
+def check_seed_dirs(first: ckpt_lib.LoadedCheckpoint, out_dir: str,
+                    num_seeds: int, retrain: bool) -> None:
+  """Raises ValueError naming the differing keys when a seed directory was
+  trained with another config and ``retrain`` is off."""
+  conflicts = seed_conflicts(first, out_dir, num_seeds)
+  if conflicts and not retrain:
+    directory, keys = next(iter(conflicts.items()))
+    raise ValueError(
+        f"{directory} was trained with another config (differs in "
+        f"{', '.join(keys)}); delete it or pass --retrain_seeds")
+
+
 def seed_models(workdir: str, out_dir: str, num_seeds: int,
-                step: int | None = None,
-                log: Log = print) -> list[ckpt_lib.LoadedCheckpoint]:
+                step: int | None = None, log: Log = print, *,
+                retrain: bool = False) -> list[ckpt_lib.LoadedCheckpoint]:
   """The workdir's checkpoint (its newest, or ``step``), then
   ``num_seeds - 1`` models of the same config trained with the next seeds
-  under ``out_dir/seeds/`` (reused when already trained), at the same step."""
+  under ``out_dir/seeds/``, at the same step. A seed directory is reused
+  when its recorded config matches; one trained with another config is
+  an error (ValueError), or retrained from scratch with ``retrain``."""
   first = ckpt_lib.load_checkpoint(workdir, step)
   check_step(first, step, num_seeds)
+  check_seed_dirs(first, out_dir, num_seeds, retrain)
+  stale = seed_conflicts(first, out_dir, num_seeds)
   loaded = [first]
   for i in range(1, num_seeds):
-    config = copy.deepcopy(first.config)
-    config.seed = first.config.seed + i
-    seed_dir = os.path.join(out_dir, "seeds", f"seed_{config.seed}")
+    config = _seed_config(first, i)
+    directory = seed_dir(out_dir, config.seed)
+    if directory in stale:
+      log(f"Retraining seed {config.seed}: {directory} was trained with "
+          f"another config ({', '.join(stale[directory])})")
+      shutil.rmtree(directory)
     try:
-      done = ckpt_lib.load_checkpoint(seed_dir).step >= config.num_train_steps
+      done = ckpt_lib.load_checkpoint(directory).step >= config.num_train_steps
     except FileNotFoundError:
       done = False
     if done:
-      log(f"Reusing seed {config.seed} from {seed_dir}")
+      log(f"Reusing seed {config.seed} from {directory}")
     else:
-      log(f"Training seed {config.seed} in {seed_dir} ...")
-      train.train_and_evaluate(config, seed_dir)
-    loaded.append(ckpt_lib.load_checkpoint(seed_dir, step))
+      log(f"Training seed {config.seed} in {directory} ...")
+      train.train_and_evaluate(config, directory)
+    loaded.append(ckpt_lib.load_checkpoint(directory, step))
   return loaded
+
+
+# --------------------------------------------------------------------------
+# Across seeds.
+# --------------------------------------------------------------------------
+
+
+def aggregate(seed_results: Sequence[Mapping[str, Any]],
+              seed_statistics: Sequence[Mapping[summary.Key, np.ndarray]],
+              seed_weights: np.ndarray) -> dict[str, Any]:
+  """The mean over seeds of every curve statistic with two-level bootstrap
+  intervals; Spearman correlations averaged through Fisher's z; per seed,
+  the share of random orders at least as good as each ordering (a one-sided
+  permutation p-value) and the heads whose removal alone changes test token
+  accuracy significantly (Benjamini-Hochberg q < 0.05)."""
+  nested = summary.aggregate_statistics(seed_statistics, seed_weights)
+  out: dict[str, Any] = {**nested["all"],
+                         "no_layer_emptied": nested["no_layer_emptied"]}
+  out["spearman"] = {
+      key: stats.fisher_mean([r["spearman"][key] for r in seed_results])
+      for key in seed_results[0]["spearman"]}
+  share: dict[str, list[float]] = {}
+  for r in seed_results:
+    per_order = np.asarray(
+        r["curve_summary"]["random"]["auc_token_accuracy_per_order"])
+    for name, entry in r["curve_summary"].items():
+      if name != "random":
+        share.setdefault(name, []).append(float(
+            (1 + np.sum(per_order >= entry["auc_token_accuracy"])) /
+            (1 + len(per_order))))
+  out["share_of_random_at_least_as_good"] = share
+  out["significant_single_heads"] = [
+      int(np.nansum(np.asarray(
+          r["single_head_ablation"]["token_accuracy_q"], np.float64) < 0.05))
+      for r in seed_results]
+  return out
+
+
+# --------------------------------------------------------------------------
+# The whole run, outputs.
+# --------------------------------------------------------------------------
+
+
+def _analyze_all(checkpoints, splits, options, log):
+  rng = np.random.default_rng(options.seed)
+  resamples = Resamples.draw(splits, len(checkpoints), options.num_bootstrap,
+                             np.random.default_rng([options.seed, 1]))
+  seeds, statistics = [], []
+  for ckpt in checkpoints:
+    log(f"Seed {ckpt.config.seed} (step {ckpt.step}, "
+        f"{pruning.count_params(ckpt.params):,} parameters):")
+    seed_start = time.perf_counter()
+    result, stat = analyze_seed(ckpt.model, ckpt.params, splits, options,
+                                rng, resamples, log)
+    result["seed"] = int(ckpt.config.seed)
+    result["step"] = int(ckpt.step)
+    result["config"] = ckpt.config.to_dict()
+    result["timings"]["total_s"] = time.perf_counter() - seed_start
+    seeds.append(result)
+    statistics.append(stat)
+  return seeds, aggregate(seeds, statistics, resamples.seeds)
+
+
+def _header(workdir, first, options, splits) -> dict[str, Any]:
+  return {
+      "workdir": os.path.abspath(os.path.expanduser(workdir)),
+      "task": first.config.task,
+      "model": dataclasses.asdict(first.model_config) | {"dtype": str(
+          first.model_config.dtype)},
+      "options": dataclasses.asdict(options),
+      "orderings": ORDERINGS,
+      "curve_labels": CURVE_LABELS,
+      "splits": {"importance": "validation", "accuracy": "test",
+                 "sizes": {k: len(v) for k, v in splits.items()}},
+      "definitions": {
+          "auc": "trapezoid area under the test curve over the fraction of "
+                 "heads removed, divided by the fraction range",
+          "max_prunable": "largest fraction of heads removed up to which "
+                          "every validation point is within `tolerance` of "
+                          "the unpruned validation value (chosen on "
+                          "validation; test_<metric>_at_prunable is its test "
+                          "value)",
+          "ci": "95% percentile interval of a paired bootstrap over "
+                "validation and test examples (and, across seeds, over "
+                "seeds: two-level)",
+          "oracle": "for each k, the subset with k heads removed of best "
+                    "validation token accuracy (ties: lower loss)",
+          "no_layer_emptied": "the same orderings, skipping the last head "
+                              "of a layer (and the oracle among subsets "
+                              "keeping one head per layer)",
+      },
+  }
 
 
 def run(workdir: str, out_dir: str, options: Options,
         step: int | None = None, log: Log = print) -> dict[str, Any]:
   """The whole experiment on the checkpoint of ``workdir`` (its newest, or
-  ``step``); writes ``results.json``, ``report.md`` and the plots to
-  ``out_dir`` and returns the results.
+  ``step``); writes ``results.json``, ``report.md``, the plots and each
+  seed's per-example results (``examples_seed<s>.npz``) to ``out_dir`` and
+  returns the results.
 
   Raises:
     FileNotFoundError: no checkpoint (of ``step``) in ``workdir``.
-    ValueError: bad options, a head to remove that does not exist, or a
-      ``step`` the other seeds will not have.
+    ValueError: bad options, a head to remove that does not exist, a
+      ``step`` the other seeds will not have, or a seed directory trained
+      with another config (without ``retrain_seeds``).
   """
   options.validate()
   start = time.perf_counter()
   first = ckpt_lib.load_checkpoint(workdir, step)
   check_step(first, step, options.num_seeds)
+  check_seed_dirs(first, out_dir, options.num_seeds, options.retrain_seeds)
   if options.remove_heads:  # Check before any long work.
     pruning.prune_heads(first.params, first.model_config, options.remove_heads)
   os.makedirs(out_dir, exist_ok=True)
-  checkpoints = seed_models(workdir, out_dir, options.num_seeds, step, log)
+  checkpoints = seed_models(workdir, out_dir, options.num_seeds, step, log,
+                            retrain=options.retrain_seeds)
   config = first.config
   splits = data.load_splits(build.data_spec(config), config.data.data_dir)
-  rng = np.random.default_rng(options.seed)
-
-  seeds = []
   experiment_start = time.perf_counter()
-  for ckpt in checkpoints:
-    log(f"Seed {ckpt.config.seed} (step {ckpt.step}, "
-        f"{pruning.count_params(ckpt.params):,} parameters):")
-    seed_start = time.perf_counter()
-    result = analyze_seed(ckpt.model, ckpt.params, splits, options, rng, log)
-    result["seed"] = int(ckpt.config.seed)
-    result["step"] = int(ckpt.step)
-    result["timings"]["total_s"] = time.perf_counter() - seed_start
-    seeds.append(result)
-
-  results: dict[str, Any] = {
-      "workdir": os.path.abspath(os.path.expanduser(workdir)),
-      "task": config.task,
-      "model": dataclasses.asdict(first.model_config) | {"dtype": str(
-          first.model_config.dtype)},
-      "options": dataclasses.asdict(options),
-      "orderings": ORDERINGS,
-      "splits": {"importance": "validation", "accuracy": "test",
-                 "sizes": {k: len(v) for k, v in splits.items()}},
-      "definitions": {
-          "auc": "trapezoid area under the curve over the fraction of "
-                 "heads removed, divided by the fraction range",
-          "max_prunable": "largest fraction of heads removed up to which "
-                          "every point is within `tolerance` of the "
-                          "unpruned value",
-      },
-      "seeds": seeds,
-      "aggregate": aggregate(seeds),
+  seeds, agg = _analyze_all(checkpoints, splits, options, log)
+  results = _header(workdir, first, options, splits) | {
+      "seeds": seeds, "aggregate": agg,
       "jax": {"version": jax.__version__, "backend": jax.default_backend(),
-              "devices": [str(d) for d in jax.devices()]},
-  }
+              "devices": [str(d) for d in jax.devices()]}}
   if options.speed:
     log("Speed of physically pruned models (first seed):")
     order = np.asarray(seeds[0]["orders"][options.speed_order])
@@ -568,25 +858,38 @@ def _jsonable(value: Any) -> Any:
   return value
 
 
+def _write_examples(seed: Mapping[str, Any], out_dir: str) -> str:
+  """The seed's per-example sums of every mask it evaluated (what a new
+  resample needs): ``masks [M, L, H]``, ``validation_<sum>`` and
+  ``test_<sum>`` ``[M, n]``."""
+  examples = seed["examples"]
+  arrays = {"masks": examples["masks"]}
+  for split in ("validation", "test"):
+    arrays.update({f"{split}_{k}": v for k, v in examples[split].items()})
+  path = os.path.join(out_dir, f"examples_seed{seed['seed']}.npz")
+  np.savez_compressed(path, **arrays)
+  return path
+
+
 def write_outputs(results: Mapping[str, Any], out_dir: str) -> list[str]:
-  """Writes ``results.json``, the plots and ``report.md``; returns the
-  paths."""
+  """Writes ``results.json``, each seed's ``examples_seed<s>.npz`` (when
+  the results hold them), the plots and ``report.md``; returns the paths."""
   from mha.pruning import report  # Deferred: matplotlib.
 
   os.makedirs(out_dir, exist_ok=True)
+  written = [_write_examples(s, out_dir) for s in results["seeds"]
+             if "examples" in s]
+  results = dict(results, seeds=[{k: v for k, v in s.items()
+                                  if k != "examples"}
+                                 for s in results["seeds"]])
   path = os.path.join(out_dir, "results.json")
   with open(path + ".tmp", "w", encoding="utf-8") as f:
     json.dump(_jsonable(results), f, indent=1, allow_nan=False)
   os.replace(path + ".tmp", path)
-  return [path] + report.write(results, out_dir)
+  return written + [path] + report.write(results, out_dir)
 
 
-def load_options(values: Mapping[str, Any]) -> Options:
-  """Options from a mapping of the script's flag values."""
-  fields = {f.name for f in dataclasses.fields(Options)}
-  return Options(**{k: v for k, v in values.items() if k in fields})
-
-
-__all__ = ["Options", "ORDERINGS", "aggregate", "analyze_seed",
-           "custom_pruning", "run", "seed_models",
-           "write_outputs"]
+__all__ = ["Options", "ORDERINGS", "CURVE_LABELS", "Resamples", "aggregate",
+           "analyze_seed", "compute_orders", "measure_importance",
+           "orders_from_importance", "custom_pruning", "run", "seed_models",
+           "check_seed_dirs", "write_outputs"]

@@ -71,6 +71,8 @@ ORDERING_STYLES: dict[str, dict[str, object]] = {
     "entropy": dict(color="#E69F00", marker="P", linestyle="-"),
     "random": dict(color="0.35", marker="o", linestyle="--"),
     "reverse gradient": dict(color="#000000", marker="x", linestyle=":"),
+    "Shapley value": dict(color="#7A5195", marker="*", linestyle="-"),
+    "oracle (best subset)": dict(color="#000000", marker="", linestyle="-"),
 }
 #: Runs up to this many get a min-max band; more get a percentile band.
 MINMAX_MAX_RUNS = 5
@@ -173,6 +175,7 @@ def pruning_curves_figure(
     baseline: float | None = None,
     title: str | None = None,
     bands: Collection[str] | None = None,
+    intervals: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> Figure:
   """Builds (but does not save) the figure of :func:`plot_pruning_curves`."""
   fractions, curves = _check_curves(fractions, curves)
@@ -190,10 +193,17 @@ def pruning_curves_figure(
     style = styles[name]
     is_random = name == "random"
     mean = _quiet_nan_reduce(np.nanmean, values, axis=0)
-    label = f"{name} ({runs} run{'s' if runs > 1 else ''}"
+    label = f"{name} ({runs} run{'s' if runs > 1 else ''}" if (
+        intervals is None) else name
     band_patch = None
-    if runs > 1 and (bands is None or name in bands):
-      low, high, band = _band(values)
+    interval = (intervals or {}).get(name)
+    if interval is not None or (runs > 1 and (bands is None or name in bands)
+                                and intervals is None):
+      if interval is not None:
+        low, high = (np.asarray(v, np.float64) for v in interval)
+        band = "95% CI"
+      else:
+        low, high, band = _band(values)
       band_style = dict(
           color="0.6" if is_random else style["color"],
           # Lighter for black, so that it does not read as the grey "random".
@@ -208,12 +218,13 @@ def pruning_curves_figure(
                       zorder=1 if is_random else 2,
                       **band_style)
       band_patch = Patch(**band_style)
-      label += f", band {band}"
-    label += ")"
+      label += f", band {band}" if intervals is None else f" (band: {band})"
+    label += ")" if intervals is None else ""
     (line,) = ax.plot(
         fractions,
         mean,
-        linewidth=1.6 if is_random else 1.8,
+        linewidth=1.6 if is_random else (2.6 if name.startswith("oracle")
+                                         else 1.8),
         markersize=marker_size,
         markevery=markevery,
         zorder=3 if is_random else 4,
@@ -249,7 +260,8 @@ def pruning_curves_figure(
       list(handles),
       loc="outside right upper",
       fontsize=8.5,
-      title="ordering (mean over runs;\nshaded band = spread)",
+      title=("ordering (mean over runs;\nshaded band = spread)"
+             if intervals is None else "ordering (mean over seeds)"),
       title_fontsize=8.5,
       alignment="left",
       frameon=False,
@@ -268,6 +280,7 @@ def plot_pruning_curves(
     baseline: float | None = None,
     title: str | None = None,
     bands: Collection[str] | None = None,
+    intervals: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> str:
   """Writes a PNG of the metric vs the fraction of heads removed.
 
@@ -292,6 +305,9 @@ def plot_pruning_curves(
     title: optional axes title.
     bands: the orderings that get a spread band (default: all); with many
       orderings and several seeds, bands on a few keep the plot readable.
+    intervals: ordering name -> ``(low [P], high [P])``, e.g. 95% bootstrap
+      intervals; when given, these are the only bands drawn (and the legend
+      says so).
 
   Returns:
     ``path``.
@@ -306,7 +322,8 @@ def plot_pruning_curves(
                             metric=metric,
                             baseline=baseline,
                             title=title,
-                            bands=bands), path)
+                            bands=bands,
+                            intervals=intervals), path)
 
 
 # --------------------------------------------------------------------------

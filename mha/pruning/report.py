@@ -3,13 +3,15 @@
 Reads the results dict of :func:`mha.pruning.experiment.run` (NumPy arrays
 or the lists of its JSON form alike) and writes, beside ``results.json``:
 
-* ``curves_token_accuracy.png``, ``curves_exact_match.png``: accuracy vs
-  fraction of heads removed for every ordering, with spread bands;
+* ``curves_token_accuracy.png``, ``curves_exact_match.png``: test accuracy
+  vs fraction of heads removed for every ordering and the oracle, with 95%
+  bootstrap intervals;
+* ``curves_no_layer_emptied.png``: the same orderings never emptying a layer;
 * ``importance_seed<s>.png``: layers x heads heatmaps of every measure;
 * ``ablation_seed<s>.png``: Michel et al.'s two tables as heatmaps;
 * ``scatter_gradient_vs_leave_one_out.png``;
 * ``speed.png`` (when the speed table ran);
-* ``report.md``: the tables, with the plots inlined by relative path.
+* ``report.md``: every number with its 95% interval, the plots inlined.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from mha.pruning import plots as pruning_plots
 
 _CURVE_FILES = {"token_accuracy": "curves_token_accuracy.png",
                 "exact_match": "curves_exact_match.png"}
+_NO_LAYER_EMPTIED_PNG = "curves_no_layer_emptied.png"
 _METRIC_LABELS = {"token_accuracy": "token accuracy",
                   "exact_match": "exact match"}
+#: Curves drawn with their interval band (the others: lines only).
+_BANDS = ("gradient", "leave_one_out", "shapley", "random", "oracle")
 
 
 def _grid(value: Any) -> np.ndarray:
@@ -33,12 +38,30 @@ def _grid(value: Any) -> np.ndarray:
   return np.asarray(rows, np.float64)
 
 
-def _fmt(mean: float, std: float | None = None, digits: int = 3) -> str:
-  if mean is None or not np.isfinite(mean):
+def _finite(value: Any) -> bool:
+  return value is not None and np.isfinite(value)
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+  return f"{value:.{digits}f}" if _finite(value) else "n/a"
+
+
+def _ci(entry: Mapping[str, Any], key: str, digits: int = 3,
+        sign: bool = False) -> str:
+  """``value [low, high]`` of ``entry[key]`` and ``entry[key + "_ci"]``."""
+  value, ci = entry.get(key), entry.get(f"{key}_ci")
+  if not _finite(value):
     return "n/a"
-  if std is None:
-    return f"{mean:.{digits}f}"
-  return f"{mean:.{digits}f} ± {std:.{digits}f}"
+  form = f"{{:+.{digits}f}}" if sign else f"{{:.{digits}f}}"
+  text = form.format(value)
+  if ci is not None and all(_finite(c) for c in ci):
+    text += " [" + ", ".join(form.format(c) for c in ci) + "]"
+  return text
+
+
+def _q(q: float) -> str:
+  return "=n/a" if not _finite(q) else (
+      "<1e-4" if q < 1e-4 else f"={q:.2g}")
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
@@ -55,32 +78,38 @@ def _heads_table(grid: np.ndarray, fmt: str = "{:+.3f}") -> list[str]:
   return _table(header, rows)
 
 
-def write(results: Mapping[str, Any], out_dir: str) -> list[str]:
-  """Writes the plots and ``report.md`` to ``out_dir``; returns the paths."""
-  paths: list[str] = []
+def _labels(results: Mapping[str, Any]) -> dict[str, str]:
+  return dict(results.get("curve_labels") or results["orderings"])
+
+
+# --------------------------------------------------------------------------
+# Plots.
+# --------------------------------------------------------------------------
+
+
+def _curve_plot(results: Mapping[str, Any], group: Mapping[str, Any],
+                fractions: np.ndarray, metric: str, path: str,
+                title: str) -> str:
+  """One figure of ``group`` (an aggregate variant): the mean over seeds of
+  each curve and, for a few, its 95% interval."""
+  labels = _labels(results)
+  curves, intervals = {}, {}
+  for key, label in labels.items():
+    entry = group["curves"].get(key)
+    if entry is None:
+      continue
+    curves[label] = np.asarray(entry[metric], np.float64)
+    if key in _BANDS:
+      ci = np.asarray(entry[f"{metric}_ci"], np.float64)
+      intervals[label] = (ci[:, 0], ci[:, 1])
   seeds = results["seeds"]
-  labels = results["orderings"]
-  fractions = np.asarray(seeds[0]["fractions"], np.float64)
-  base_test = {m: float(np.mean([s["test"][m] for s in seeds]))
-               for m in _CURVE_FILES}
+  base = float(np.mean([s["test"][metric] for s in seeds]))
+  return pruning_plots.plot_pruning_curves(
+      fractions, curves, path, metric=_METRIC_LABELS[metric], baseline=base,
+      intervals=intervals, title=title)
 
-  # -- plots -----------------------------------------------------------------
-  for metric, name in _CURVE_FILES.items():
-    curves = {}
-    for key in labels:
-      if key not in seeds[0]["curves"]:
-        continue
-      runs = [np.atleast_2d(np.asarray(s["curves"][key][metric], np.float64))
-              for s in seeds]
-      curves[labels[key]] = np.concatenate(runs)
-    paths.append(pruning_plots.plot_pruning_curves(
-        fractions, curves, os.path.join(out_dir, name),
-        metric=_METRIC_LABELS[metric], baseline=base_test[metric],
-        bands=(labels["gradient"], labels["leave_one_out"], labels["random"]),
-        title=f"{results['task']}: test {_METRIC_LABELS[metric]} as heads are "
-        f"removed ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})"))
 
-  first = seeds[0]
+def _importance_plot(first: Mapping[str, Any], out_dir: str) -> str:
   imp = first["importance"]
   measures = {
       "gradient |dL/dξ|": _grid(imp["gradient"]),
@@ -88,189 +117,289 @@ def write(results: Mapping[str, Any], out_dir: str) -> list[str]:
       "leave-one-out loss increase": _grid(imp["leave_one_out"]),
       "leave-one-out token acc. drop":
           _grid(imp["leave_one_out_token_accuracy_drop"]),
+      "Shapley value (val. token acc.)":
+          _grid(imp["shapley_token_accuracy"]),
       "confidence (mean max weight)": _grid(imp["confidence"]),
       "entropy (nats)": _grid(imp["entropy"]),
   }
-  importance_png = f"importance_seed{first['seed']}.png"
-  paths.append(pruning_plots.plot_importance_heatmaps(
-      measures, os.path.join(out_dir, importance_png),
-      title=f"Head importance on validation, seed {first['seed']}"))
+  measures = {k: v for k, v in measures.items() if not np.all(np.isnan(v))}
+  return pruning_plots.plot_importance_heatmaps(
+      measures, os.path.join(out_dir, f"importance_seed{first['seed']}.png"),
+      title=f"Head importance on validation, seed {first['seed']}")
 
+
+def _ablation_plot(first: Mapping[str, Any], out_dir: str) -> str:
+  single = first["single_head_ablation"]
   ablation = {
       "single head removed: Δ test token acc.":
-          _grid(first["single_head_ablation"]["token_accuracy_change"]),
+          _grid(single["token_accuracy_change"]),
       "single head removed: Δ test exact match":
-          _grid(first["single_head_ablation"]["exact_match_change"]),
+          _grid(single["exact_match_change"]),
       "only this head in its layer: test token acc.":
           _grid(first["all_but_one"]["test"]["token_accuracy"]),
   }
-  ablation_png = f"ablation_seed{first['seed']}.png"
-  paths.append(pruning_plots.plot_importance_heatmaps(
-      ablation, os.path.join(out_dir, ablation_png),
-      title=f"Michel et al.'s ablations on test, seed {first['seed']}"))
+  return pruning_plots.plot_importance_heatmaps(
+      ablation, os.path.join(out_dir, f"ablation_seed{first['seed']}.png"),
+      title=f"Michel et al.'s ablations on test, seed {first['seed']}")
 
+
+def _scatter_plot(results: Mapping[str, Any], out_dir: str) -> str:
+  seeds = results["seeds"]
   xs = [np.ravel(_grid(s["importance"]["gradient"])) for s in seeds]
   ys = [np.ravel(_grid(s["importance"]["leave_one_out"])) for s in seeds]
   keep = [~(np.isnan(x) | np.isnan(y)) for x, y in zip(xs, ys)]
   spearman = [s["spearman"]["gradient_vs_leave_one_out"]["rho"]
               for s in seeds]
-  scatter_png = "scatter_gradient_vs_leave_one_out.png"
-  paths.append(pruning_plots.plot_importance_scatter(
+  return pruning_plots.plot_importance_scatter(
       [x[k] for x, k in zip(xs, keep)], [y[k] for y, k in zip(ys, keep)],
-      os.path.join(out_dir, scatter_png),
+      os.path.join(out_dir, "scatter_gradient_vs_leave_one_out.png"),
       xlabel="gradient importance E|dL/dξ| (validation)",
       ylabel="leave-one-out loss increase (validation)",
-      labels=[f"seed {s['seed']} (Spearman {_fmt(r, digits=2)})"
+      labels=[f"seed {s['seed']} (Spearman {_fmt(r, 2)})"
               for s, r in zip(seeds, spearman)],
-      title="Does the gradient rank heads as removing them does?"))
+      title="Does the gradient rank heads as removing them does?")
 
-  speed = results.get("speed")
-  if speed:
-    entries = speed["entries"]
-    batch_sizes = [int(b) for b in speed["batch_sizes"]]
-    rates = np.asarray([[e["examples_per_sec"][str(b)] for b in batch_sizes]
-                        for e in entries], np.float64)
-    mid = str(batch_sizes[len(batch_sizes) // 2])
-    paths.append(pruning_plots.plot_speed(
-        batch_sizes, [e["fraction"] for e in entries], rates,
-        os.path.join(out_dir, "speed.png"),
-        flop_ratio=[e["flop_ratio"][mid] for e in entries],
-        title=f"Prediction speed of physically pruned models "
-        f"({results['jax']['backend']})"))
 
-  # -- report.md -------------------------------------------------------------
+def _speed_plot(results: Mapping[str, Any], out_dir: str) -> str:
+  speed = results["speed"]
+  entries = speed["entries"]
+  batch_sizes = [int(b) for b in speed["batch_sizes"]]
+  rates = np.asarray([[e["examples_per_sec"][str(b)] for b in batch_sizes]
+                      for e in entries], np.float64)
+  mid = str(batch_sizes[len(batch_sizes) // 2])
+  return pruning_plots.plot_speed(
+      batch_sizes, [e["fraction"] for e in entries], rates,
+      os.path.join(out_dir, "speed.png"),
+      flop_ratio=[e["flop_ratio"][mid] for e in entries],
+      title=f"Prediction speed of physically pruned models "
+      f"({results['jax']['backend']})")
+
+
+def write(results: Mapping[str, Any], out_dir: str) -> list[str]:
+  """Writes the plots and ``report.md`` to ``out_dir``; returns the paths."""
+  seeds, agg = results["seeds"], results["aggregate"]
+  runs = f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''}"
+  paths = []
+  for metric, name in _CURVE_FILES.items():
+    paths.append(_curve_plot(
+        results, agg, np.asarray(seeds[0]["fractions"], np.float64), metric,
+        os.path.join(out_dir, name),
+        f"{results['task']}: test {_METRIC_LABELS[metric]}, {runs}"))
+  paths.append(_curve_plot(
+      results, agg["no_layer_emptied"],
+      np.asarray(seeds[0]["no_layer_emptied"]["fractions"], np.float64),
+      "token_accuracy", os.path.join(out_dir, _NO_LAYER_EMPTIED_PNG),
+      f"{results['task']}: never emptying a layer, {runs}"))
+  paths += [_importance_plot(seeds[0], out_dir),
+            _ablation_plot(seeds[0], out_dir),
+            _scatter_plot(results, out_dir)]
+  if results.get("speed"):
+    paths.append(_speed_plot(results, out_dir))
   report = os.path.join(out_dir, "report.md")
   with open(report, "w", encoding="utf-8") as f:
-    f.write("\n".join(_report_lines(results, importance_png, ablation_png,
-                                    scatter_png, bool(speed))))
+    f.write("\n".join(report_lines(results)))
   paths.append(report)
   return paths
 
 
-def _report_lines(results: Mapping[str, Any], importance_png: str,
-                  ablation_png: str, scatter_png: str,
-                  speed: bool) -> list[str]:
-  seeds = results["seeds"]
-  labels = results["orderings"]
-  agg = results["aggregate"]
-  model = results["model"]
-  opts = results["options"]
-  first = seeds[0]
-  heads = model["num_heads"]
-  lines = [
-      f"# Head importance and head pruning: `{results['task']}`",
-      "",
+# --------------------------------------------------------------------------
+# report.md, section by section.
+# --------------------------------------------------------------------------
+
+
+def report_lines(results: Mapping[str, Any]) -> list[str]:
+  """The lines of ``report.md``."""
+  lines = _intro(results)
+  lines += _curves_section(results)
+  lines += _oracle_section(results)
+  lines += _no_layer_emptied_section(results)
+  lines += _spearman_section(results)
+  lines += _importance_section(results)
+  lines += _ablation_section(results)
+  if results.get("speed"):
+    lines += _speed_section(results)
+  if "custom_pruning" in results:
+    c = results["custom_pruning"]
+    lines += ["## Requested pruning", "",
+              f"Removed {c['removed']}: heads per layer "
+              f"{c['heads_per_layer']}, {c['params']:,} parameters, test "
+              f"token accuracy {c['test_token_accuracy']:.4f}, exact match "
+              f"{c['test_exact_match']:.4f}.", ""]
+  return lines + _timings_section(results)
+
+
+def _intro(results: Mapping[str, Any]) -> list[str]:
+  seeds, model, opts = results["seeds"], results["model"], results["options"]
+  sizes = results["splits"]["sizes"]
+  return [
+      f"# Head importance and head pruning: `{results['task']}`", "",
       f"Checkpoint: `{results['workdir']}`. Model: {model['num_layers']} "
-      f"layers, heads {heads}, d_model {model['d_model']}, mlp "
+      f"layers, heads {model['num_heads']}, d_model {model['d_model']}, mlp "
       f"{model['mlp_dim']}. Seeds: "
-      + ", ".join(f"{s['seed']} (step {s['step']})" for s in seeds) + ".",
-      "",
-      f"Importance is measured on **validation** "
-      f"({results['splits']['sizes']['validation']} examples); every accuracy "
-      f"below is on **test** ({results['splits']['sizes']['test']} examples). "
-      f"{opts['num_random_orders']} random orders per seed. Unpruned test "
+      + ", ".join(f"{s['seed']} (step {s['step']})" for s in seeds) + ".", "",
+      f"Importance, the oracle's choices and the prunable level are measured "
+      f"on **validation** ({sizes['validation']} examples); every accuracy "
+      f"reported is on **test** ({sizes['test']} examples). Unpruned test "
       "token accuracy / exact match per seed: "
       + ", ".join(f"{s['test']['token_accuracy']:.4f} / "
-                  f"{s['test']['exact_match']:.4f}" for s in seeds) + ".",
-      "",
-      "## Pruning curves",
-      "",
-      "Heads are removed globally, least important first, "
+                  f"{s['test']['exact_match']:.4f}" for s in seeds) + ".", "",
+      f"Every `value [low, high]` is a mean over seeds with its 95% interval "
+      f"from a paired bootstrap ({opts['num_bootstrap']} resamples) over test "
+      "and validation examples"
+      + (" and over seeds (two-level: seeds and examples resampled together)"
+         if len(seeds) > 1 else " (one seed: the interval says nothing about "
+         "another training run)") + ". All orderings share each resample, so "
+      "differences between them are paired.", "",
+  ]
+
+
+def _curves_section(results: Mapping[str, Any]) -> list[str]:
+  agg, opts = results["aggregate"], results["options"]
+  labels = _labels(results)
+  tol = opts["tolerance"] * 100
+  lines = [
+      "## Pruning curves", "",
+      "Heads removed globally, least important first, "
       + ("one at a time" if not opts["step_fraction"] else
-         f"in steps of {opts['step_fraction']:.0%}") + ". Lines: mean over "
-      "seeds; bands (gradient, leave-one-out, random only, for legibility): "
-      "min-max over seeds (random: 10th-90th percentile over seeds x "
-      "orders).",
-      "",
-      "![token accuracy](curves_token_accuracy.png)",
-      "",
-      "![exact match](curves_exact_match.png)",
-      "",
-      f"AUC: area under the curve over the fraction removed (1 = no loss). "
-      f"Prunable: the largest fraction up to which every point stays within "
-      f"{opts['tolerance'] * 100:g} point(s) of the unpruned accuracy. "
-      "Mean ± std over seeds.",
-      "",
+         f"in steps of {opts['step_fraction']:.0%}") + f"; "
+      f"{opts['num_random_orders']} random orders per seed. The oracle is, "
+      "for each number of heads removed, the subset with the best validation "
+      "token accuracy (its subsets need not be nested).", "",
+      "![token accuracy](curves_token_accuracy.png)", "",
+      "![exact match](curves_exact_match.png)", "",
+      "AUC: area under the test curve over the fraction removed (1 = no "
+      f"loss). Prunable: the most heads removed with every validation point "
+      f"within {tol:g} point(s) of the unpruned validation accuracy, chosen "
+      "on validation; its test accuracy beside it.", "",
   ]
   rows = []
   for key, label in labels.items():
-    summary = agg["curve_summary"].get(key)
-    if summary is None:
+    entry = agg["curve_summary"].get(key)
+    if entry is None:
       continue
-    row = [label]
-    for metric in ("token_accuracy", "exact_match"):
-      auc = summary[f"auc_{metric}"]
-      prunable = summary[f"max_prunable_{metric}"]
-      row += [_fmt(auc["mean"], auc["std"]),
-              _fmt(prunable["mean"], prunable["std"], 2)]
-    rows.append(row)
-  lines += _table(["ordering", "AUC token acc.", "prunable (token acc.)",
-                   "AUC exact", "prunable (exact)"], rows)
+    rows.append([label, _ci(entry, "auc_token_accuracy"),
+                 _ci(entry, "auc_token_accuracy_minus_oracle", sign=True),
+                 _ci(entry, "auc_token_accuracy_minus_random", sign=True),
+                 _ci(entry, "auc_token_accuracy_minus_reverse_gradient",
+                     sign=True),
+                 _ci(entry, "prunable_heads_token_accuracy", 1),
+                 _ci(entry, "test_token_accuracy_at_prunable"),
+                 _ci(entry, "auc_exact_match")])
+  lines += _table(["curve", "AUC token acc.", "Δ vs oracle", "Δ vs random",
+                   "Δ vs reverse", "prunable heads (val.)",
+                   "test token acc. there", "AUC exact match"], rows)
+  share = agg.get("share_of_random_at_least_as_good", {})
+  if share:
+    lines += ["Share of random orders with at least the AUC of each curve, per "
+              "seed (a one-sided permutation p-value): "
+              + "; ".join(f"{labels.get(k, k)} "
+                          + ", ".join(f"{p:.2f}" for p in v)
+                          for k, v in share.items()) + ".", ""]
+  return lines
 
-  lines += [
-      "### Does the order beat chance?",
-      "",
-      "Paired over seeds: the difference of token-accuracy AUC with the mean "
-      "random order (and with the reverse gradient order), the number of "
-      "seeds where it is better, a one-sample t-test on the differences, and "
-      "per seed the share of random orders at least as good.",
-      "",
+
+def _oracle_section(results: Mapping[str, Any]) -> list[str]:
+  first = results["seeds"][0]
+  lines = [f"## The oracle (seed {first['seed']})", ""]
+  if not first.get("oracle"):
+    return lines + [first.get("oracle_skipped", "Not computed."), ""]
+  rows = [[e["k"], ", ".join(f"{l}:{h}" for l, h in e["removed"]) or "-",
+           _fmt(e["validation"]["token_accuracy"]),
+           _fmt(e["test"]["token_accuracy"]),
+           _fmt(e["test"]["exact_match"])] for e in first["oracle"]]
+  lines += _table(["heads removed", "which (layer:head)",
+                   "validation token acc.", "test token acc.",
+                   "test exact match"], rows)
+  return lines + [
+      "The oracle's choice is made on the full validation split; its "
+      "intervals resample test examples and seeds, not that choice.", ""]
+
+
+def _no_layer_emptied_section(results: Mapping[str, Any]) -> list[str]:
+  group = results["aggregate"]["no_layer_emptied"]
+  labels = _labels(results)
+  counts = results["seeds"][0]["no_layer_emptied"]["counts"]
+  lines = [
+      "## Never emptying a layer", "",
+      "Each ordering again, skipping a head that is the last of its layer "
+      f"(at most {int(counts[-1])} heads removed), and the oracle among the "
+      "subsets keeping a head in every layer. Change: AUC of the constrained "
+      "curve minus the plain curve's over the same points.", "",
+      f"![no layer emptied]({_NO_LAYER_EMPTIED_PNG})", "",
   ]
   rows = []
   for key, label in labels.items():
-    if key not in agg["vs_random"]:
+    entry = group["curve_summary"].get(key)
+    if entry is None:
       continue
-    vr = agg["vs_random"][key]["token_accuracy"]
-    vv = agg["vs_reverse_gradient"][key]["token_accuracy"]
-    rows.append([
-        label, f"{vr['mean_difference']:+.3f}",
-        f"{vr['wins']}/{vr['seeds']}", _fmt(vr["p_two_sided"]),
-        ", ".join(f"{p:.2f}" for p in
-                  vr["per_seed_p_random_at_least_as_good"]),
-        f"{vv['mean_difference']:+.3f}", f"{vv['wins']}/{vv['seeds']}"])
-  lines += _table(["ordering", "Δ AUC vs random", "better (seeds)",
-                   "t-test p", "share of random ≥ (per seed)",
-                   "Δ AUC vs reverse", "better (seeds)"], rows)
+    rows.append([label, _ci(entry, "auc_token_accuracy"),
+                 _ci(entry, "auc_token_accuracy_plain"),
+                 _ci(entry, "auc_token_accuracy_change", sign=True),
+                 _ci(entry, "auc_token_accuracy_minus_oracle", sign=True)])
+  return lines + _table(["curve", "AUC token acc.", "plain, same points",
+                         "change", "Δ vs oracle"], rows)
 
-  lines += [
-      "## Is the ranking stable?",
-      "",
-      "Spearman correlations of per-head scores, mean ± std over seeds.",
-      "",
-  ]
+
+def _spearman_section(results: Mapping[str, Any]) -> list[str]:
   names = {
       "gradient_vs_leave_one_out": "gradient vs leave-one-out",
       "gradient_l2_vs_leave_one_out": "gradient (L2) vs leave-one-out",
       "gradient_halves": "gradient on two disjoint halves of validation",
       "confidence_vs_leave_one_out": "confidence vs leave-one-out",
+      "shapley_vs_leave_one_out": "Shapley vs leave-one-out (token acc.)",
+      "shapley_vs_gradient": "Shapley vs gradient",
   }
-  rows = [[names.get(k, k), _fmt(v["mean"], v["std"], 2),
-           ", ".join(_fmt(x, digits=2) for x in v["per_seed"])]
-          for k, v in agg["spearman"].items()]
-  lines += _table(["pair", "Spearman ρ", "per seed"], rows)
-  lines += [f"![gradient vs leave-one-out]({scatter_png})", ""]
+  rows = []
+  for key, v in results["aggregate"]["spearman"].items():
+    ci = "[" + ", ".join(_fmt(c, 2) for c in v["ci"]) + "]"
+    rows.append([names.get(key, key), f"{_fmt(v['rho'], 2)} {ci}",
+                 _fmt(v["p"]), ", ".join(_fmt(x, 2) for x in v["per_seed"])])
+  return [
+      "## Is the ranking stable?", "",
+      "Spearman correlations of per-head scores, averaged over seeds through "
+      "Fisher's z, with a 95% interval and the p-value of no correlation "
+      "(normal approximation, rough with this few heads).", "",
+  ] + _table(["pair", "Spearman ρ [95% CI]", "p", "per seed"], rows) + [
+      "![gradient vs leave-one-out](scatter_gradient_vs_leave_one_out.png)",
+      ""]
 
-  lines += [
-      f"## Importance of each head (seed {first['seed']}, validation)",
-      "",
-      f"![importance]({importance_png})",
-      "",
-      "Leave-one-out loss increase:",
-      "",
+
+def _importance_section(results: Mapping[str, Any]) -> list[str]:
+  first = results["seeds"][0]
+  lines = [
+      f"## Importance of each head (seed {first['seed']}, validation)", "",
+      f"![importance](importance_seed{first['seed']}.png)", "",
+      "Shapley value of each head for v(S) = validation token accuracy with "
+      "exactly the heads of S kept (they sum to v(all) - v(none)):", "",
   ]
+  shapley = _grid(first["importance"]["shapley_token_accuracy"])
+  lines += (_heads_table(shapley) if not np.all(np.isnan(shapley)) else
+            [first.get("oracle_skipped", "Not computed."), ""])
+  lines += ["Leave-one-out loss increase:", ""]
   lines += _heads_table(_grid(first["importance"]["leave_one_out"]))
   lines += ["Gradient importance E|dL/dξ|:", ""]
-  lines += _heads_table(_grid(first["importance"]["gradient"]), "{:.3g}")
+  return lines + _heads_table(_grid(first["importance"]["gradient"]), "{:.3g}")
 
-  lines += [
-      f"## Michel et al.'s tables (seed {first['seed']}, test)",
-      "",
+
+def _ablation_section(results: Mapping[str, Any]) -> list[str]:
+  first = results["seeds"][0]
+  single = first["single_head_ablation"]
+  change = _grid(single["token_accuracy_change"])
+  q = _grid(single["token_accuracy_q"])
+  cells = np.where(np.isnan(change), np.nan, change)
+  header = ["layer"] + [f"head {h}" for h in range(change.shape[1])]
+  rows = [[str(layer)] + ["" if np.isnan(c) else
+                          f"{c:+.3f} (q{_q(q[layer, h])})"
+                          for h, c in enumerate(row)]
+          for layer, row in enumerate(cells)]
+  significant = results["aggregate"]["significant_single_heads"]
+  lines = [
+      f"## Michel et al.'s tables (seed {first['seed']}, test)", "",
       "Single-head ablation: change of test token accuracy when that head "
-      "alone is removed.",
-      "",
-  ]
-  lines += _heads_table(
-      _grid(first["single_head_ablation"]["token_accuracy_change"]))
+      "alone is removed, with the Benjamini-Hochberg q-value of a paired "
+      "t-test over test examples (per-example correct tokens). Heads with "
+      "q < 0.05, per seed: " + ", ".join(map(str, significant)) + ".", "",
+  ] + _table(header, rows)
   lines += ["All but one head per layer: test token accuracy when a layer "
             "keeps only that head (the other layers intact).", ""]
   lines += _heads_table(_grid(first["all_but_one"]["test"]["token_accuracy"]),
@@ -281,69 +410,44 @@ def _report_lines(results: Mapping[str, Any], importance_png: str,
        "test exact match"],
       [[b["layer"], b["head"], f"{b['test_token_accuracy']:.3f}",
         f"{b['test_exact_match']:.3f}"] for b in best])
-  lines += [f"![ablation]({ablation_png})", ""]
+  return lines + [f"![ablation](ablation_seed{first['seed']}.png)", ""]
 
-  if speed:
-    sp = results["speed"]
-    sizes = [str(b) for b in sp["batch_sizes"]]
-    lines += [
-        "## Physical pruning and prediction speed",
-        "",
-        f"Heads removed by the `{labels[sp['order']]}` order of seed "
-        f"{first['seed']}, sliced out of the parameters with `prune_heads`. "
-        "Examples/s of the jitted prediction (fused attention, no weights), "
-        f"median of {opts['speed_repeats']} interleaved repeats after "
-        f"warm-up, on {results['jax']['backend']}; FLOPs from XLA's cost "
-        "analysis of the compiled program.",
-        "",
-    ]
-    header = (["removed", "heads per layer", "params", "FLOP ratio",
-               "test token acc."] +
-              [f"ex/s @ {b} (speed-up)" for b in sizes])
-    rows = []
-    for e in sp["entries"]:
-      rows.append(
-          [f"{e['fraction']:.0%} ({e['heads_removed']})",
+
+def _speed_section(results: Mapping[str, Any]) -> list[str]:
+  sp, labels = results["speed"], _labels(results)
+  sizes = [str(b) for b in sp["batch_sizes"]]
+  lines = [
+      "## Physical pruning and prediction speed", "",
+      f"Heads removed by the `{labels.get(sp['order'], sp['order'])}` order "
+      f"of seed {results['seeds'][0]['seed']}, sliced out of the parameters "
+      "with `prune_heads`. Examples/s of the jitted prediction (median over "
+      f"rounds) on {results['jax']['backend']}; FLOPs from XLA's cost "
+      "analysis of the compiled program.", "",
+  ]
+  header = (["removed", "heads per layer", "params", "FLOP ratio",
+             "test token acc."] + [f"ex/s @ {b} (speed-up)" for b in sizes])
+  rows = [[f"{e['fraction']:.0%} ({e['heads_removed']})",
            str(e["heads_per_layer"]), f"{e['params']:,}",
            f"{e['flop_ratio'][sizes[-1]]:.3f}",
            f"{e['test_token_accuracy']:.3f}"] +
           [f"{e['examples_per_sec'][b]:,.0f} (×{e['speedup'][b]:.2f})"
-           for b in sizes])
-    lines += _table(header, rows)
-    lines += ["![speed](speed.png)", ""]
-    diffs = [e["max_abs_logit_diff_pruned_vs_masked"] for e in sp["entries"]]
-    lines += [f"Pruned vs masked model, largest logit difference: "
-              f"{max(diffs):.2e}.", ""]
+           for b in sizes] for e in sp["entries"]]
+  lines += _table(header, rows) + ["![speed](speed.png)", ""]
+  diffs = [e["max_abs_logit_diff_pruned_vs_masked"] for e in sp["entries"]]
+  return lines + [f"Pruned vs masked model, largest logit difference: "
+                  f"{max(diffs):.2e}.", ""]
 
-  if "custom_pruning" in results:
-    c = results["custom_pruning"]
-    lines += ["## Requested pruning", "",
-              f"Removed {c['removed']}: heads per layer "
-              f"{c['heads_per_layer']}, {c['params']:,} parameters, test "
-              f"token accuracy {c['test_token_accuracy']:.4f}, exact match "
-              f"{c['test_exact_match']:.4f}.", ""]
 
-  t = first["timings"]
-  lines += [
-      "## Timings",
-      "",
-      f"Leave-one-out (seed {first['seed']}, every head's mask and the full "
-      f"one), vmapped over chunks of masks: "
-      f"{t['leave_one_out_vmapped_warm_s']:.3f} s; the same masks in a "
-      f"Python loop of jitted calls: {t['leave_one_out_loop_s']:.3f} s "
-      f"(×{t['leave_one_out_speedup']:.2f}, both compiled). On CPU each "
-      "mask's evaluation is memory-bound compute, so batching masks saves "
-      "little beyond the shared first attention layer.",
-      "",
-  ]
-  rows = [[s["seed"]] + [f"{s['timings'].get(k, float('nan')):.2f}" for k in
-                         ("gradient_s", "leave_one_out_vmapped_s",
-                          "confidence_s", "gradient_iterative_s", "curves_s",
-                          "tables_s", "total_s")] for s in seeds]
-  lines += _table(["seed", "gradient", "leave-one-out", "confidence",
-                   "re-estimated", "curves", "tables", "total (s)"], rows)
+def _timings_section(results: Mapping[str, Any]) -> list[str]:
+  keys = ("gradient_s", "leave_one_out_s", "confidence_s", "oracle_s",
+          "gradient_iterative_s", "validation_masks_s", "test_masks_s",
+          "total_s")
+  rows = [[s["seed"]] + [_fmt(s["timings"].get(k), 2) for k in keys]
+          for s in results["seeds"]]
   tt = results["timings"]
-  lines += [f"First seed with the speed table: "
-            f"{tt['first_seed_with_speed_s']:.1f} s; the whole run: "
-            f"{tt['total_s']:.1f} s.", ""]
-  return lines
+  return ["## Timings (s)", ""] + _table(
+      ["seed", "gradient", "leave-one-out", "confidence", "oracle",
+       "re-estimated", "masks (val.)", "masks (test)", "total"], rows) + [
+      f"First seed with the speed table: {tt['first_seed_with_speed_s']:.1f} "
+      f"s; the whole run: {tt['total_s']:.1f} s. The loop-vs-vmap comparison "
+      "of leave-one-out is a benchmark: `python scripts/benchmark.py`.", ""]

@@ -1,0 +1,204 @@
+"""Curve statistics of the pruning study, with bootstrap intervals.
+
+Every statistic of a seed (a curve point, an AUC, the level prunable within
+the tolerance and its test accuracy, the differences between orderings) is
+computed once per bootstrap replicate from the per-example sums of the masks
+it uses (:func:`seed_statistics`): an array ``[1 + R, ...]`` whose row 0 is
+the full sample and rows ``1..R`` the resamples. One seed's interval is the
+percentile interval of its rows; across seeds :func:`aggregate` combines the
+rows with resampled seed weights (a two-level bootstrap,
+:mod:`mha.pruning.stats`).
+
+The prunable level is chosen on *validation* (the largest number of heads
+removed up to which every validation point is within the tolerance of the
+unpruned value) and reported with its *test* accuracy; each replicate
+resamples both splits, so the interval of the level includes the choice.
+The oracle's subsets are chosen once, on the full validation split; the
+intervals of its curve resample test examples (and seeds) only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from mha.pruning import stats
+
+CURVE_METRICS = ("token_accuracy", "exact_match")
+BASELINES = ("random", "reverse_gradient")
+#: The curves every other curve's AUC is compared with.
+REFERENCES = ("random", "reverse_gradient", "oracle")
+
+Key = tuple[str, str, str]  # (variant, curve, statistic)
+
+
+def with_full_sample(weights: np.ndarray) -> np.ndarray:
+  """``[1 + R, n]``: a row of ones (the full sample) above the resamples."""
+  return np.concatenate([np.ones((1, weights.shape[1]), weights.dtype),
+                         weights])
+
+
+def _auc(fractions: np.ndarray, curves: np.ndarray) -> np.ndarray:
+  width = fractions[-1] - fractions[0]
+  if width <= 0:
+    return curves[..., 0]
+  return np.trapezoid(curves, fractions, axis=-1) / width
+
+
+def _prunable_index(validation: np.ndarray, tolerance: float) -> np.ndarray:
+  """Index of the last point up to which every point stays within
+  ``tolerance`` of point 0 (axis -1)."""
+  ok = validation >= validation[..., :1] - tolerance - 1e-12
+  first_bad = np.argmax(~ok, axis=-1)
+  return np.where(ok.all(axis=-1), ok.shape[-1] - 1, first_bad - 1)
+
+
+def _curve_statistics(fractions: np.ndarray, counts: np.ndarray,
+                      val: np.ndarray, test: np.ndarray, metric: str,
+                      tolerance: float) -> dict[str, np.ndarray]:
+  """Statistics ``[1 + R, ...]`` of one curve (``val``, ``test``:
+  ``[1 + R, orders, points]``), averaged over its orders."""
+  auc = _auc(fractions, test)
+  last = _prunable_index(val, tolerance)
+  at = np.take_along_axis(test, last[..., None], axis=-1)[..., 0]
+  out = {
+      f"curve_{metric}": test.mean(1),
+      f"validation_curve_{metric}": val.mean(1),
+      f"auc_{metric}": auc.mean(1),
+      f"max_prunable_{metric}": fractions[last].mean(1),
+      f"prunable_heads_{metric}": counts[last].astype(np.float64).mean(1),
+      f"test_{metric}_at_prunable": at.mean(1),
+  }
+  if test.shape[1] > 1:
+    out[f"auc_{metric}_per_order"] = auc
+  return out
+
+
+def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
+                    counts: Mapping[str, np.ndarray], num_heads: int,
+                    val_sums: Mapping[str, np.ndarray],
+                    test_sums: Mapping[str, np.ndarray],
+                    val_weights: np.ndarray, test_weights: np.ndarray,
+                    tolerance: float) -> dict[Key, np.ndarray]:
+  """Every statistic of one seed under the full sample and each resample.
+
+  Args:
+    curves: variant -> curve name -> ``[orders, points]`` mask ids.
+    counts: variant -> ``[points]`` heads removed.
+    num_heads: ``N`` (fractions are ``counts / N``).
+    val_sums, test_sums: per-example sums ``[M, n]`` of the masks.
+    val_weights, test_weights: ``[R, n]`` resample counts.
+    tolerance: accuracy loss counted as none.
+
+  Returns:
+    ``(variant, curve, statistic) -> [1 + R, ...]``.
+  """
+  val_m = stats.resampled_metrics(val_sums, with_full_sample(val_weights))
+  test_m = stats.resampled_metrics(test_sums, with_full_sample(test_weights))
+  out: dict[Key, np.ndarray] = {}
+  for variant, by_name in curves.items():
+    fractions = counts[variant] / max(num_heads, 1)
+    for name, ids in by_name.items():
+      for metric in CURVE_METRICS:
+        found = _curve_statistics(fractions, counts[variant],
+                                  val_m[metric][:, ids],
+                                  test_m[metric][:, ids], metric, tolerance)
+        out.update({(variant, name, k): v for k, v in found.items()})
+    _differences(out, variant, list(by_name))
+  _no_layer_emptied_change(out, curves, counts, num_heads, test_m)
+  return out
+
+
+def _differences(out: dict[Key, np.ndarray], variant: str,
+                 names: Sequence[str]) -> None:
+  for metric in CURVE_METRICS:
+    for ref in REFERENCES:
+      if ref not in names:
+        continue
+      for name in names:
+        if name == ref:
+          continue
+        for stat in (f"auc_{metric}", f"prunable_heads_{metric}"):
+          out[(variant, name, f"{stat}_minus_{ref}")] = (
+              out[(variant, name, stat)] - out[(variant, ref, stat)])
+
+
+def _no_layer_emptied_change(out: dict[Key, np.ndarray],
+                             curves: Mapping[str, Mapping[str, np.ndarray]],
+                             counts: Mapping[str, np.ndarray], num_heads: int,
+                             test_m: Mapping[str, np.ndarray]) -> None:
+  """AUC of each ``no_layer_emptied`` curve minus the plain curve's AUC over
+  the same points (the constrained curves stop earlier)."""
+  if "no_layer_emptied" not in curves:
+    return
+  points = len(counts["no_layer_emptied"])
+  fractions = counts["no_layer_emptied"] / max(num_heads, 1)
+  for name, ids in curves["no_layer_emptied"].items():
+    plain = curves["all"].get(name)
+    if plain is None:
+      continue
+    for metric in CURVE_METRICS:
+      same_range = _auc(fractions, test_m[metric][:, plain[:, :points]])
+      out[("no_layer_emptied", name, f"auc_{metric}_plain")] = (
+          same_range.mean(1))
+      out[("no_layer_emptied", name, f"auc_{metric}_change")] = (
+          out[("no_layer_emptied", name, f"auc_{metric}")] -
+          same_range.mean(1))
+
+
+# --------------------------------------------------------------------------
+# To JSON, one seed and across seeds.
+# --------------------------------------------------------------------------
+
+
+def _nest(values: Mapping[Key, tuple[Any, Any]]) -> dict[str, Any]:
+  """``variant -> {"curve_summary": {curve: {stat: v, stat_ci: ci}},
+  "curves": {curve: {metric: [P], metric_ci: [P, 2]}},
+  "validation_curves": ...}``."""
+  out: dict[str, Any] = {}
+  for (variant, name, stat), (value, ci) in values.items():
+    part = out.setdefault(variant, {"curve_summary": {}, "curves": {},
+                                    "validation_curves": {}})
+    if stat.startswith("curve_") or stat.startswith("validation_curve_"):
+      group = "curves" if stat.startswith("curve_") else "validation_curves"
+      metric = stat.split("curve_", 1)[1]
+      part[group].setdefault(name, {})[metric] = value
+      part[group][name][f"{metric}_ci"] = ci
+    elif stat.endswith("_per_order"):
+      part["curve_summary"].setdefault(name, {})[stat] = value
+    else:
+      entry = part["curve_summary"].setdefault(name, {})
+      entry[stat], entry[f"{stat}_ci"] = value, ci
+  return out
+
+
+def seed_summary(statistics: Mapping[Key, np.ndarray]) -> dict[str, Any]:
+  """One seed's statistics as JSON-able nested dicts (value, interval)."""
+  return _nest({k: (v[0], stats.interval(v[1:]))
+                for k, v in statistics.items()})
+
+
+def aggregate_statistics(per_seed: Sequence[Mapping[Key, np.ndarray]],
+                         seed_weights: np.ndarray) -> dict[str, Any]:
+  """The mean over seeds of every statistic, with two-level bootstrap
+  intervals (``seed_weights`` ``[R, S]``), nested like
+  :func:`seed_summary`; ``<stat>_per_seed`` beside each scalar."""
+  values = {}
+  for key in per_seed[0]:
+    if key[2].endswith("_per_order"):
+      continue
+    stacked = np.stack([s[key] for s in per_seed])  # [S, 1 + R, ...]
+    combined = stats.two_level(stacked[:, 1:], seed_weights)
+    values[key] = (stacked[:, 0].mean(0), stats.interval(combined))
+  out = _nest(values)
+  for (variant, name, stat) in values:
+    entry = out[variant]["curve_summary"].get(name)
+    if entry is not None and stat in entry:
+      entry[f"{stat}_per_seed"] = [float(s[(variant, name, stat)][0])
+                                   for s in per_seed]
+  return out
+
+
+__all__ = ["CURVE_METRICS", "BASELINES", "REFERENCES", "with_full_sample",
+           "seed_statistics", "seed_summary", "aggregate_statistics"]
