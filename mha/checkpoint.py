@@ -371,6 +371,14 @@ def restore_params(manager: ocp.CheckpointManager, step: int,
   step counter and the optimizer state are neither read nor built, so no
   optimizer is needed to load a model.
   """
+  # Read by name, the arrays restore even without the state's tree metadata
+  # file; reading that first makes a step that lost it count as damaged, as
+  # it does for a full restore (which needs it).
+  handler = ocp.PyTreeCheckpointHandler()
+  try:
+    handler.metadata(manager.directory / str(step) / "state")
+  finally:
+    handler.close()
   item = {"params": abstract_params}
   restored = manager.restore(step, args=ocp.args.Composite(
       state=ocp.args.PyTreeRestore(

@@ -3,7 +3,6 @@ survives SIGTERM/SIGINT, kill -9, damaged checkpoints and non-finite losses."""
 
 import glob
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from configs import default
+from conftest import copy_workdir, tiny_config
 import mha
 from mha import checkpoint as ckpt_lib
 from mha import config_validation
@@ -25,15 +25,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = os.path.join(ROOT, "configs", "default.py")
 
 # The run every resumed run is compared with: long enough to be interrupted
-# between checkpoints, short enough for a test.
+# between checkpoints, short enough for a test; with dropout, so that a
+# resumed run must draw the dropout masks of an uninterrupted one.
 STEPS, EVERY = 400, 100
 RUN_OVERRIDES = (f"num_train_steps={STEPS}", f"checkpoint_every_steps={EVERY}",
-                 "eval_every_steps=1000", "log_every_steps=1000")
+                 "eval_every_steps=1000", "log_every_steps=1000",
+                 "model.dropout_rate=0.1", "model.attention_dropout_rate=0.1")
 
 
 def _run_config(data_dir, *overrides):
-  return default.get_config(
-      ",".join(("tiny", f"data.data_dir={data_dir}") + overrides))
+  return tiny_config(data_dir, *overrides)
 
 
 def _command(script, *args):
@@ -45,20 +46,6 @@ def _train_command(data_dir, workdir, *overrides):
       "train.py", f"--config={CONFIG_FILE}:tiny", f"--workdir={workdir}",
       f"--config.data.data_dir={data_dir}",
       *(f"--config.{o}" for o in RUN_OVERRIDES + overrides))
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-  """Subprocess environment; compilations cached between the subprocesses."""
-  return dict(os.environ, JAX_PLATFORMS="cpu",
-              JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jit")),
-              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +176,8 @@ def test_train_and_evaluate_writes_nothing_for_bad_input(tmp_path, data_dir):
     train.train_and_evaluate(_run_config(data_dir), workdir)
 
 
-def test_command_line_mistakes_are_one_line_and_exit_code_2(tmp_path, env):
+def test_command_line_mistakes_are_one_line_and_exit_code_2(tmp_path,
+                                                            subprocess_env):
   workdir = str(tmp_path / "run")
   a_file = tmp_path / "file"
   a_file.write_text("")
@@ -209,7 +197,7 @@ def test_command_line_mistakes_are_one_line_and_exit_code_2(tmp_path, env):
       (_command("eval.py", f"--workdir={workdir}", "--step=last"),
        "flag --step=last"),
   ]
-  procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+  procs = [subprocess.Popen(command, env=subprocess_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
            for command, _ in cases]
   for proc, (command, message) in zip(procs, cases):
@@ -248,7 +236,8 @@ def test_resuming_with_another_model_data_or_optimizer_is_refused(reference):
   resumable = default.get_config(
       f"tiny,data.data_dir=/elsewhere,num_train_steps=900,log_every_steps=7,"
       "eval_every_steps=9,checkpoint_every_steps=11,max_checkpoints_to_keep=1,"
-      "eval_batch_size=16")
+      "eval_batch_size=16,model.dropout_rate=0.1,"
+      "model.attention_dropout_rate=0.1")
   assert config_validation.resume_conflicts(saved, resumable) == []
 
 
@@ -283,13 +272,14 @@ def _newest(workdir):
 
 
 def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(
-    reference, tmp_path, data_dir, env):
+    reference, tmp_path, data_dir, subprocess_env):
   _, _, final = reference
   workdir = str(tmp_path / "run")
   command = _train_command(data_dir, workdir)
 
   # 1. kill -9 while orbax writes a checkpoint (the first one, usually).
-  proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+  proc = subprocess.Popen(command, env=subprocess_env,
+                          stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   _kill_9_when(proc, lambda: _tmp_dirs(workdir))
   assert _tmp_dirs(workdir)
@@ -297,7 +287,8 @@ def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(
   assert saved < STEPS
 
   # 2. SIGTERM after the next checkpoint: the current step is saved.
-  proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+  proc = subprocess.Popen(command, env=subprocess_env,
+                          stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
   _wait_for(lambda: _newest(workdir) > saved, proc)
   proc.send_signal(signal.SIGTERM)
@@ -310,14 +301,16 @@ def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(
   assert not _tmp_dirs(workdir)  # the first kill's leftovers are gone
 
   # 3. kill -9 a little after the next checkpoint: in a step or a save.
-  proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+  proc = subprocess.Popen(command, env=subprocess_env,
+                          stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   _wait_for(lambda: _newest(workdir) > stopped, proc)
   time.sleep(0.02)
   _kill_9_when(proc, lambda: _newest(workdir) < STEPS)
 
   # 4. Resume to the end.
-  result = subprocess.run(command, env=env, capture_output=True, text=True)
+  result = subprocess.run(command, env=subprocess_env, capture_output=True,
+                          text=True)
   assert result.returncode == 0, result.stderr
   assert "Resumed from checkpoint" in result.stdout
   assert not _tmp_dirs(workdir)
@@ -368,7 +361,7 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes(
     reference, tmp_path, capfd):
   config, workdir, final = reference
   copy = str(tmp_path / "run")
-  shutil.copytree(workdir, copy)
+  copy_workdir(workdir, copy)
   newest = os.path.join(copy, "checkpoints", str(STEPS))
   _damage(newest, "truncate")
 
@@ -383,10 +376,10 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes(
 
 
 def test_load_checkpoint_and_eval_skip_or_name_a_damaged_checkpoint(
-    reference, tmp_path, capfd, env):
+    reference, tmp_path, capfd, subprocess_env):
   _, workdir, _ = reference
   copy = str(tmp_path / "run")
-  shutil.copytree(workdir, copy)
+  copy_workdir(workdir, copy)
   newest = os.path.join(copy, "checkpoints", str(STEPS))
   _damage(newest, "delete")
 
@@ -396,7 +389,7 @@ def test_load_checkpoint_and_eval_skip_or_name_a_damaged_checkpoint(
     mha.load_checkpoint(copy, step=STEPS)
   result = subprocess.run(
       _command("eval.py", f"--workdir={copy}", f"--step={STEPS}"),
-      env=env, capture_output=True, text=True)
+      env=subprocess_env, capture_output=True, text=True)
   assert result.returncode == 2
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1, result.stderr
@@ -423,7 +416,7 @@ def test_an_unverified_checkpoint_never_deletes_an_intact_one(tmp_path):
 
 
 def test_non_finite_loss_stops_naming_the_step_without_saving_it(
-    tmp_path, data_dir, env):
+    tmp_path, data_dir, subprocess_env):
   # lr 1e30 (after one warmup step at lr 0): the parameters blow up at step
   # 2 and the loss of step 3 is NaN; step 3 is also the last (final save).
   workdir = str(tmp_path / "run")
@@ -431,7 +424,7 @@ def test_non_finite_loss_stops_naming_the_step_without_saving_it(
       _train_command(data_dir, workdir, "learning_rate=1e30",
                      "grad_clip_norm=1e30", "warmup_steps=1",
                      "num_train_steps=3", "checkpoint_every_steps=1"),
-      env=env, capture_output=True, text=True)
+      env=subprocess_env, capture_output=True, text=True)
   assert result.returncode == 1, result.stderr
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("train.py: error: non-finite training metrics at "
