@@ -9,7 +9,6 @@ subprocess, to start and compile once.
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import default
+from conftest import copy_workdir
 import mha
 from mha import config_validation
 from mha import data
@@ -98,30 +98,23 @@ def _assert_same_params(workdir, reference_dir):
                                err_msg=jax.tree_util.keystr(path))
 
 
-def _env(**extra):
+def _env(subprocess_env, **extra):
   # Compiles faster; the same float32 sums.
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             JAX_DISABLE_MOST_OPTIMIZATIONS="1", **extra)
+  env = dict(subprocess_env, JAX_DISABLE_MOST_OPTIMIZATIONS="1", **extra)
   env["PYTHONPATH"] = os.pathsep.join(
       filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
   return env
 
 
-def _copy(source, target):
-  shutil.copytree(source, target)
-  return str(target)
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, data_dir, subprocess_env):
   """One-device runs, then every 8-device run (one subprocess):
   {name: workdir}, plus what the subprocess reported."""
   root = tmp_path_factory.mktemp("runs")
-  data_dir = str(root / "tfds")
   dirs = {"data_dir": data_dir, "w1": str(root / "w1")}
   train.train_and_evaluate(_config(data_dir), dirs["w1"])  # 1 device
-  dirs["w1to8"] = _copy(dirs["w1"], root / "w1to8")  # continued on 8
-  dirs["w1long"] = _copy(dirs["w1"], root / "w1long")  # continued on 1
+  dirs["w1to8"] = copy_workdir(dirs["w1"], root / "w1to8")  # continued on 8
+  dirs["w1long"] = copy_workdir(dirs["w1"], root / "w1long")  # continued on 1
   train.train_and_evaluate(_config(data_dir, "num_train_steps=20"),
                            dirs["w1long"])
   args = {"overrides": list(OVERRIDES) + [f"data.data_dir={data_dir}"],
@@ -130,7 +123,7 @@ def runs(tmp_path_factory):
   result = subprocess.run(
       [sys.executable, "-c", EIGHT_DEVICES, CONFIG_FILE, json.dumps(args)],
       capture_output=True, text=True, timeout=300, env=_env(
-          XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+          subprocess_env, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                      " --xla_force_host_platform_device_count=8").strip()))
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -158,7 +151,7 @@ def test_a_batch_that_does_not_split_is_refused_before_any_write(runs):
 
 def test_checkpoints_move_from_8_devices_to_1_and_back(runs, tmp_path):
   # 8 -> 1: continue on this process's one device.
-  w8to1 = _copy(runs["w8"], tmp_path / "w8to1")
+  w8to1 = copy_workdir(runs["w8"], tmp_path / "w8to1")
   train.train_and_evaluate(_config(runs["data_dir"], "num_train_steps=20"),
                            w8to1)
   _assert_same_losses(w8to1, runs["w1long"])
@@ -177,7 +170,7 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def test_two_processes_train_as_one(runs, tmp_path):
+def test_two_processes_train_as_one(runs, tmp_path, subprocess_env):
   port = _free_port()
   address = f"127.0.0.1:{port}"
   workdir = str(tmp_path / "two")
@@ -188,7 +181,7 @@ def test_two_processes_train_as_one(runs, tmp_path):
       f"--coordinator_address={address}", "--num_processes=2"]
   # Loopback only: the coordinator binds there (gloo uses the host name,
   # which resolves to it here).
-  env = _env(JAX_COORDINATOR_BIND_ADDRESS=address)
+  env = _env(subprocess_env, JAX_COORDINATOR_BIND_ADDRESS=address)
   procs = [subprocess.Popen(command + [f"--process_id={i}"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True) for i in range(2)]
@@ -208,7 +201,8 @@ def test_two_processes_train_as_one(runs, tmp_path):
   _assert_same_params(workdir, runs["w1"])
 
 
-def test_bad_mesh_on_the_command_line_is_one_line_and_exit_code_2(tmp_path):
+def test_bad_mesh_on_the_command_line_is_one_line_and_exit_code_2(
+    tmp_path, subprocess_env):
   workdir = tmp_path / "never"
   for flag, message in (
       ("--config.mesh.data=4", "mesh.data=4 does not match the 1 device of"),
@@ -218,7 +212,7 @@ def test_bad_mesh_on_the_command_line_is_one_line_and_exit_code_2(tmp_path):
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "train.py"),
          f"--config={CONFIG_FILE}:tiny", f"--workdir={workdir}", flag],
-        capture_output=True, text=True, env=_env())
+        capture_output=True, text=True, env=_env(subprocess_env))
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and message in result.stderr
     assert not workdir.exists()
