@@ -348,6 +348,30 @@ def _library_attention(query: Array, key: Array, value: Array,
 # --------------------------------------------------------------------------
 
 
+def _self_attention_defaults(inputs_q: Array, inputs_k: Array | None,
+                             inputs_v: Array | None) -> tuple[Array, Array]:
+  """``(inputs_k, inputs_v)``, defaulting to self-attention, after checking
+  the three inputs' shapes agree."""
+  if inputs_k is None:
+    if inputs_v is not None:
+      raise ValueError("inputs_v was given without inputs_k.")
+    inputs_k = inputs_q
+  if inputs_v is None:
+    inputs_v = inputs_k
+  for name, x in (("inputs_q", inputs_q), ("inputs_k", inputs_k),
+                  ("inputs_v", inputs_v)):
+    if x.ndim < 2:
+      raise _shape_error(name, x.shape, "[..., L, D] (at least 2 dims)")
+  if inputs_q.shape[:-2] != inputs_k.shape[:-2] or (
+      inputs_k.shape[:-1] != inputs_v.shape[:-1]):
+    raise ValueError(
+        "inputs_q, inputs_k and inputs_v must share their batch dimensions "
+        "and keys/values their length; got inputs_q "
+        f"{inputs_q.shape}, inputs_k {inputs_k.shape}, "
+        f"inputs_v {inputs_v.shape}.")
+  return inputs_k, inputs_v
+
+
 class _OutBias(nn.Module):
   """The output bias alone: what is left of a layer with zero heads."""
 
@@ -431,37 +455,12 @@ class MultiHeadAttention(nn.Module):
       ``(out, weights)``: ``out [..., Lq, out_features]`` and the softmax
       weights ``[..., H, Lq, Lk]`` (or None).
     """
-    if inputs_k is None:
-      if inputs_v is not None:
-        raise ValueError("inputs_v was given without inputs_k.")
-      inputs_k = inputs_q
-    if inputs_v is None:
-      inputs_v = inputs_k
-    for name, x in (("inputs_q", inputs_q), ("inputs_k", inputs_k),
-                    ("inputs_v", inputs_v)):
-      if x.ndim < 2:
-        raise _shape_error(name, x.shape, "[..., L, D] (at least 2 dims)")
-    if inputs_q.shape[:-2] != inputs_k.shape[:-2] or (
-        inputs_k.shape[:-1] != inputs_v.shape[:-1]):
-      raise ValueError(
-          "inputs_q, inputs_k and inputs_v must share their batch dimensions "
-          "and keys/values their length; got inputs_q "
-          f"{inputs_q.shape}, inputs_k {inputs_k.shape}, "
-          f"inputs_v {inputs_v.shape}.")
-
+    inputs_k, inputs_v = _self_attention_defaults(inputs_q, inputs_k,
+                                                  inputs_v)
     batch_shape = inputs_q.shape[:-2]
     lq, lk = inputs_q.shape[-2], inputs_k.shape[-2]
     num_heads = self.num_heads
-    features = (inputs_q.shape[-1] if self.out_features is None
-                else self.out_features)
-    qkv_features = (inputs_q.shape[-1] if self.qkv_features is None
-                    else self.qkv_features)
-    if num_heads < 0:
-      raise ValueError(f"num_heads must be >= 0, got {num_heads}.")
-    if num_heads and qkv_features % num_heads:
-      raise ValueError(
-          f"qkv_features ({qkv_features}) must be divisible by num_heads "
-          f"({num_heads}).")
+    qkv_features, features = self._widths(inputs_q.shape[-1])
     dtype = self.dtype or jnp.result_type(inputs_q, self.param_dtype)
 
     mask = self._combined_mask(mask, valid_lens, batch_shape, num_heads, lq,
@@ -494,18 +493,9 @@ class MultiHeadAttention(nn.Module):
     key = dense(name="key")(inputs_k)
     value = dense(name="value")(inputs_v)
 
-    use_dropout = not deterministic and self.dropout_rate > 0.0
-    if return_weights or use_dropout:
-      dropout_rng = self.make_rng("dropout") if use_dropout else None
-      context, weights = dot_product_attention(
-          query, key, value, mask=mask, head_mask=head_mask,
-          dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
-          deterministic=not use_dropout, precision=self.precision)
-    else:
-      context = fused_dot_product_attention(
-          query, key, value, mask=mask, head_mask=head_mask)
-      weights = None
-
+    context, weights = self._attend(query, key, value, mask, head_mask,
+                                    deterministic=deterministic,
+                                    return_weights=return_weights)
     out = nn.DenseGeneral(
         features=features,
         axis=(-2, -1),
@@ -518,6 +508,37 @@ class MultiHeadAttention(nn.Module):
         name="out",
     )(context)
     return out, (weights if return_weights else None)
+
+  def _widths(self, input_width: int) -> tuple[int, int]:
+    """``(qkv_features, out_features)``, both defaulting to the width of the
+    queries; raises ``ValueError`` if the heads cannot split the first."""
+    qkv_features = (input_width if self.qkv_features is None
+                    else self.qkv_features)
+    if self.num_heads < 0:
+      raise ValueError(f"num_heads must be >= 0, got {self.num_heads}.")
+    if self.num_heads and qkv_features % self.num_heads:
+      raise ValueError(
+          f"qkv_features ({qkv_features}) must be divisible by num_heads "
+          f"({self.num_heads}).")
+    return qkv_features, (input_width if self.out_features is None
+                          else self.out_features)
+
+  def _attend(self, query: Array, key: Array, value: Array,
+              mask: Array | None, head_mask: Array | None, *,
+              deterministic: bool,
+              return_weights: bool) -> tuple[Array, Array | None]:
+    """``(context, weights)`` of the projected heads: the explicit path when
+    the weights are wanted or dropout is on, else the fused one (no
+    weights)."""
+    use_dropout = not deterministic and self.dropout_rate > 0.0
+    if return_weights or use_dropout:
+      dropout_rng = self.make_rng("dropout") if use_dropout else None
+      return dot_product_attention(
+          query, key, value, mask=mask, head_mask=head_mask,
+          dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
+          deterministic=not use_dropout, precision=self.precision)
+    return fused_dot_product_attention(
+        query, key, value, mask=mask, head_mask=head_mask), None
 
   @staticmethod
   def _combined_mask(mask: Array | None, valid_lens: Array | None,
