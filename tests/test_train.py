@@ -159,6 +159,12 @@ def test_config_overrides_from_the_command_line():
   assert config.task == "sort" and config.model.num_heads == 4
   assert config.learning_rate == 0.01 and config.data.max_len == 6
   assert config.model.d_model == 16  # from the tiny variant
+  assert config.model.head_dim is None  # a placeholder: d_model // num_heads
+  config = _parse_flags(["train.py", f"--config={CONFIG_FILE}:tiny",
+                         "--config.model.num_heads=8",
+                         "--config.model.head_dim=8"])
+  assert config.model.num_heads == 8 and config.model.head_dim == 8
+  assert build.model_config(config).resolved_head_dim == 8
   with pytest.raises(flags.IllegalFlagValueError):
     _parse_flags(["train.py", f"--config={CONFIG_FILE}",
                   "--config.model.num_heads=x"])
