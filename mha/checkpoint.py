@@ -327,10 +327,10 @@ def load_checkpoint(workdir: str | os.PathLike,
 
   Nothing but the workdir is needed: the config saved in the checkpoint
   rebuilds the model. Only the parameters are read (an orbax partial
-  restore, :func:`restore_params`): no optimizer is built. The parameters come back replicated on every device
-  (``mha.sharding.make_mesh()``), whatever the device count of the run that
-  saved them. Reads only: a damaged step is skipped with a warning on stderr
-  when no ``step`` is given.
+  restore, :func:`restore_params`): no optimizer is built. The parameters
+  come back replicated on every device (``mha.sharding.make_mesh()``),
+  whatever the device count of the run that saved them. Reads only: a
+  damaged step is skipped with a warning on stderr when no ``step`` is given.
 
   Raises:
     FileNotFoundError: the workdir has no checkpoint, or not ``step``.

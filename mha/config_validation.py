@@ -44,8 +44,8 @@ RESUMABLE_KEYS: frozenset[str] = frozenset({
 _AT_LEAST_ONE = (
     "batch_size", "eval_batch_size", "num_train_steps", "log_every_steps",
     "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
-    "model.num_layers", "model.d_model", "model.mlp_dim", "data.num_symbols", "data.min_len", "data.num_train_examples",
-    "data.num_eval_examples")
+    "model.num_layers", "model.d_model", "model.mlp_dim", "data.num_symbols",
+    "data.min_len", "data.num_train_examples", "data.num_eval_examples")
 _AT_LEAST_ZERO = ("warmup_steps", "data.seed")
 
 

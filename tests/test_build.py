@@ -43,6 +43,10 @@ def test_model_config_is_config_model_wholesale():
       "histogram", config.data.num_symbols, config.data.max_len)
 
 
+def test_the_config_names_the_tasks_the_data_has():
+  assert default.TASKS == data.TASKS
+
+
 def test_a_config_saved_before_head_dim_builds_the_same_model():
   config = default.get_config("tiny")
   saved = config.to_dict()
