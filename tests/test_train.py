@@ -112,9 +112,31 @@ def test_load_checkpoint_restores_params_and_config(tiny_run):
     mha.load_checkpoint(os.path.join(workdir, "nothing-here"))
 
 
+def _forget_head_dim(workdir):
+  """Makes ``workdir`` look saved before ``model.head_dim`` existed: its
+  configs (``config.json`` and each checkpoint's JSON item) lack the key."""
+  paths = [os.path.join(workdir, "config.json")] + glob.glob(
+      os.path.join(workdir, "checkpoints", "*", "config", "metadata"))
+  assert len(paths) == 3
+  for path in paths:
+    with open(path, encoding="utf-8") as f:
+      saved = json.load(f)
+    del saved["model"]["head_dim"]
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump(saved, f)
+
+
 def test_second_call_resumes_and_continues(tiny_run, tmp_path, data_dir):
-  # A copy of the finished run, continued for 10 more steps.
+  # A copy of the finished run, as saved before model.head_dim existed, is
+  # loaded and continued for 10 more steps with today's config.
   resumed_dir = copy_workdir(tiny_run.workdir, tmp_path / "resumed")
+  _forget_head_dim(resumed_dir)
+  ckpt = mha.load_checkpoint(resumed_dir)
+  assert "head_dim" not in ckpt.config.model
+  assert ckpt.model_config == build.model_config(tiny_run.config)
+  for a, b in zip(jax.tree.leaves(ckpt.params),
+                  jax.tree.leaves(tiny_run.state.params)):
+    np.testing.assert_array_equal(a, b)
   longer = tiny_config(data_dir, "num_train_steps=30")
   new_state = train.train_and_evaluate(longer, resumed_dir)
   assert int(new_state.step) == 30
