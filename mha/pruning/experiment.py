@@ -189,26 +189,55 @@ def _halves(split: data.Split) -> tuple[data.Split, data.Split]:
   return first, second
 
 
+def _leave_one_out(model: Transformer, params: Any, validation: data.Split,
+                   options: Options,
+                   table: Mapping[str, np.ndarray] | None) -> dict[str, Any]:
+  """:func:`core.leave_one_out`, looked up in the subset ``table`` (per
+  example, every subset) when there is one."""
+  if table is None:
+    return pruning.leave_one_out(model, params, validation,
+                                 batch_size=options.batch_size)
+  config = model.config
+  masks = np.concatenate([pruning.full_head_mask(config)[None],
+                          pruning.leave_one_out_masks(config)])
+  ids = oracle.subset_index(config, masks)
+  metrics = pruning.summarize_examples(
+      {k: np.asarray(v)[ids] for k, v in table.items()})
+  out: dict[str, Any] = {"base": {k: float(v[0]) for k, v in metrics.items()}}
+  for key, values in metrics.items():
+    out[key] = pruning.heads_to_array(config, values[1:])
+  out["loss_increase"] = out["loss"] - out["base"]["loss"]
+  return out
+
+
 def measure_importance(model: Transformer, params: Any, validation: data.Split,
                        options: Options, log: Log = _quiet,
-                       timings: dict[str, float] | None = None
+                       timings: dict[str, float] | None = None, *,
+                       table: Mapping[str, np.ndarray] | None = None
                        ) -> dict[str, Any]:
   """Every per-head measure on ``validation``: ``[L, H]`` arrays (NaN where
-  no head), and ``validation``, the unpruned metrics."""
+  no head), and ``validation``, the unpruned metrics. ``table``: the
+  per-example sums of every subset on ``validation``, when evaluated."""
   timings = {} if timings is None else timings
   bs = options.batch_size
-  grad, timings["gradient_s"] = _timed(
-      log, "gradient importance (vmap of grad, per-example |.|)",
-      lambda: pruning.gradient_importance(model, params, validation,
-                                          batch_size=bs))
+  half_a, half_b = _halves(validation)
+
+  def gradients():  # The mean of |g| over both halves is the whole's.
+    a = pruning.gradient_importance(model, params, half_a, batch_size=bs)
+    b = pruning.gradient_importance(model, params, half_b, batch_size=bs)
+    return a, b, (len(half_a) * a + len(half_b) * b) / max(len(validation), 1)
+
+  (grad_a, grad_b, grad), timings["gradient_s"] = _timed(
+      log, "gradient importance (vmap of grad, per-example |.|), two halves",
+      gradients)
   loo, timings["leave_one_out_s"] = _timed(
-      log, "leave-one-out (every head's mask in vmapped calls)",
-      lambda: pruning.leave_one_out(model, params, validation, batch_size=bs))
+      log, "leave-one-out" + (" (from the subsets)" if table is not None
+                              else " (every head's mask, vmapped)"),
+      lambda: _leave_one_out(model, params, validation, options, table))
   attn, timings["confidence_s"] = _timed(
       log, "attention confidence and entropy",
       lambda: pruning.attention_confidence(model, params, validation,
                                            batch_size=bs))
-  half_a, half_b = _halves(validation)
   return {
       "gradient": grad,
       "gradient_l2": pruning.normalize_per_layer(grad),
@@ -217,10 +246,8 @@ def measure_importance(model: Transformer, params: Any, validation: data.Split,
       "entropy": attn["entropy"],
       "leave_one_out_token_accuracy_drop":
           loo["base"]["token_accuracy"] - loo["token_accuracy"],
-      "gradient_validation_half_a": pruning.gradient_importance(
-          model, params, half_a, batch_size=bs),
-      "gradient_validation_half_b": pruning.gradient_importance(
-          model, params, half_b, batch_size=bs),
+      "gradient_validation_half_a": grad_a,
+      "gradient_validation_half_b": grad_b,
       "validation": loo["base"],
   }
 
@@ -263,12 +290,16 @@ def compute_orders(model: Transformer, params: Any, validation: data.Split,
   non-random ordering of :data:`ORDERINGS`, measured on ``validation``
   (``shapley`` only when the model has at most ``oracle_max_heads``
   heads)."""
-  importance = measure_importance(model, params, validation, options)
+  table = None
   if oracle_applies(model.config, options):
-    metrics = oracle.evaluate_subsets(model, params, validation,
-                                      batch_size=options.batch_size)
+    table = oracle.evaluate_subsets(model, params, validation,
+                                    batch_size=options.batch_size,
+                                    per_example=True)
+  importance = measure_importance(model, params, validation, options,
+                                  table=table)
+  if table is not None:
     importance["shapley_token_accuracy"] = oracle.shapley_values(
-        metrics["token_accuracy"], model.config)
+        pruning.summarize_examples(table)["token_accuracy"], model.config)
   orders = orders_from_importance(importance)
   if options.reestimate:
     orders["gradient_iterative"] = pruning.iterative_gradient_order(
@@ -494,10 +525,11 @@ def _measure_seed(model: Transformer, params: Any,
   the seed's curves and tables need, on validation and test."""
   config = model.config
   val, test = splits["validation"], splits["test"]
-  importance = measure_importance(model, params, val, options, log, timings)
-  validation = importance.pop("validation")
   table, shapley, removals = _oracle(model, params, val, options, log,
                                      timings)
+  importance = measure_importance(model, params, val, options, log, timings,
+                                  table=table)
+  validation = importance.pop("validation")
   importance["shapley_token_accuracy"] = shapley
   orders = orders_from_importance(importance)
   if options.reestimate:
