@@ -303,12 +303,19 @@ def _findings_section(results: Mapping[str, Any]) -> list[str]:
     lines.append("- " + results["seeds"][0].get(
         "oracle_skipped", "The oracle was not computed."))
   change = agg["no_layer_emptied"]["curve_summary"]
-  helped = [k for k in orderings if k in change and
-            _sign(change[k], f"{key}_change") > 0]
-  lines.append(
-      "- Never emptying a layer raises the AUC (same points) of: " + (
-          "; ".join(f"{labels[k]} {_ci(change[k], f'{key}_change', sign=True)}"
-                    for k in helped) if helped else "no ordering") + ".")
+  for s, verdict in ((1, "raises"), (-1, "lowers")):
+    names = [k for k in orderings if k in change and
+             _sign(change[k], f"{key}_change") == s]
+    if names:
+      lines.append(
+          f"- Never emptying a layer {verdict} the AUC (same points) of: " +
+          "; ".join(f"{labels[k]} " + _ci(change[k], f"{key}_change",
+                                          sign=True) for k in names) + ".")
+  same = [labels[k] for k in orderings
+          if k in change and _sign(change[k], f"{key}_change") == 0]
+  if same:
+    lines.append("- It makes no difference the intervals can see for: " +
+                 ", ".join(same) + ".")
   return lines + [""]
 
 
