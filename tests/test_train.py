@@ -172,6 +172,10 @@ def _parse_flags(argv):
   return fv.config
 
 
+# ml_collections' config_flags loads a config file with the deprecated
+# loader.load_module() (config_flags.py, version 1.x); nothing of ours does.
+@pytest.mark.filterwarnings(
+    "ignore:the load_module\\(\\) method is deprecated:DeprecationWarning")
 def test_config_overrides_from_the_command_line():
   config = _parse_flags([
       "train.py", f"--config={CONFIG_FILE}:sort,tiny",
