@@ -123,3 +123,21 @@ def test_seed_statistics_of_a_known_curve():
   assert out[("all", "oracle", "test_token_accuracy_at_prunable")][0] == 1
   nested = summary.seed_summary(out)["all"]
   assert nested["curve_summary"]["a"]["auc_token_accuracy_ci"].shape == (2,)
+
+
+def test_oracle_is_chosen_again_in_each_replicate():
+  # Mask 0 keeps everything; candidates A (mask 1) and B (mask 2) for one
+  # head removed. A is right on validation example 0, B on example 1; on
+  # test A is right on both, B on neither.
+  val = {"correct": np.array([[1, 1], [1, 0], [0, 1]]),
+         "tokens": np.ones((3, 2)), "loss_sum": np.zeros((3, 2)),
+         "exact": np.zeros((3, 2)), "sequences": np.ones((3, 2))}
+  test = dict(val, correct=np.array([[1, 1], [1, 1], [0, 0]]))
+  curves = {"all": {"oracle": np.array([[0, 1], [0, 2]])}}
+  weights = np.array([[2.0, 0.0], [0.0, 2.0]])  # example 0 twice; 1 twice
+  out = summary.seed_statistics(curves, {"all": np.array([0, 1])}, 2, val,
+                                test, weights, weights, tolerance=0.01)
+  # Full sample: a tie on validation, the first candidate (A) kept; then A
+  # where example 0 is drawn, B where example 1 is.
+  np.testing.assert_array_equal(
+      out[("all", "oracle", "curve_token_accuracy")][:, 1], [1.0, 1.0, 0.0])

@@ -69,6 +69,10 @@ ORDERINGS = {
 #: The curves: every ordering and the oracle (not an ordering: its subsets
 #: for k and k + 1 heads removed need not be nested).
 CURVE_LABELS = {**ORDERINGS, "oracle": "oracle (best subset)"}
+#: Subsets per number of heads removed among which each bootstrap replicate
+#: chooses the oracle again (the best ones on the full validation split), so
+#: that the oracle's intervals include the variability of its choice.
+ORACLE_CANDIDATES = 5
 BASELINES = summary.BASELINES
 CURVE_METRICS = summary.CURVE_METRICS
 
@@ -351,7 +355,9 @@ def plan_masks(config: Any, orders: Mapping[str, np.ndarray],
                counts: np.ndarray) -> Plan:
   """Every curve of both variants (``all``; ``no_layer_emptied``, which
   skips a layer's last head and stops at ``N - layers with heads``), the
-  full mask (id 0) and the single-head and all-but-one masks."""
+  full mask (id 0) and the single-head and all-but-one masks.
+  ``oracle_removals``: variant -> for each ``k`` the removals of the best
+  subsets on validation, best first (the oracle's candidates)."""
   plan = Plan()
   plan.add(pruning.full_head_mask(config))
   limit = pruning.removable_keeping_layers(config)
@@ -363,11 +369,14 @@ def plan_masks(config: Any, orders: Mapping[str, np.ndarray],
       if variant == "no_layer_emptied":
         order = pruning.keep_one_per_layer(config, order)
       plan.add_curve(variant, name, config, [order[:k] for k in points])
-    removals = oracle_removals.get(variant)
-    if removals is not None:
-      plan.add_curve(variant, "oracle", config, [removals[k] for k in points])
+    ranked = oracle_removals.get(variant)
+    if ranked is not None:  # A row per candidate, the best first.
+      for c in range(max(len(r) for r in ranked)):
+        plan.add_curve(variant, "oracle", config,
+                       [ranked[k][min(c, len(ranked[k]) - 1)]
+                        for k in points])
       plan.oracle[variant] = np.asarray(
-          [plan.add(pruning.mask_without(config, r)) for r in removals])
+          [plan.add(pruning.mask_without(config, r[0])) for r in ranked])
   plan.single = np.asarray([plan.add(m) for m in
                             pruning.leave_one_out_masks(config)])
   plan.all_but_one = np.asarray([plan.add(m) for m in
@@ -419,9 +428,9 @@ def _oracle(model: Transformer, params: Any, validation: data.Split,
           batch_size=options.batch_size))
   metrics = pruning.summarize_examples(table)
   values = subset_values(metrics)
-  removals = {"all": oracle.best_removals(values, config),
-              "no_layer_emptied": oracle.best_removals(
-                  values, config, no_layer_emptied=True)}
+  removals = {variant: oracle.ranked_removals(
+      values, config, no_layer_emptied=variant == "no_layer_emptied",
+      top=ORACLE_CANDIDATES) for variant in ("all", "no_layer_emptied")}
   shapley = oracle.shapley_values(metrics["token_accuracy"], config)
   return table, shapley, removals
 

@@ -219,22 +219,11 @@ def evaluate_subsets(model: Transformer, params: Params, split: data.Split, *,
   return out
 
 
-def best_removals(values: np.ndarray, config: TransformerConfig, *,
-                  no_layer_emptied: bool = False) -> list[np.ndarray]:
-  """For each number ``k`` of heads removed, the best subset's removed heads.
-
-  Args:
-    values: ``[2**N]`` one number per subset, higher is better (pass
-      ``-loss`` for the loss).
-    config: the model's config.
-    no_layer_emptied: only subsets keeping at least one head in every layer
-      that has heads; then ``k`` goes up to ``N - (layers with heads)``.
-
-  Returns:
-    for ``k = 0, 1, ...`` the flat head indices (``layer * H + head``, as in
-    the orders of :mod:`mha.pruning.core`) of the best subset with ``k``
-    heads removed (ties: the lowest subset index).
-  """
+def ranked_removals(values: np.ndarray, config: TransformerConfig, *,
+                    no_layer_emptied: bool = False,
+                    top: int = 1) -> list[list[np.ndarray]]:
+  """For each number ``k`` of heads removed, the removed heads of the
+  ``top`` best subsets, best first (see :func:`best_removals`)."""
   values = np.asarray(values, np.float64)
   flat = np.flatnonzero(core.existing_heads(config))
   n = len(flat)
@@ -254,9 +243,30 @@ def best_removals(values: np.ndarray, config: TransformerConfig, *,
     candidates = np.flatnonzero(allowed & (kept == n - k))
     if len(candidates) == 0:
       break
-    best = candidates[np.argmax(values[candidates])]
-    out.append(flat[~bits[best]])
+    # Best first; ties keep the lower subset index first.
+    ranked = candidates[np.argsort(-values[candidates], kind="stable")]
+    out.append([flat[~bits[s]] for s in ranked[:top]])
   return out
+
+
+def best_removals(values: np.ndarray, config: TransformerConfig, *,
+                  no_layer_emptied: bool = False) -> list[np.ndarray]:
+  """For each number ``k`` of heads removed, the best subset's removed heads.
+
+  Args:
+    values: ``[2**N]`` one number per subset, higher is better (pass
+      ``-loss`` for the loss).
+    config: the model's config.
+    no_layer_emptied: only subsets keeping at least one head in every layer
+      that has heads; then ``k`` goes up to ``N - (layers with heads)``.
+
+  Returns:
+    for ``k = 0, 1, ...`` the flat head indices (``layer * H + head``, as in
+    the orders of :mod:`mha.pruning.core`) of the best subset with ``k``
+    heads removed (ties: the lowest subset index).
+  """
+  return [r[0] for r in ranked_removals(values, config,
+                                        no_layer_emptied=no_layer_emptied)]
 
 
 def shapley_values(values: np.ndarray, config: TransformerConfig) -> np.ndarray:
@@ -285,4 +295,5 @@ def shapley_values(values: np.ndarray, config: TransformerConfig) -> np.ndarray:
 
 __all__ = ["subset_masks", "subset_index", "kept_counts", "num_heads",
            "subset_metric_sums", "evaluate_subsets", "best_removals",
+           "ranked_removals",
            "shapley_values"]

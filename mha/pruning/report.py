@@ -377,8 +377,11 @@ def _oracle_section(results: Mapping[str, Any]) -> list[str]:
                    "validation token acc.", "test token acc.",
                    "test exact match"], rows)
   return lines + [
-      "The oracle's choice is made on the full validation split; its "
-      "intervals resample test examples and seeds, not that choice.", ""]
+      "The oracle's choice is made on the full validation split. In each "
+      "bootstrap replicate it is made again, on the resampled validation "
+      "split, among the few best subsets of the full split for each number "
+      "of heads removed, so the oracle's intervals include the variability "
+      "of its choice.", ""]
 
 
 def _no_layer_emptied_section(results: Mapping[str, Any]) -> list[str]:

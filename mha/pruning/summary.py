@@ -13,13 +13,16 @@ The prunable level is chosen on *validation* (the largest number of heads
 removed up to which every validation point is within the tolerance of the
 unpruned value) and reported with its *test* accuracy; each replicate
 resamples both splits, so the interval of the level includes the choice.
-The oracle's subsets are chosen once, on the full validation split; the
-intervals of its curve resample test examples (and seeds) only.
+The oracle is chosen again in each replicate: among its candidates (the
+best few subsets for each number of heads removed on the full validation
+split), the one of best resampled validation token accuracy; so its
+intervals include the variability of that choice (restricted to the
+candidates).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -75,21 +78,45 @@ def _curve_statistics(fractions: np.ndarray, counts: np.ndarray,
   return out
 
 
+def _select(ids: np.ndarray, val_m: Mapping[str, np.ndarray],
+            test_m: Mapping[str, np.ndarray], metric: str
+            ) -> tuple[np.ndarray, np.ndarray]:
+  """``[1 + R, 1, P]`` validation and test values of the candidate (a row of
+  ``ids``) with the best validation token accuracy in each replicate (ties:
+  the first, i.e. the best on the full split)."""
+  choice = np.argmax(val_m["token_accuracy"][:, ids], axis=1)[:, None]
+  pick = lambda m: np.take_along_axis(m[metric][:, ids], choice, axis=1)
+  return pick(val_m), pick(test_m)
+
+
+def _values(name: str, ids: np.ndarray, val_m: Mapping[str, np.ndarray],
+            test_m: Mapping[str, np.ndarray], metric: str,
+            select: Collection[str]) -> tuple[np.ndarray, np.ndarray]:
+  if name in select:
+    return _select(ids, val_m, test_m, metric)
+  return val_m[metric][:, ids], test_m[metric][:, ids]
+
+
 def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
                     counts: Mapping[str, np.ndarray], num_heads: int,
                     val_sums: Mapping[str, np.ndarray],
                     test_sums: Mapping[str, np.ndarray],
                     val_weights: np.ndarray, test_weights: np.ndarray,
-                    tolerance: float) -> dict[Key, np.ndarray]:
+                    tolerance: float,
+                    select: Collection[str] = ("oracle",)
+                    ) -> dict[Key, np.ndarray]:
   """Every statistic of one seed under the full sample and each resample.
 
   Args:
-    curves: variant -> curve name -> ``[orders, points]`` mask ids.
+    curves: variant -> curve name -> ``[orders, points]`` mask ids (for a
+      curve in ``select``: ``[candidates, points]``, the best first).
     counts: variant -> ``[points]`` heads removed.
     num_heads: ``N`` (fractions are ``counts / N``).
     val_sums, test_sums: per-example sums ``[M, n]`` of the masks.
     val_weights, test_weights: ``[R, n]`` resample counts.
     tolerance: accuracy loss counted as none.
+    select: curves chosen again in each replicate among their candidates
+      (by validation token accuracy) rather than averaged over orders.
 
   Returns:
     ``(variant, curve, statistic) -> [1 + R, ...]``.
@@ -101,12 +128,13 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
     fractions = counts[variant] / max(num_heads, 1)
     for name, ids in by_name.items():
       for metric in CURVE_METRICS:
-        found = _curve_statistics(fractions, counts[variant],
-                                  val_m[metric][:, ids],
-                                  test_m[metric][:, ids], metric, tolerance)
+        val, test = _values(name, ids, val_m, test_m, metric, select)
+        found = _curve_statistics(fractions, counts[variant], val, test,
+                                  metric, tolerance)
         out.update({(variant, name, k): v for k, v in found.items()})
     _differences(out, variant, list(by_name))
-  _no_layer_emptied_change(out, curves, counts, num_heads, test_m)
+  _no_layer_emptied_change(out, curves, counts, num_heads, val_m, test_m,
+                           select)
   return out
 
 
@@ -127,7 +155,9 @@ def _differences(out: dict[Key, np.ndarray], variant: str,
 def _no_layer_emptied_change(out: dict[Key, np.ndarray],
                              curves: Mapping[str, Mapping[str, np.ndarray]],
                              counts: Mapping[str, np.ndarray], num_heads: int,
-                             test_m: Mapping[str, np.ndarray]) -> None:
+                             val_m: Mapping[str, np.ndarray],
+                             test_m: Mapping[str, np.ndarray],
+                             select: Collection[str]) -> None:
   """AUC of each ``no_layer_emptied`` curve minus the plain curve's AUC over
   the same points (the constrained curves stop earlier)."""
   if "no_layer_emptied" not in curves:
@@ -139,7 +169,9 @@ def _no_layer_emptied_change(out: dict[Key, np.ndarray],
     if plain is None:
       continue
     for metric in CURVE_METRICS:
-      same_range = _auc(fractions, test_m[metric][:, plain[:, :points]])
+      _, test = _values(name, plain[:, :points], val_m, test_m, metric,
+                        select)
+      same_range = _auc(fractions, test)
       out[("no_layer_emptied", name, f"auc_{metric}_plain")] = (
           same_range.mean(1))
       out[("no_layer_emptied", name, f"auc_{metric}_change")] = (
