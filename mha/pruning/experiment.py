@@ -99,8 +99,9 @@ class Options:
       one head at a time.
     reestimate: include the order that re-estimates gradient importance
       after each removal.
-    tolerance: "prunable" means every point up to there is within this much
-      of the unpruned accuracy (0.01 = 1 point).
+    tolerance: "prunable" means every validation point up to there is
+      within this much of the unpruned validation accuracy (0.01 = 1 point);
+      the level is chosen on validation and its test accuracy reported.
     speed_fractions: fractions of heads physically pruned for the speed
       table (0 is always added).
     batch_sizes: batch sizes of the speed table.
