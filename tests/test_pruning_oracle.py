@@ -222,3 +222,14 @@ def test_oracle_finds_the_pair_the_greedy_orders_miss():
     assert sorted(orders[name][:2]) in ([a, c], [b, c]), (name, orders[name])
   shapley = oracle.shapley_values(metrics["token_accuracy"], model.config)
   np.testing.assert_allclose(shapley[0], [0.25, 0.25, 0.2, 0.3], atol=1e-6)
+
+
+def test_compute_orders_computes_only_what_is_asked():
+  model, params, split = _planted()
+  options = experiment.Options(batch_size=32, reestimate=True)
+  orders = experiment.compute_orders(model, params, split, options,
+                                     names=["gradient"])
+  assert "shapley" not in orders and "gradient_iterative" not in orders
+  full = experiment.compute_orders(model, params, split, options)
+  np.testing.assert_array_equal(orders["gradient"], full["gradient"])
+  assert {"shapley", "gradient_iterative"} <= set(full)

@@ -42,7 +42,7 @@ import math
 import os
 import shutil
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -295,13 +295,21 @@ def subset_values(metrics: Mapping[str, np.ndarray]) -> np.ndarray:
 
 
 def compute_orders(model: Transformer, params: Any, validation: data.Split,
-                   options: Options) -> dict[str, np.ndarray]:
+                   options: Options, *,
+                   names: Collection[str] | None = None
+                   ) -> dict[str, np.ndarray]:
   """The order (flat head indices, least important first) of every
   non-random ordering of :data:`ORDERINGS`, measured on ``validation``
   (``shapley`` only when the model has at most ``oracle_max_heads``
-  heads)."""
+  heads; ``gradient_iterative`` only with ``options.reestimate``).
+
+  ``names``: when given, the orderings wanted; the expensive ones (every
+  subset for ``shapley``, the re-estimated gradient) are computed only when
+  asked for. The cheap measures come back regardless.
+  """
+  wanted = lambda name: names is None or name in names
   table = None
-  if oracle_applies(model.config, options):
+  if wanted("shapley") and oracle_applies(model.config, options):
     table = oracle.evaluate_subsets(model, params, validation,
                                     batch_size=options.batch_size,
                                     per_example=True)
@@ -311,7 +319,7 @@ def compute_orders(model: Transformer, params: Any, validation: data.Split,
     importance["shapley_token_accuracy"] = oracle.shapley_values(
         pruning.summarize_examples(table)["token_accuracy"], model.config)
   orders = orders_from_importance(importance)
-  if options.reestimate:
+  if options.reestimate and wanted("gradient_iterative"):
     orders["gradient_iterative"] = pruning.iterative_gradient_order(
         model, params, validation, batch_size=options.batch_size)
   return orders
