@@ -369,12 +369,17 @@ def _oracle_section(results: Mapping[str, Any]) -> list[str]:
   lines = [f"## The oracle (seed {first['seed']})", ""]
   if not first.get("oracle"):
     return lines + [first.get("oracle_skipped", "Not computed."), ""]
+  curve = first.get("curves", {}).get("oracle", {})
+  ci = curve.get("token_accuracy_ci")
+  if ci is None or len(ci) != len(first["oracle"]):
+    ci = [None] * len(first["oracle"])  # Curve points are not every k.
   rows = [[e["k"], ", ".join(f"{l}:{h}" for l, h in e["removed"]) or "-",
            _fmt(e["validation"]["token_accuracy"]),
-           _fmt(e["test"]["token_accuracy"]),
-           _fmt(e["test"]["exact_match"])] for e in first["oracle"]]
+           _ci({"v": e["test"]["token_accuracy"], "v_ci": c}, "v"),
+           _fmt(e["test"]["exact_match"])]
+          for e, c in zip(first["oracle"], ci)]
   lines += _table(["heads removed", "which (layer:head)",
-                   "validation token acc.", "test token acc.",
+                   "validation token acc.", "test token acc. [95% CI]",
                    "test exact match"], rows)
   return lines + [
       "The oracle's choice is made on the full validation split. In each "
@@ -482,25 +487,39 @@ def _ablation_section(results: Mapping[str, Any]) -> list[str]:
   return lines + [f"![ablation](ablation_seed{first['seed']}.png)", ""]
 
 
+def _speedup_cell(e: Mapping[str, Any], b: str) -> str:
+  ci = (e.get("speedup_ci") or {}).get(b)
+  text = f"{e['examples_per_sec'][b]:,.0f} (×{e['speedup'][b]:.2f}"
+  return text + (f" [{ci[0]:.2f}, {ci[1]:.2f}])" if ci else ")")
+
+
 def _speed_section(results: Mapping[str, Any]) -> list[str]:
   sp, labels = results["speed"], _labels(results)
   sizes = [str(b) for b in sp["batch_sizes"]]
+  timing = sp.get("timing", {})
   lines = [
       "## Physical pruning and prediction speed", "",
       f"Heads removed by the `{labels.get(sp['order'], sp['order'])}` order "
       f"of seed {results['seeds'][0]['seed']}, sliced out of the parameters "
-      "with `prune_heads`. Examples/s of the jitted prediction (median over "
-      f"rounds) on {results['jax']['backend']}; FLOPs from XLA's cost "
-      "analysis of the compiled program.", "",
+      "with `prune_heads`. Examples/s of the jitted prediction, the median "
+      f"over {timing.get('repeats', results['options']['speed_repeats'])} "
+      f"rounds, on {results['jax']['backend']}; the speed-up with its "
+      f"{timing.get('confidence', 0.95):.0%} interval"
+      + (f" ({timing['interval']})" if "interval" in timing else "") +
+      ". FLOPs, bytes accessed and transcendentals from XLA's cost analysis "
+      f"of the compiled program (ratios to the unpruned model at batch "
+      f"{sizes[-1]}).", "",
   ]
+  ratio = lambda e, key: (f"{e[key][sizes[-1]]:.3f}" if key in e else "n/a")
   header = (["removed", "heads per layer", "params", "FLOP ratio",
-             "test token acc."] + [f"ex/s @ {b} (speed-up)" for b in sizes])
+             "bytes ratio", "transcendentals ratio", "test token acc."] +
+            [f"ex/s @ {b} (speed-up)" for b in sizes])
   rows = [[f"{e['fraction']:.0%} ({e['heads_removed']})",
            str(e["heads_per_layer"]), f"{e['params']:,}",
-           f"{e['flop_ratio'][sizes[-1]]:.3f}",
+           ratio(e, "flop_ratio"), ratio(e, "bytes_accessed_ratio"),
+           ratio(e, "transcendentals_ratio"),
            f"{e['test_token_accuracy']:.3f}"] +
-          [f"{e['examples_per_sec'][b]:,.0f} (×{e['speedup'][b]:.2f})"
-           for b in sizes] for e in sp["entries"]]
+          [_speedup_cell(e, b) for b in sizes] for e in sp["entries"]]
   lines += _table(header, rows) + ["![speed](speed.png)", ""]
   diffs = [e["max_abs_logit_diff_pruned_vs_masked"] for e in sp["entries"]]
   return lines + [f"Pruned vs masked model, largest logit difference: "
