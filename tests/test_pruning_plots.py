@@ -351,3 +351,22 @@ def test_pruning_curves_with_intervals_draw_only_those_bands(tmp_path):
   path = tmp_path / "ci.png"
   _assert_png(path, pp.plot_pruning_curves(fractions, curves, str(path),
                                            intervals=intervals))
+
+
+def test_speed_with_given_speedups_and_intervals(tmp_path):
+  rates = np.array([[100.0, 200.0], [120.0, 260.0]])
+  speedup = np.array([[1.0, 1.0], [1.25, 1.2]])  # not rates[1] / rates[0]
+  ci = np.stack([speedup - 0.05, speedup + 0.1], axis=-1)
+  fig = pp.speed_figure([1, 16], [0.0, 0.5], rates, speedup=speedup,
+                        speedup_ci=ci)
+  right = fig.axes[1]
+  heights = [1.0 + bar.get_height() for bar in right.patches]
+  np.testing.assert_allclose(heights, [1.25, 1.2])
+  texts = [t.get_text() for t in right.texts]
+  assert texts == ["1.25\u00d7", "1.20\u00d7"]
+  assert right.get_ylim()[1] > 1.3  # room for the upper whiskers
+  with pytest.raises(ValueError, match=r"speedup_ci must be \[F, B, 2\]"):
+    pp.speed_figure([1, 16], [0.0, 0.5], rates, speedup_ci=ci[:, :1])
+  path = tmp_path / "speed.png"
+  _assert_png(path, pp.plot_speed([1, 16], [0.0, 0.5], rates, str(path),
+                                  speedup=speedup, speedup_ci=ci))

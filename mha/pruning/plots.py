@@ -681,6 +681,8 @@ def speed_figure(
     *,
     flop_ratio: Sequence[float] | None = None,
     title: str | None = None,
+    speedup: np.ndarray | None = None,
+    speedup_ci: np.ndarray | None = None,
 ) -> Figure:
   """Builds (but does not save) the figure of :func:`plot_speed`.
 
@@ -719,6 +721,16 @@ def speed_figure(
     if np.any(flop_ratio <= 0.0):
       raise ValueError(f"flop_ratio must be positive, got {flop_ratio}.")
 
+  if speedup is not None and np.shape(speedup) != expected:
+    raise ValueError(f"speedup must be [F, B] = {list(expected)}, got shape "
+                     f"{np.shape(speedup)}.")
+  if speedup_ci is not None:
+    speedup_ci = np.asarray(speedup_ci, dtype=np.float64)
+    if speedup_ci.shape != expected + (2,):
+      raise ValueError(
+          f"speedup_ci must be [F, B, 2] = {list(expected) + [2]}, got shape "
+          f"{speedup_ci.shape}.")
+
   colours = ["#000000"] + [
       OKABE_ITO[i % (len(OKABE_ITO) - 1)] for i in range(fractions.size - 1)
   ]
@@ -748,8 +760,11 @@ def speed_figure(
   left.set_axisbelow(True)
 
   # Right: speed-up over the unpruned model, grouped bars per batch size.
-  with np.errstate(invalid="ignore", divide="ignore"):
-    speedup = speed[1:] / speed[:1]
+  if speedup is not None:
+    speedup = np.asarray(speedup, np.float64)[1:]
+  else:
+    with np.errstate(invalid="ignore", divide="ignore"):
+      speedup = speed[1:] / speed[:1]
   pruned = fractions.size - 1
   groups = np.arange(batch_sizes.size)
   width = 0.8 / max(pruned, 1)
@@ -766,19 +781,27 @@ def speed_figure(
                      width=width * 0.92,
                      color=colours[p + 1],
                      zorder=3)
-    right.bar_label(bars,
-                    labels=[
-                        "" if not np.isfinite(s) else f"{s:.2f}\u00d7"
-                        for s in speedup[p]
-                    ],
-                    padding=1.5,
-                    fontsize=label_size,
-                    rotation=90 if rotate else 0,
-                    zorder=5,
-                    bbox=dict(boxstyle="square,pad=0.1",
-                              facecolor="white",
-                              edgecolor="none",
-                              alpha=0.85))
+    labels = ["" if not np.isfinite(v) else f"{v:.2f}\u00d7"
+              for v in speedup[p]]
+    label_style = dict(fontsize=label_size, rotation=90 if rotate else 0,
+                       zorder=5, bbox=dict(boxstyle="square,pad=0.1",
+                                           facecolor="white",
+                                           edgecolor="none", alpha=0.85))
+    if speedup_ci is None:
+      right.bar_label(bars, labels=labels, padding=1.5, **label_style)
+    else:
+      low, high = speedup_ci[p + 1, :, 0], speedup_ci[p + 1, :, 1]
+      right.errorbar(offsets, speedup[p],
+                     yerr=np.stack([speedup[p] - low, high - speedup[p]]),
+                     fmt="none", ecolor="0.2", elinewidth=1.0, capsize=2.0,
+                     zorder=4)
+      # The value above its whisker (below it for a slow-down).
+      for x, v, lo, hi, text in zip(offsets, speedup[p], low, high, labels):
+        up = v >= 1.0
+        right.annotate(text, (x, max(hi, v) if up else min(lo, v)),
+                       xytext=(0, 1.5 if up else -1.5),
+                       textcoords="offset points", ha="center",
+                       va="bottom" if up else "top", **label_style)
     if flop_ratio is not None:
       right.axhline(1.0 / flop_ratio[p + 1],
                     color=colours[p + 1],
@@ -790,6 +813,9 @@ def speed_figure(
   right.set_xticklabels([str(int(b)) for b in batch_sizes])
   right.set_xlim(-0.6, batch_sizes.size - 0.4)
   levels = np.array([1.0] + list(speedup[np.isfinite(speedup)]))
+  if speedup_ci is not None:
+    bounds = np.asarray(speedup_ci, np.float64)[1:]
+    levels = np.concatenate([levels, bounds[np.isfinite(bounds)]])
   if flop_ratio is not None:
     levels = np.concatenate([levels, 1.0 / flop_ratio[1:]])
   span = max(levels.max() - levels.min(), 0.05)
@@ -798,7 +824,9 @@ def speed_figure(
                  levels.max() + 0.15 * span)
   right.set_xlabel("batch size", fontsize=_LABEL_SIZE)
   right.set_ylabel("speed-up over unpruned (\u00d7)", fontsize=_LABEL_SIZE)
-  right.set_title("speed-up (bars: measured)", fontsize=_LABEL_SIZE)
+  right.set_title("speed-up (bars: measured" +
+                  (", whiskers: 95% CI)" if speedup_ci is not None else ")"),
+                  fontsize=_LABEL_SIZE)
   right.tick_params(labelsize=_TICK_SIZE)
   right.grid(True, axis="y", color="0.9", linewidth=0.8)
   right.set_axisbelow(True)
@@ -841,6 +869,8 @@ def plot_speed(
     *,
     flop_ratio: Sequence[float] | None = None,
     title: str | None = None,
+    speedup: np.ndarray | None = None,
+    speedup_ci: np.ndarray | None = None,
 ) -> str:
   """Writes a PNG of the inference speed of pruned models.
 
@@ -860,6 +890,11 @@ def plot_speed(
     flop_ratio: optional ``[F]`` FLOPs of each pruned model / FLOPs of the
       unpruned one.
     title: optional figure title.
+    speedup: optional ``[F, B]`` speed-ups to draw (e.g. medians of paired
+      per-round ratios); default: the ratio of ``examples_per_sec`` to the
+      unpruned row.
+    speedup_ci: optional ``[F, B, 2]`` interval (low, high) of each
+      speed-up, drawn as whiskers on the bars.
 
   Returns:
     ``path``.
@@ -873,4 +908,6 @@ def plot_speed(
                    fractions,
                    examples_per_sec,
                    flop_ratio=flop_ratio,
-                   title=title), path)
+                   title=title,
+                   speedup=speedup,
+                   speedup_ci=speedup_ci), path)

@@ -167,9 +167,15 @@ def _speed_plot(results: Mapping[str, Any], out_dir: str) -> str:
   rates = np.asarray([[e["examples_per_sec"][str(b)] for b in batch_sizes]
                       for e in entries], np.float64)
   mid = str(batch_sizes[len(batch_sizes) // 2])
+  speedup = np.asarray([[e["speedup"][str(b)] for b in batch_sizes]
+                        for e in entries], np.float64)
+  ci = None
+  if all("speedup_ci" in e for e in entries):
+    ci = np.asarray([[e["speedup_ci"][str(b)] for b in batch_sizes]
+                     for e in entries], np.float64)
   return pruning_plots.plot_speed(
       batch_sizes, [e["fraction"] for e in entries], rates,
-      os.path.join(out_dir, "speed.png"),
+      os.path.join(out_dir, "speed.png"), speedup=speedup, speedup_ci=ci,
       flop_ratio=[e["flop_ratio"][mid] for e in entries],
       title=f"Prediction speed of physically pruned models "
       f"({results['jax']['backend']})")
