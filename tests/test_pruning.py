@@ -370,7 +370,7 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
 
 def test_oracle_skipped_above_oracle_max_heads(tiny_run, tmp_path):
   options = experiment.Options(num_seeds=1, speed=False, oracle_max_heads=3,
-                               num_bootstrap=20, num_random_orders=2,
+                               num_bootstrap=20, num_random_orders=1,
                                reestimate=False, batch_size=64)
   results = experiment.run(tiny_run.workdir, str(tmp_path / "out"), options,
                            log=lambda _: None)

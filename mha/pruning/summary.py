@@ -59,9 +59,11 @@ def _prunable_index(validation: np.ndarray, tolerance: float) -> np.ndarray:
 
 def _curve_statistics(fractions: np.ndarray, counts: np.ndarray,
                       val: np.ndarray, test: np.ndarray, metric: str,
-                      tolerance: float) -> dict[str, np.ndarray]:
+                      tolerance: float,
+                      per_order: bool = False) -> dict[str, np.ndarray]:
   """Statistics ``[1 + R, ...]`` of one curve (``val``, ``test``:
-  ``[1 + R, orders, points]``), averaged over its orders."""
+  ``[1 + R, orders, points]``), averaged over its orders (and each order's
+  AUC with ``per_order``)."""
   auc = _auc(fractions, test)
   last = _prunable_index(val, tolerance)
   at = np.take_along_axis(test, last[..., None], axis=-1)[..., 0]
@@ -73,7 +75,7 @@ def _curve_statistics(fractions: np.ndarray, counts: np.ndarray,
       f"prunable_heads_{metric}": counts[last].astype(np.float64).mean(1),
       f"test_{metric}_at_prunable": at.mean(1),
   }
-  if test.shape[1] > 1:
+  if per_order:
     out[f"auc_{metric}_per_order"] = auc
   return out
 
@@ -130,7 +132,8 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
       for metric in CURVE_METRICS:
         val, test = _values(name, ids, val_m, test_m, metric, select)
         found = _curve_statistics(fractions, counts[variant], val, test,
-                                  metric, tolerance)
+                                  metric, tolerance,
+                                  per_order=name == "random")
         out.update({(variant, name, k): v for k, v in found.items()})
     _differences(out, variant, list(by_name))
   _no_layer_emptied_change(out, curves, counts, num_heads, val_m, test_m,
