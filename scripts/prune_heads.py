@@ -3,14 +3,19 @@ r"""Which attention heads matter? The head-importance and pruning experiment.
     python scripts/prune_heads.py --workdir runs/reverse
 
 Loads the trained checkpoint of ``--workdir``, trains ``--num_seeds - 1``
-more seeds of its config (reused on a second run), measures every head's
-importance on validation (gradient, leave-one-out, confidence, entropy),
-prunes heads in each order and measures test accuracy, times physically
-pruned models, and writes ``results.json``, ``report.md`` and PNG plots to
-``--out`` (default ``<workdir>/pruning``). See mha/pruning/experiment.py.
+more seeds of its config (reused on a second run when their recorded
+config matches; otherwise refused, or retrained with ``--retrain_seeds``),
+measures every head's importance on validation (gradient, leave-one-out,
+confidence, entropy, and with at most ``--oracle_max_heads`` heads every
+subset of heads: the oracle and exact Shapley values), prunes heads in each
+order and measures test accuracy with 95% bootstrap intervals
+(``--num_bootstrap``), times physically pruned models, and writes
+``results.json``, ``report.md`` and PNG plots to ``--out`` (default
+``<workdir>/pruning``). See mha/pruning/experiment.py.
 
 A user's mistake (no checkpoint, a fraction outside [0, 1], a head that
-does not exist) is one line on stderr and exit code 2.
+does not exist, ``--oracle_max_heads`` below 1, a seed directory trained
+with another config) is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
