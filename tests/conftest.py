@@ -9,8 +9,9 @@ Session-scoped, built once per test run:
   that need a trained checkpoint read it; tests that write into a workdir copy
   it first (``copy_workdir``).
 * ``subprocess_env``: the environment for ``train.py`` & co. run as
-  subprocesses: CPU only, and a persistent compilation cache shared by all of
-  them, so each program is compiled once per test run, not once per process.
+  subprocesses: CPU only, XLA's quick compilation as in-process, and a
+  persistent compilation cache shared by all of them, so each program is
+  compiled once per test run, not once per process.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ import pytest
 
 # Catch silent broadcasting between arrays of different rank.
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# The tests run small programs once or twice: compiling them fast matters,
+# running them fast does not. The subprocesses get the same setting
+# (``subprocess_env``), so their results compare bitwise with in-process runs.
+jax.config.update("jax_disable_most_optimizations", True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,6 +54,7 @@ def data_dir(tmp_path_factory) -> str:
 def subprocess_env(tmp_path_factory) -> dict[str, str]:
   """Environment of the entry points run as subprocesses."""
   return dict(os.environ, JAX_PLATFORMS="cpu",
+              JAX_DISABLE_MOST_OPTIMIZATIONS="1",
               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jit")),
               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

@@ -13,17 +13,6 @@ from mha.attention import MultiHeadAttention, dot_product_attention
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _unoptimized_xla():
-  """XLA without most optimizations: the many small programs here compile
-  in about half the time, and compute the same float32 values up to the
-  tolerances stated (each op rounds as before; only fusion changes)."""
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", previous)
-
-
 def _inputs(*shape, seed=0):
   return jax.random.normal(jax.random.key(seed), shape)
 

@@ -14,17 +14,6 @@ TOKENS = jnp.array([[3, 1, 4, 1, 5, 0, 0, 0],
                     [9, 2, 6, 5, 3, 5, 8, 9]])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _unoptimized_xla():
-  """XLA without most optimizations: the many small programs here compile
-  in about half the time, and compute the same float32 values up to the
-  tolerances stated (each op rounds as before; only fusion changes)."""
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", previous)
-
-
 def _init(cfg=CFG, tokens=TOKENS):
   return Transformer(cfg).init(jax.random.key(0), tokens)
 
