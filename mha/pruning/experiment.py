@@ -125,7 +125,7 @@ class Options:
   tolerance: float = 0.01
   speed_fractions: tuple[float, ...] = (0.25, 0.5, 0.75)
   batch_sizes: tuple[int, ...] = (1, 16, 64, 256)
-  speed_repeats: int = 5
+  speed_repeats: int = speed.REPEATS
   speed_order: str = "gradient_l2"
   remove_heads: tuple[tuple[int, int], ...] = ()
   batch_size: int = 1000
@@ -134,17 +134,10 @@ class Options:
 
   def validate(self) -> None:
     """Raises ValueError naming the first bad setting."""
-    if self.num_seeds < 1:
-      raise ValueError(f"--num_seeds must be >= 1, got {self.num_seeds}")
-    if self.oracle_max_heads < 1:
-      raise ValueError(
-          f"--oracle_max_heads must be >= 1, got {self.oracle_max_heads}")
-    if self.num_bootstrap < 1:
-      raise ValueError(
-          f"--num_bootstrap must be >= 1, got {self.num_bootstrap}")
-    if self.num_random_orders < 1:
-      raise ValueError(
-          f"--num_random_orders must be >= 1, got {self.num_random_orders}")
+    for name in ("num_seeds", "oracle_max_heads", "num_bootstrap",
+                 "num_random_orders", "speed_repeats", "batch_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
     if not 0.0 <= self.step_fraction <= 1.0:
       raise ValueError(
           f"--step_fraction must be in [0, 1], got {self.step_fraction}")
@@ -157,11 +150,6 @@ class Options:
     if any(b < 1 for b in self.batch_sizes) or not self.batch_sizes:
       raise ValueError(
           f"--batch_sizes must be positive integers, got {self.batch_sizes}")
-    if self.speed_repeats < 1:
-      raise ValueError(
-          f"--speed_repeats must be >= 1, got {self.speed_repeats}")
-    if self.batch_size < 1:
-      raise ValueError(f"--batch_size must be >= 1, got {self.batch_size}")
     if self.speed_order not in ORDERINGS or self.speed_order in (
         "random", "shapley"):
       valid = ", ".join(k for k in ORDERINGS
@@ -436,7 +424,7 @@ def _oracle(model: Transformer, params: Any, validation: data.Split,
   if not oracle_applies(config, options):
     log(f"  oracle and Shapley values skipped: {n} heads > "
         f"--oracle_max_heads={options.oracle_max_heads}")
-    return None, np.where(pruning.existing_heads(config), np.nan, np.nan), {}
+    return None, np.full(pruning.existing_heads(config).shape, np.nan), {}
   table, timings["oracle_s"] = _timed(
       log, f"oracle: all {2 ** n} subsets of heads on validation, layer by "
       "layer", lambda: oracle.evaluate_subsets(
