@@ -42,7 +42,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import jax
 import ml_collections
@@ -55,6 +55,8 @@ from mha.model import Transformer, TransformerConfig
 
 CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "damaged_checkpoints"
+
+_T = TypeVar("_T")
 
 
 class DamagedCheckpointError(ValueError):
@@ -154,24 +156,28 @@ def _damaged(manager: ocp.CheckpointManager, step: int,
       f"{type(error).__name__}: {first_line[:300]}")
 
 
+def _or_damaged(manager: ocp.CheckpointManager, step: int,
+                restore: Callable[..., _T], *args: Any) -> _T:
+  """``restore(manager, step, *args)``, raising ``DamagedCheckpointError``
+  naming the step's folder when it fails."""
+  try:
+    return restore(manager, step, *args)
+  except Exception as e:  # orbax and tensorstore raise many kinds.
+    raise _damaged(manager, step, e) from e
+
+
 def read_config(manager: ocp.CheckpointManager,
                 step: int) -> ml_collections.ConfigDict:
   """``restore_config``, raising ``DamagedCheckpointError`` naming the step's
   folder when it cannot be read."""
-  try:
-    return restore_config(manager, step)
-  except Exception as e:  # orbax and tensorstore raise many kinds.
-    raise _damaged(manager, step, e) from e
+  return _or_damaged(manager, step, restore_config)
 
 
 def read_state(manager: ocp.CheckpointManager, step: int,
                abstract_state: Any) -> Any:
   """``restore_state``, raising ``DamagedCheckpointError`` naming the step's
   folder when any array cannot be read back."""
-  try:
-    return restore_state(manager, step, abstract_state)
-  except Exception as e:  # orbax and tensorstore raise many kinds.
-    raise _damaged(manager, step, e) from e
+  return _or_damaged(manager, step, restore_state, abstract_state)
 
 
 def saved_config(workdir: str | os.PathLike) -> dict[str, Any] | None:
@@ -392,19 +398,36 @@ def read_params(manager: ocp.CheckpointManager, step: int,
                 abstract_params: Any) -> Any:
   """``restore_params``, raising ``DamagedCheckpointError`` naming the step's
   folder when a parameter cannot be read back."""
-  try:
-    return restore_params(manager, step, abstract_params)
-  except Exception as e:  # orbax and tensorstore raise many kinds.
-    raise _damaged(manager, step, e) from e
+  return _or_damaged(manager, step, restore_params, abstract_params)
+
+
+def _replicated(abstract: Any) -> Any:
+  """``abstract`` (``jax.eval_shape`` output) with every array replicated on
+  every device of ``mha.sharding.make_mesh()``: what loads restore into."""
+  return sharding_lib.with_shardings(abstract, sharding_lib.state_shardings(
+      abstract, sharding_lib.make_mesh(), shard_params=False))
+
+
+def abstract_params(config: ml_collections.ConfigDict) -> Any:
+  """The parameters' structure, shapes and dtypes for ``config``, replicated
+  on every device (what :func:`load_checkpoint` restores into)."""
+  model = build.make_model(config)
+  return _replicated(jax.eval_shape(
+      lambda: build.init_params(model, jax.random.key(0))))
+
+
+def abstract_train_state(config: ml_collections.ConfigDict
+                         ) -> build.TrainState:
+  """The whole train state's structure, shapes and dtypes for ``config``
+  (optimizer included), replicated on every device: what a full restore of
+  a checkpoint of ``config`` reads into (:func:`read_state`)."""
+  model = build.make_model(config)
+  return _replicated(jax.eval_shape(
+      lambda: build.create_train_state(config, model, jax.random.key(0))))
 
 
 def _load(manager: ocp.CheckpointManager, step: int) -> LoadedCheckpoint:
   config = read_config(manager, step)
-  model = build.make_model(config)
-  abstract = jax.eval_shape(
-      lambda: build.init_params(model, jax.random.key(0)))
-  abstract = sharding_lib.with_shardings(abstract, sharding_lib.state_shardings(
-      abstract, sharding_lib.make_mesh(), shard_params=False))
-  params = read_params(manager, step, abstract)
-  return LoadedCheckpoint(config=config, model=model, params=params,
-                          step=int(step))
+  params = read_params(manager, step, abstract_params(config))
+  return LoadedCheckpoint(config=config, model=build.make_model(config),
+                          params=params, step=int(step))
