@@ -37,7 +37,6 @@ import numpy as np
 
 from mha import build
 from mha import checkpoint as ckpt_lib
-from mha import sharding as sharding_lib
 from mha.model import TransformerConfig
 from mha.pruning import core
 
@@ -141,25 +140,14 @@ def prune_train_state(state: build.TrainState, config: TransformerConfig,
   return state.replace(params=params, opt_state=opt_state), pruned_config
 
 
-def _abstract_state(config: ml_collections.ConfigDict) -> Any:
-  """The train state's shapes for ``config``, replicated on every device
-  (what :func:`mha.checkpoint.load_checkpoint` restores into)."""
-  model = build.make_model(config)
-  abstract = jax.eval_shape(
-      lambda: build.create_train_state(config, model, jax.random.key(0)))
-  mesh = sharding_lib.make_mesh()
-  return sharding_lib.with_shardings(
-      abstract, sharding_lib.state_shardings(abstract, mesh,
-                                             shard_params=False))
-
-
 def read_train_state(workdir: str | os.PathLike,
                      ckpt: ckpt_lib.LoadedCheckpoint) -> build.TrainState:
   """The whole train state (optimizer included) of the step ``ckpt`` was
   loaded from, read again from ``workdir``."""
   manager = ckpt_lib.make_manager(workdir, read_only=True)
   try:
-    return ckpt_lib.read_state(manager, ckpt.step, _abstract_state(ckpt.config))
+    return ckpt_lib.read_state(manager, ckpt.step,
+                              ckpt_lib.abstract_train_state(ckpt.config))
   finally:
     manager.close()
 
@@ -169,7 +157,7 @@ def _matched_to(state: build.TrainState,
   """``state`` with the pruned model's ``apply_fn`` and ``tx``; ValueError
   unless its arrays have exactly the structure and shapes that a load of
   ``config`` restores into (else the saved model would not load)."""
-  expected = _abstract_state(config)
+  expected = ckpt_lib.abstract_train_state(config)
   state = state.replace(apply_fn=expected.apply_fn, tx=expected.tx)
   shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
   if (jax.tree.structure(expected) != jax.tree.structure(state)
