@@ -20,7 +20,6 @@ with another config) is one line on stderr and exit code 2.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -166,40 +165,12 @@ def main(argv: list[str]) -> None:
   _print_summary(results, out, time.time() - start)
 
 
-def _pruned_heads_or_order() -> tuple[list[tuple[int, int]], str | None]:
-  """The heads of --remove_heads, or (none and) the --order to take
-  --prune_fraction of; a UsageError for any inconsistent combination."""
-  if _SAVE_PRUNED.value is None:
-    raise cli.UsageError("--prune_fraction and --order need --save_pruned")
-  fraction, order = _PRUNE_FRACTION.value, _ORDER.value
-  if bool(_REMOVE_HEADS.value) == (fraction is not None):
-    raise cli.UsageError("--save_pruned needs exactly one of --remove_heads "
-                         "and --prune_fraction")
-  if _REMOVE_HEADS.value:
-    if order is not None:
-      raise cli.UsageError("--order goes with --prune_fraction, not "
-                           "--remove_heads")
-    try:
-      return pruning.parse_heads(_REMOVE_HEADS.value), None
-    except ValueError as e:
-      raise cli.UsageError(f"--remove_heads: {e}") from None
-  if not 0.0 <= fraction <= 1.0:
-    raise cli.UsageError(f"--prune_fraction must be in [0, 1], got {fraction}")
-  valid = [k for k in experiment.ORDERINGS if k != "random"] + ["oracle"]
-  if order is None:
-    raise cli.UsageError("--prune_fraction needs --order, one of: "
-                         + ", ".join(valid))
-  if order not in valid:
-    raise cli.UsageError(f"--order {order!r} is not one of: "
-                         + ", ".join(valid))
-  return [], order
-
-
 def _save_pruned(workdir: str) -> None:
   """--save_pruned: write the pruned model, print its test metrics."""
   try:
-    heads, order = _pruned_heads_or_order()
-    export.check_output_dir(_SAVE_PRUNED.value, workdir)
+    heads, order = export.check_request(
+        _SAVE_PRUNED.value, workdir, remove_heads=_REMOVE_HEADS.value,
+        prune_fraction=_PRUNE_FRACTION.value, order=_ORDER.value)
     ckpt = ckpt_lib.load_checkpoint(workdir, _STEP.value)
     if order is not None:
       heads = _heads_of_order(ckpt, order, _PRUNE_FRACTION.value)
@@ -231,32 +202,15 @@ def _save_pruned(workdir: str) -> None:
 def _heads_of_order(ckpt, order: str, fraction: float
                     ) -> list[tuple[int, int]]:
   """The --prune_fraction least important heads of ``order`` (computed on
-  validation)."""
+  validation); a model too big for ``order`` is refused before any data is
+  loaded."""
+  options = _options()
+  export.check_order(ckpt.model_config, order, options)
   config = ckpt.config
   validation = data.load_splits(build.data_spec(config),
                                 config.data.data_dir)["validation"]
-  options = dataclasses.replace(
-      _options(), reestimate=order == "gradient_iterative")
-  if order == "oracle":
-    from mha.pruning import oracle  # pylint: disable=import-outside-toplevel
-    n = oracle.num_heads(ckpt.model_config)
-    if not experiment.oracle_applies(ckpt.model_config, options):
-      raise cli.UsageError(
-          f"--order oracle evaluates 2^{n} subsets: more than "
-          f"--oracle_max_heads={options.oracle_max_heads} heads")
-    metrics = oracle.evaluate_subsets(ckpt.model, ckpt.params, validation,
-                                      batch_size=options.batch_size)
-    k = int(round(fraction * n))
-    flat = oracle.best_removals(experiment.subset_values(metrics),
-                                ckpt.model_config)[k]
-    return pruning.flat_to_pairs(ckpt.model_config, flat)
-  orders = experiment.compute_orders(ckpt.model, ckpt.params, validation,
-                                     options)
-  if order not in orders:  # Shapley values need the oracle's subsets.
-    raise cli.UsageError(
-        f"--order {order} is not computed for this model (more than "
-        f"--oracle_max_heads={options.oracle_max_heads} heads)")
-  return export.heads_for_fraction(ckpt.model_config, orders[order], fraction)
+  return export.heads_of_order(ckpt.model, ckpt.params, validation, order,
+                               fraction, options)
 
 
 def _print_summary(results, out: str, seconds: float) -> None:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import pytest
 
 import mha
 from mha import build
+from mha import cli
 from mha import config_validation
 from mha import data
 from mha.pruning import core
@@ -151,6 +154,26 @@ def test_output_dir_rules(tiny_run, tmp_path):
   export.check_output_dir(other, workdir)  # a pruned model of it: replace
 
 
+def test_saving_again_replaces_the_previous_pruned_model(tiny_run, source,
+                                                         tmp_path):
+  out = tmp_path / "pruned"
+  export.save_pruned(source, [(0, 0), (0, 1)], out, source=tiny_run.workdir)
+  (out / "eval").mkdir()  # what eval.py would add to the first model
+  export.save_pruned(source, [(1, 1)], out, source=tiny_run.workdir)
+  assert export.read_provenance(out)["removed"] == [[1, 1]]
+  assert not (out / "eval").exists()
+  assert mha.load_checkpoint(out).model_config.heads_per_layer == (2, 1)
+  assert sorted(os.listdir(tmp_path)) == ["pruned"]  # no staging left over
+
+
+def test_a_head_that_does_not_exist_writes_nothing(tiny_run, source,
+                                                   tmp_path):
+  with pytest.raises(ValueError, match=r"head \(0, 7\) does not exist"):
+    export.save_pruned(source, [(0, 7)], tmp_path / "out",
+                       source=tiny_run.workdir)
+  assert os.listdir(tmp_path) == []
+
+
 def test_heads_for_fraction(source):
   config = source.model_config  # 4 heads
   order = np.array([3, 0, 2, 1])
@@ -162,7 +185,194 @@ def test_heads_for_fraction(source):
 
 
 # --------------------------------------------------------------------------
-# The command lines.
+# What --save_pruned --prune_fraction --order removes.
+# --------------------------------------------------------------------------
+
+
+def _pairs(config, flat) -> list[tuple[int, int]]:
+  return sorted(core.flat_to_pairs(config, np.asarray(flat, np.int64)))
+
+
+def _first_two(scores: np.ndarray) -> list[tuple[int, int]]:
+  """The two heads of lowest score (``[L, H]``): removed first."""
+  flat = scores.reshape(-1)
+  ranked = np.argsort(flat, kind="stable")
+  return sorted((int(i) // scores.shape[1], int(i) % scores.shape[1])
+                for i in ranked[:2])
+
+
+def _shapley(values: np.ndarray, n: int) -> np.ndarray:
+  """Shapley values from the textbook formula: ``values[s]`` is v of the
+  subset whose bit ``i`` says head ``i`` is kept."""
+  phi = np.zeros(n)
+  for i in range(n):
+    for s in range(2 ** n):
+      if not s >> i & 1:
+        size = bin(s).count("1")
+        weight = (math.factorial(size) * math.factorial(n - size - 1)
+                  / math.factorial(n))
+        phi[i] += weight * (values[s | 1 << i] - values[s])
+  return phi
+
+
+@pytest.fixture(scope="module")
+def subsets(source, splits):
+  """Validation metrics of every subset of the 4 heads, with plain
+  ``core.evaluate_masks``: mask ``s`` keeps head ``i`` (``2 * layer + head``)
+  iff bit ``i`` of ``s`` is set."""
+  masks = np.array([[[s >> (2 * layer + head) & 1 for head in range(2)]
+                     for layer in range(2)] for s in range(16)], np.float32)
+  return core.evaluate_masks(source.model, source.params,
+                             splits["validation"], masks)
+
+
+@pytest.fixture(scope="module")
+def scores(source, splits, subsets):
+  """Per head ``[L, H]``, computed here from the model with mha.pruning.core
+  only (not through the study): lower is removed first in each ordering."""
+  model, params = source.model, source.params
+  config, validation = source.model_config, splits["validation"]
+  grad = core.gradient_importance(model, params, validation)
+  attention = core.attention_confidence(model, params, validation)
+  loss_without = np.array([subsets["loss"][15 - (1 << i)] for i in range(4)])
+  return {
+      "gradient": grad,
+      "gradient_l2": core.normalize_per_layer(grad),
+      "reverse_gradient": -grad,
+      "leave_one_out": loss_without.reshape(2, 2),
+      "confidence": attention["confidence"],
+      "entropy": -attention["entropy"],
+      "shapley": _shapley(subsets["token_accuracy"], 4).reshape(2, 2),
+  }
+
+
+@pytest.mark.parametrize("order", [o for o in export.ORDERS
+                                   if o not in ("oracle",
+                                                "gradient_iterative")])
+def test_heads_of_order_are_its_least_important(source, splits, scores,
+                                                order):
+  removed = sorted(export.heads_of_order(
+      source.model, source.params, splits["validation"], order, 0.5,
+      experiment.Options()))
+  values = scores[order]
+  kept = [(l, h) for l in range(2) for h in range(2) if (l, h) not in removed]
+  assert len(removed) == 2
+  # Every removed head scores at most every kept one. The study's gradient
+  # is the two validation halves' weighted mean: equal to the whole's up to
+  # float64 rounding of float32 sums (1e-6 relative is far above it).
+  slack = 1e-6 * np.max(np.abs(values))
+  assert max(values[p] for p in removed) <= min(values[p] for p in kept) + (
+      slack), (order, values)
+
+
+def test_gradient_iterative_removes_the_reestimated_order(source, splits):
+  # Options(reestimate=False) too: --order gradient_iterative computes it.
+  options = experiment.Options(reestimate=False)
+  removed = export.heads_of_order(source.model, source.params,
+                                  splits["validation"], "gradient_iterative",
+                                  0.5, options)
+  expected = core.iterative_gradient_order(source.model, source.params,
+                                           splits["validation"])
+  assert sorted(removed) == _pairs(source.model_config, expected[:2])
+
+
+def test_oracle_removes_the_best_pair_on_validation(source, splits, subsets):
+  removed = export.heads_of_order(source.model, source.params,
+                                  splits["validation"], "oracle", 0.5,
+                                  experiment.Options())
+  assert len(removed) == 2
+  accuracy = subsets["token_accuracy"]
+  kept = lambda pairs: sum(1 << (2 * l + h) for l, h in pairs)
+  everything = kept([(0, 0), (0, 1), (1, 0), (1, 1)])
+  best = max(accuracy[everything - kept(pair)]
+             for pair in itertools.combinations(
+                 [(0, 0), (0, 1), (1, 0), (1, 1)], 2))
+  # Same masks through the same evaluate_masks: equal, not close.
+  assert accuracy[everything - kept(removed)] == best
+
+
+@pytest.mark.parametrize("order", export.SUBSET_ORDERS)
+def test_subset_orders_above_oracle_max_heads_are_refused_first(source,
+                                                                order):
+  options = experiment.Options(oracle_max_heads=3)  # the model has 4
+  with pytest.raises(cli.UsageError, match="--oracle_max_heads=3"):
+    export.check_order(source.model_config, order, options)
+  # Refused before any data is touched (there is none to touch).
+  with pytest.raises(cli.UsageError, match="2\\^4 subsets"):
+    export.heads_of_order(source.model, source.params, None, order, 0.5,
+                          options)
+  export.check_order(source.model_config, "gradient", options)
+  export.check_order(source.model_config, order, experiment.Options())
+
+
+# --------------------------------------------------------------------------
+# The export flags, checked before anything is loaded or written.
+# --------------------------------------------------------------------------
+
+
+def _request(tiny_run, out, *, remove_heads="", prune_fraction=None,
+             order=None):
+  return export.check_request(out, tiny_run.workdir,
+                              remove_heads=remove_heads,
+                              prune_fraction=prune_fraction, order=order)
+
+
+def test_check_request_accepts(tiny_run, tmp_path):
+  out = tmp_path / "out"
+  assert _request(tiny_run, out, remove_heads="0:1,1:0") == (
+      [(0, 1), (1, 0)], None)
+  for order in export.ORDERS:
+    assert _request(tiny_run, out, prune_fraction=0.5, order=order) == (
+        [], order)
+  assert _request(tiny_run, out, prune_fraction=0.0, order="gradient")[1]
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prune_fraction": 1.5, "order": "gradient"}, "[0, 1]"),
+    ({"prune_fraction": -0.1, "order": "gradient"}, "[0, 1]"),
+    ({"prune_fraction": 0.5, "order": "nonsense"}, "is not one of"),
+    ({"prune_fraction": 0.5, "order": "random"}, "is not one of"),
+    ({"prune_fraction": 0.5}, "needs --order"),
+    ({"prune_fraction": 0.5, "order": "gradient", "remove_heads": "0:1"},
+     "exactly one of"),
+    ({}, "exactly one of"),
+    ({"remove_heads": "0:1", "order": "gradient"}, "--order goes with"),
+    ({"remove_heads": "zero"}, "LAYER:HEAD"),
+])
+def test_check_request_refuses_bad_flags(tiny_run, tmp_path, kwargs,
+                                         message):
+  with pytest.raises(cli.UsageError) as error:
+    _request(tiny_run, tmp_path / "out", **kwargs)
+  assert message in str(error.value)
+  assert os.listdir(tmp_path) == []
+
+
+def test_check_request_needs_save_pruned(tiny_run):
+  with pytest.raises(cli.UsageError, match="need --save_pruned"):
+    _request(tiny_run, None, prune_fraction=0.5, order="gradient")
+
+
+def test_check_request_refuses_what_is_not_its_pruned_model(tiny_run,
+                                                            tmp_path):
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "notes.txt").write_text("mine")
+  foreign = tmp_path / "foreign"
+  foreign.mkdir()
+  (foreign / export.PROVENANCE_FILE).write_text(
+      json.dumps({"source_workdir": str(tmp_path / "elsewhere")}))
+  for out, message in [(other, "not a pruned model"),
+                       (foreign, "another workdir"),
+                       (tiny_run.workdir, "source workdir itself")]:
+    before = _listing(out)
+    with pytest.raises(ValueError, match=message):
+      _request(tiny_run, out, remove_heads="0:1")
+    assert _listing(out) == before
+
+
+# --------------------------------------------------------------------------
+# The command lines: only what needs a process of its own.
 # --------------------------------------------------------------------------
 
 
@@ -202,102 +412,43 @@ def test_script_saves_a_pruned_model_and_eval_reads_it(tiny_run, source,
       float(masked["token_accuracy"][0]), abs=1e-9)
   assert metrics["step"] == source.step
 
-  # Saving again into a pruned model of the same workdir replaces it.
-  result = _run(subprocess_env, SCRIPT, f"--workdir={tiny_run.workdir}",
-                "--remove_heads=1:1", f"--save_pruned={out}")
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert export.read_provenance(out)["removed"] == [[1, 1]]
-  assert not os.path.exists(os.path.join(out, "eval"))  # the old model's
-  assert mha.load_checkpoint(out).model_config.heads_per_layer == (2, 1)
 
-
-def _expected_removals(ckpt, validation, order: str, k: int) -> list[list[int]]:
-  """The k heads the study's ``order`` (or its oracle) removes first."""
-  options = experiment.Options()
-  if order == "oracle":
-    from mha.pruning import oracle  # pylint: disable=import-outside-toplevel
-    metrics = oracle.evaluate_subsets(ckpt.model, ckpt.params, validation)
-    flat = oracle.best_removals(experiment.subset_values(metrics),
-                                ckpt.model_config)[k]
-  else:
-    flat = experiment.compute_orders(ckpt.model, ckpt.params, validation,
-                                     options)[order][:k]
-  return sorted([list(p) for p in core.flat_to_pairs(ckpt.model_config, flat)])
-
-
-@pytest.mark.parametrize("order", ["gradient", "shapley", "oracle"])
-def test_script_prunes_a_fraction_of_an_order(tiny_run, source, splits,
-                                              tmp_path, subprocess_env,
-                                              order):
+def test_script_prunes_a_fraction_of_an_order(tiny_run, source, scores,
+                                              tmp_path, subprocess_env):
   out = str(tmp_path / "pruned")
   result = _run(subprocess_env, SCRIPT, f"--workdir={tiny_run.workdir}",
-                "--prune_fraction=0.5", f"--order={order}",
+                "--prune_fraction=0.5", "--order=gradient",
                 f"--save_pruned={out}")
   assert result.returncode == 0, result.stderr[-3000:]
   provenance = export.read_provenance(out)
-  assert provenance["order"] == order
+  assert provenance["order"] == "gradient"
   assert provenance["prune_fraction"] == 0.5
-  # Half of the 4 heads: the first two of the order, measured on validation.
-  assert provenance["removed"] == _expected_removals(
-      source, splits["validation"], order, 2)
+  # Half of the 4 heads: the two of least gradient importance on validation
+  # (computed here with core; no tie among them on this model).
+  grad = scores["gradient"]
+  assert len(np.unique(grad)) == 4
+  assert provenance["removed"] == [list(p) for p in _first_two(grad)]
   loaded = mha.load_checkpoint(out)
   assert sum(loaded.model_config.heads_per_layer) == 2
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--prune_fraction=1.5", "--order=gradient"], "[0, 1]"),
-    (["--prune_fraction=-0.1", "--order=gradient"], "[0, 1]"),
-    (["--prune_fraction=0.5", "--order=nonsense"], "is not one of"),
-    (["--prune_fraction=0.5", "--order=random"], "is not one of"),
-    (["--prune_fraction=0.5"], "needs --order"),
-    (["--prune_fraction=0.5", "--order=gradient", "--remove_heads=0:1"],
-     "exactly one of"),
-    ([], "exactly one of"),
-    (["--remove_heads=0:1", "--order=gradient"], "--order goes with"),
-    (["--remove_heads=0:7"], "head (0, 7) does not exist"),
-    (["--remove_heads=zero"], "LAYER:HEAD"),
+    # Found by the flags alone; the study's --out is not created either.
+    (["--prune_fraction=0.5", "--order=gradient", "--out={out}"],
+     "need --save_pruned"),
+    # Found once the checkpoint is read, still before anything is written.
+    (["--remove_heads=0:7", "--save_pruned={out}"],
+     "head (0, 7) does not exist"),
 ])
-def test_script_bad_input_exits_2(tiny_run, tmp_path, subprocess_env, args,
-                                  message):
+def test_script_bad_input_is_one_line_exit_2_nothing_written(
+    tiny_run, tmp_path, subprocess_env, args, message):
   out = tmp_path / "out"
   before = _listing(tiny_run.workdir)
   result = _run(subprocess_env, SCRIPT, f"--workdir={tiny_run.workdir}",
-                f"--save_pruned={out}", *args)
+                *[a.format(out=out) for a in args])
   assert result.returncode == 2, result.stderr[-2000:]
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and message in lines[0], result.stderr
   assert lines[0].startswith("prune_heads.py: error: ")
   assert os.listdir(tmp_path) == []  # nothing written
   assert _listing(tiny_run.workdir) == before
-
-
-def test_script_refuses_to_overwrite_what_is_not_its_pruned_model(
-    tiny_run, tmp_path, subprocess_env):
-  other = tmp_path / "other"
-  other.mkdir()
-  (other / "notes.txt").write_text("mine")
-  foreign = tmp_path / "foreign"
-  foreign.mkdir()
-  (foreign / export.PROVENANCE_FILE).write_text(
-      json.dumps({"source_workdir": str(tmp_path / "elsewhere")}))
-  for out, message in [(other, "not a pruned model"),
-                       (foreign, "another workdir"),
-                       (tiny_run.workdir, "source workdir itself")]:
-    before = _listing(out)
-    result = _run(subprocess_env, SCRIPT, f"--workdir={tiny_run.workdir}",
-                  "--remove_heads=0:1", f"--save_pruned={out}")
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], result.stderr
-    assert _listing(out) == before
-
-
-def test_export_flags_without_save_pruned_exit_2(tiny_run, tmp_path,
-                                                 subprocess_env):
-  out = tmp_path / "study"
-  result = _run(subprocess_env, SCRIPT, f"--workdir={tiny_run.workdir}",
-                f"--out={out}", "--prune_fraction=0.5", "--order=gradient")
-  assert result.returncode == 2, result.stderr[-2000:]
-  lines = result.stderr.strip().splitlines()
-  assert len(lines) == 1 and "need --save_pruned" in lines[0], result.stderr
-  assert not out.exists()

@@ -16,6 +16,12 @@ module writes it as a training run would: an orbax checkpoint in
   step, the removed ``[layer, head]`` pairs and how they were chosen. It is
   also what makes ``out`` safe to overwrite: a non-empty ``out`` is replaced
   only when this file names the same source workdir.
+* What ``scripts/prune_heads.py --save_pruned`` decides is decided here, so
+  that it is tested without a process: :func:`check_request` (the flags, and
+  whether ``out`` may be written), :func:`check_order` (an order that needs
+  every subset of heads, refused before any data is loaded) and
+  :func:`heads_of_order` (the heads ``--prune_fraction`` of ``--order``
+  removes, measured on validation as the study does).
 
     ckpt = mha.load_checkpoint("runs/reverse")
     save_pruned(ckpt, [(0, 1), (1, 3)], "runs/reverse_pruned",
@@ -25,6 +31,7 @@ module writes it as a training run would: an orbax checkpoint in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -37,10 +44,20 @@ import numpy as np
 
 from mha import build
 from mha import checkpoint as ckpt_lib
-from mha.model import TransformerConfig
+from mha import cli
+from mha import data
+from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
+from mha.pruning import experiment
+from mha.pruning import oracle
 
 PROVENANCE_FILE = "pruned_from.json"
+#: What ``--order`` takes: every ordering of the study but ``random``, and
+#: ``oracle`` (the best subset on validation).
+ORDERS = tuple(k for k in experiment.ORDERINGS if k != "random") + ("oracle",)
+#: The orders that evaluate every subset of heads (at most
+#: ``--oracle_max_heads`` heads).
+SUBSET_ORDERS = ("shapley", "oracle")
 
 
 # --------------------------------------------------------------------------
@@ -62,6 +79,57 @@ def read_provenance(out: str | os.PathLike) -> dict[str, Any] | None:
   except (OSError, ValueError):
     return None
   return value if isinstance(value, dict) else None
+
+
+def check_request(out: str | os.PathLike | None, source: str | os.PathLike,
+                  *, remove_heads: str, prune_fraction: float | None,
+                  order: str | None
+                  ) -> tuple[list[tuple[int, int]], str | None]:
+  """Checks the export flags of ``scripts/prune_heads.py``; writes nothing.
+
+  Args:
+    out: ``--save_pruned`` (None when not given).
+    source: ``--workdir``.
+    remove_heads: ``--remove_heads`` (``""`` when not given).
+    prune_fraction: ``--prune_fraction`` (None when not given).
+    order: ``--order`` (None when not given).
+
+  Returns:
+    The heads of ``--remove_heads`` and None, or no heads and the order
+    (one of :data:`ORDERS`) to take ``--prune_fraction`` of.
+
+  Raises:
+    cli.UsageError: an inconsistent combination of the flags, a fraction
+      outside [0, 1], an unknown order, unreadable ``--remove_heads``.
+    ValueError: a pruned model of ``source`` may not go to ``out``
+      (:func:`check_output_dir`).
+  """
+  if out is None:
+    raise cli.UsageError("--prune_fraction and --order need --save_pruned")
+  if bool(remove_heads) == (prune_fraction is not None):
+    raise cli.UsageError("--save_pruned needs exactly one of --remove_heads "
+                         "and --prune_fraction")
+  heads: list[tuple[int, int]] = []
+  if remove_heads:
+    if order is not None:
+      raise cli.UsageError("--order goes with --prune_fraction, not "
+                           "--remove_heads")
+    try:
+      heads = core.parse_heads(remove_heads)
+    except ValueError as e:
+      raise cli.UsageError(f"--remove_heads: {e}") from None
+  else:
+    if not 0.0 <= prune_fraction <= 1.0:
+      raise cli.UsageError(
+          f"--prune_fraction must be in [0, 1], got {prune_fraction}")
+    if order is None:
+      raise cli.UsageError("--prune_fraction needs --order, one of: "
+                           + ", ".join(ORDERS))
+    if order not in ORDERS:
+      raise cli.UsageError(f"--order {order!r} is not one of: "
+                           + ", ".join(ORDERS))
+  check_output_dir(out, source)
+  return heads, order
 
 
 def check_output_dir(out: str | os.PathLike,
@@ -172,14 +240,64 @@ def _matched_to(state: build.TrainState,
 # --------------------------------------------------------------------------
 
 
+def _count(config: TransformerConfig, fraction: float) -> int:
+  """``round(fraction * N)``, ``N`` the existing heads; ValueError unless
+  ``fraction`` is in [0, 1]."""
+  if not 0.0 <= fraction <= 1.0:
+    raise ValueError(f"--prune_fraction must be in [0, 1], got {fraction}")
+  return int(round(fraction * int(core.existing_heads(config).sum())))
+
+
 def heads_for_fraction(config: TransformerConfig, order: Sequence[int],
                        fraction: float) -> list[tuple[int, int]]:
   """The first ``round(fraction * N)`` heads of ``order`` (flat indices, least
   important first) as ``(layer, head)`` pairs, ``N`` the existing heads."""
-  if not 0.0 <= fraction <= 1.0:
-    raise ValueError(f"--prune_fraction must be in [0, 1], got {fraction}")
-  count = int(round(fraction * int(core.existing_heads(config).sum())))
+  count = _count(config, fraction)
   return core.flat_to_pairs(config, np.asarray(order, np.int64)[:count])
+
+
+def check_order(config: TransformerConfig, order: str,
+                options: experiment.Options) -> None:
+  """Raises ``cli.UsageError`` when ``order`` evaluates every subset of
+  heads (:data:`SUBSET_ORDERS`) and the model has more than
+  ``options.oracle_max_heads`` heads. Cheap: call it before any data is
+  loaded."""
+  if order in SUBSET_ORDERS and not experiment.oracle_applies(config,
+                                                              options):
+    raise cli.UsageError(
+        f"--order {order} evaluates all 2^{oracle.num_heads(config)} subsets "
+        f"of heads: more than --oracle_max_heads={options.oracle_max_heads} "
+        "heads")
+
+
+def heads_of_order(model: Transformer, params: Any, validation: data.Split,
+                   order: str, fraction: float, options: experiment.Options
+                   ) -> list[tuple[int, int]]:
+  """The heads that ``--prune_fraction fraction --order order`` removes.
+
+  For an ordering of the study: its ``round(fraction * N)`` least important
+  heads, measured on ``validation`` as the study measures them (only that
+  ordering is computed). For ``oracle``: the best subset with that many
+  heads removed on ``validation`` (every subset evaluated).
+
+  Raises:
+    cli.UsageError: see :func:`check_order`.
+    ValueError: ``fraction`` outside [0, 1].
+  """
+  config = model.config
+  check_order(config, order, options)
+  count = _count(config, fraction)
+  if order == "oracle":
+    metrics = oracle.evaluate_subsets(model, params, validation,
+                                      batch_size=options.batch_size)
+    flat = oracle.best_removals(experiment.subset_values(metrics),
+                                config)[count]
+    return core.flat_to_pairs(config, flat)
+  options = dataclasses.replace(options,
+                                reestimate=order == "gradient_iterative")
+  orders = experiment.compute_orders(model, params, validation, options,
+                                     names=[order])
+  return heads_for_fraction(config, orders[order], fraction)
 
 
 def _write(out: str, step: int, state: Any,
@@ -259,8 +377,13 @@ def save_pruned(ckpt: ckpt_lib.LoadedCheckpoint, heads: core.HeadSpec,
 
 __all__ = [
     "PROVENANCE_FILE",
+    "ORDERS",
+    "SUBSET_ORDERS",
     "read_provenance",
+    "check_request",
     "check_output_dir",
+    "check_order",
+    "heads_of_order",
     "pruned_run_config",
     "prune_train_state",
     "read_train_state",
