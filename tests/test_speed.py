@@ -2,7 +2,9 @@
 
 No assertion here depends on how fast anything runs: the timing windows are
 replaced by a deterministic fake where the protocol is checked, and the real
-table is checked for structure only.
+table is checked for structure only. Both time the same three models (the
+speed table's: none, layer 0's heads, every head removed) at the same shapes,
+each compiled once for the module (``compiled_once``).
 """
 
 from __future__ import annotations
@@ -23,14 +25,48 @@ CONFIG = TransformerConfig(vocab_size=12, num_layers=2, num_heads=4,
                            d_model=16, mlp_dim=32, max_len=6)
 
 
-def _model_and_params():
+#: The speed table's order: flat head indices, layer 0's heads first.
+ORDER = core.order_from_importance(np.arange(8, dtype=np.float64).reshape(2, 4))
+FRACTIONS = [0.5, 1.0]
+BATCH_SIZES = [1, 4]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_once():
+  """``speed.compile_prediction`` memoized on (model config, input shape and
+  dtype), which fix the parameters' shapes too: the tests compile each of
+  their models once, not once per test (XLA compilation is their cost)."""
+  compiled: dict = {}
+  original = speed.compile_prediction
+
+  def compile_once(model, params, inputs):
+    key = (model.config, tuple(inputs.shape), str(inputs.dtype))
+    if key not in compiled:
+      compiled[key] = original(model, params, inputs)
+    return compiled[key]
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(speed, "compile_prediction", compile_once)
+    yield
+
+
+@pytest.fixture(scope="module")
+def models():
+  """The speed table's three models, ``[(model, params)]``: none, layer 0's
+  heads and every head removed (the first through ``core.prune_heads`` too,
+  as the table builds it, so that its config is the table's)."""
   model = Transformer(CONFIG)
   params = model.init(jax.random.key(0),
                       jnp.ones((1, CONFIG.max_len), jnp.int32))["params"]
-  return model, params
+  out = []
+  for fraction in [0.0, *FRACTIONS]:
+    removed = core.flat_to_pairs(CONFIG, ORDER[:int(fraction * 8)])
+    pruned_params, pruned_config = core.prune_heads(params, CONFIG, removed)
+    out.append((Transformer(pruned_config), pruned_params))
+  return out
 
 
-def _split(n: int = 8) -> data.Split:
+def _split(n: int = max(BATCH_SIZES)) -> data.Split:
   rng = np.random.default_rng(0)
   inputs = rng.integers(1, CONFIG.vocab_size, (n, CONFIG.max_len))
   inputs[:, -2:] = 0  # some padding
@@ -79,13 +115,8 @@ def test_compiled_costs_reads_xla_cost_analysis():
   assert costs["bytes_accessed"] >= 3 * 8 * 8 * 4  # x in, x again, out
 
 
-def test_time_models_rotates_every_round_and_pairs_the_ratios(monkeypatch):
-  model, params = _model_and_params()
-  pruned_params, pruned_config = core.prune_heads(params, CONFIG,
-                                                  [(0, 0), (1, 1), (1, 2)])
-  other_params, other_config = core.prune_heads(params, CONFIG, [(0, 3)])
-  models = [(model, params), (Transformer(pruned_config), pruned_params),
-            (Transformer(other_config), other_params)]
+def test_time_models_rotates_every_round_and_pairs_the_ratios(monkeypatch,
+                                                              models):
   row_of = {id(p): row for row, (_, p) in enumerate(models)}
   ran: list[int] = []
 
@@ -99,7 +130,7 @@ def test_time_models_rotates_every_round_and_pairs_the_ratios(monkeypatch):
 
   monkeypatch.setattr(speed, "_window", fake_window)
   monkeypatch.setattr(speed, "_calls_for", lambda *args: 5)
-  batches = {2: _split().inputs[:2], 4: _split().inputs[:4]}
+  batches = {bs: _split().inputs[:bs] for bs in BATCH_SIZES}
   timings = speed.time_models(models, batches, repeats=4, min_seconds=0.0)
 
   schedule = [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
@@ -112,8 +143,9 @@ def test_time_models_rotates_every_round_and_pairs_the_ratios(monkeypatch):
       3, 2, 2)
   assert timings.calls_per_window.tolist() == [[5, 5]] * 3
   # Round k of model r at batch b: b / ((r + 1) ms * (k + 1)).
-  expected = 2 / (1e-3 * np.arange(1, 5))
-  np.testing.assert_allclose(timings.rounds[0, 0], expected)
+  np.testing.assert_allclose(timings.rounds[0, 0], 1 / (1e-3 * np.arange(1, 5)))
+  np.testing.assert_allclose(timings.rounds[2, 1],
+                             4 / (3e-3 * np.arange(1, 5)))
   np.testing.assert_allclose(timings.speedup[:, 0], [1.0, 1 / 2, 1 / 3])
   np.testing.assert_allclose(timings.speedup_ci[1, 1], [0.5, 0.5])
   assert np.all(timings.examples_per_sec_ci[..., 0] <= timings.examples_per_sec)
@@ -122,21 +154,22 @@ def test_time_models_rotates_every_round_and_pairs_the_ratios(monkeypatch):
   for name in ("flops", "bytes_accessed", "transcendentals"):
     assert timings.costs[name].shape == (3, 2)
     assert np.all(timings.costs[name][1] < timings.costs[name][0]), name
+    assert np.all(timings.costs[name][2] < timings.costs[name][1]), name
 
 
-def test_speed_table_structure():
-  model, params = _model_and_params()
-  order = core.order_from_importance(
-      np.arange(8, dtype=np.float64).reshape(2, 4))
+def test_speed_table_structure(models):
+  model, params = models[0]
   logged: list[str] = []
-  table = speed.speed_table(model, params, order, _split(),
-                            fractions=[0.5, 1.0], batch_sizes=[1, 4],
+  table = speed.speed_table(model, params, ORDER, _split(),
+                            fractions=FRACTIONS, batch_sizes=BATCH_SIZES,
                             repeats=3, min_seconds=0.0, log=logged.append)
   assert table["batch_sizes"] == [1, 4]
   timing = table["timing"]
   assert timing["repeats"] == 3 and timing["min_seconds"] == 0.0
   assert timing["schedule"] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
-  assert 0 <= timing["coverage"] <= 1
+  # 3 rounds are too few for 95%: the interval is their range, which misses
+  # the median only when all three fall on one side of it.
+  assert timing["coverage"] == 1 - 2 * 0.5 ** 3
   entries = table["entries"]
   assert [e["fraction"] for e in entries] == [0.0, 0.5, 1.0]
   assert [e["heads_removed"] for e in entries] == [0, 4, 8]
