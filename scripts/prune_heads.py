@@ -149,13 +149,7 @@ def main(argv: list[str]) -> None:
     cli.fail(_PROG, e)
 
   try:  # Every user error is found before the long work starts.
-    first = ckpt_lib.load_checkpoint(workdir, _STEP.value)
-    experiment.check_step(first, _STEP.value, options.num_seeds)
-    experiment.check_seed_dirs(first, out, options.num_seeds,
-                               options.retrain_seeds)
-    if options.remove_heads:
-      pruning.prune_heads(first.params, first.model_config,
-                          options.remove_heads)
+    experiment.check_inputs(workdir, out, options, _STEP.value)
   except (FileNotFoundError, ValueError) as e:
     cli.fail(_PROG, str(e).splitlines()[0] if str(e) else type(e).__name__)
 

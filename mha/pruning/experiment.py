@@ -5,9 +5,10 @@
 1. Load the trained checkpoint of ``workdir`` and, for ``num_seeds > 1``,
    train the same config with other seeds (``out/seeds/seed_<s>/``). A seed
    already trained there is reused when its recorded config matches the
-   workdir's (seed and ``config_validation.RESUMABLE_KEYS`` aside);
-   otherwise the run is refused, or the seed retrained with
-   ``retrain_seeds``.
+   workdir's (seed and ``config_validation.RESUMABLE_KEYS`` but
+   ``num_train_steps`` aside); otherwise the run is refused, or the seed
+   retrained with ``retrain_seeds``. Every seed is analysed at the step of
+   the workdir's checkpoint.
 2. Per seed, on the *validation* split: gradient importance (Michel et al.,
    per-example ``|dL/d xi|``, raw, L2-normalised per layer, and re-estimated
    after each removal), leave-one-out loss increase (every mask in one
@@ -652,17 +653,15 @@ def kept_steps(config: Any) -> list[int]:
   return steps[-keep:] if keep and keep > 0 else steps
 
 
-def check_step(first: ckpt_lib.LoadedCheckpoint, step: int | None,
-               num_seeds: int) -> None:
-  """Raises ValueError when the other seeds cannot be analysed at ``step``
-  (the step of the workdir's checkpoint that was asked for)."""
-  if step is None or num_seeds == 1:
-    return
+def check_step(first: ckpt_lib.LoadedCheckpoint, num_seeds: int) -> None:
+  """Raises ValueError when the other seeds cannot be analysed at the step of
+  the workdir's checkpoint ``first`` (a step their runs do not keep)."""
   steps = kept_steps(first.config)
-  if step not in steps:
+  if num_seeds > 1 and first.step not in steps:
     raise ValueError(
-        f"--step={step}: the seeds this script trains keep steps "
-        f"{', '.join(map(str, steps))}; pick one of them or --num_seeds=1")
+        f"step {first.step}: the seeds this script trains keep steps "
+        f"{', '.join(map(str, steps))}; pick one of them with --step or "
+        "--num_seeds=1")
 
 
 def _seed_config(first: ckpt_lib.LoadedCheckpoint, offset: int) -> Any:
@@ -680,7 +679,9 @@ def seed_conflicts(first: ckpt_lib.LoadedCheckpoint, out_dir: str,
                    num_seeds: int) -> dict[str, list[str]]:
   """Seed directories under ``out_dir`` whose recorded config differs from
   the workdir's (seed aside, and the keys a resumed run may change,
-  ``config_validation.RESUMABLE_KEYS``): directory -> differing keys."""
+  ``config_validation.RESUMABLE_KEYS``, but for ``num_train_steps``: a seed
+  trained longer is another model at its end): directory -> differing
+  keys."""
   out = {}
   for i in range(1, num_seeds):
     config = _seed_config(first, i)
@@ -688,36 +689,83 @@ def seed_conflicts(first: ckpt_lib.LoadedCheckpoint, out_dir: str,
     saved = ckpt_lib.saved_config(directory) if os.path.isdir(
         directory) else None
     if saved is not None:
-      conflicts = config_validation.resume_conflicts(saved, config)
-      if conflicts:
-        out[directory] = [c.split(" ", 1)[0] for c in conflicts]
+      keys = [c.split(" ", 1)[0] for c in
+              config_validation.resume_conflicts(saved, config)]
+      if saved.get("num_train_steps") != config.num_train_steps:
+        keys.append("num_train_steps")
+      if keys:
+        out[directory] = keys
   return out
 
 
-def check_seed_dirs(first: ckpt_lib.LoadedCheckpoint, out_dir: str,
-                    num_seeds: int, retrain: bool) -> None:
-  """Raises ValueError naming the differing keys when a seed directory was
-  trained with another config and ``retrain`` is off."""
+def _saved_steps(directory: str) -> list[int]:
+  """The checkpoint steps in ``directory`` (none when it has none)."""
+  if not os.path.isdir(ckpt_lib.checkpoint_dir(directory)):
+    return []
+  manager = ckpt_lib.make_manager(directory, read_only=True)
+  try:
+    return sorted(manager.all_steps())
+  finally:
+    manager.close()
+
+
+def check_seeds(first: ckpt_lib.LoadedCheckpoint, out_dir: str,
+                num_seeds: int, retrain: bool) -> dict[str, list[str]]:
+  """Checks that every seed can be analysed at ``first.step``; returns the
+  seed directories to retrain (:func:`seed_conflicts`, with ``retrain``).
+
+  Raises:
+    ValueError: a step the seeds' runs do not keep; a seed directory
+      trained with another config (without ``retrain``); a finished seed
+      directory without a checkpoint of ``first.step``.
+  """
+  check_step(first, num_seeds)
   conflicts = seed_conflicts(first, out_dir, num_seeds)
   if conflicts and not retrain:
     directory, keys = next(iter(conflicts.items()))
     raise ValueError(
         f"{directory} was trained with another config (differs in "
         f"{', '.join(keys)}); delete it or pass --retrain_seeds")
+  for i in range(1, num_seeds):
+    directory = seed_dir(out_dir, first.config.seed + i)
+    steps = [] if directory in conflicts else _saved_steps(directory)
+    if (steps and steps[-1] >= first.config.num_train_steps
+        and first.step not in steps):
+      raise ValueError(
+          f"{directory} has no checkpoint of step {first.step} (steps "
+          f"saved: {', '.join(map(str, steps))}); delete it or pass another "
+          "--step")
+  return conflicts
 
 
-def seed_models(workdir: str, out_dir: str, num_seeds: int,
-                step: int | None = None, log: Log = print, *,
-                retrain: bool = False) -> list[ckpt_lib.LoadedCheckpoint]:
-  """The workdir's checkpoint (its newest, or ``step``), then
-  ``num_seeds - 1`` models of the same config trained with the next seeds
-  under ``out_dir/seeds/``, at the same step. A seed directory is reused
-  when its recorded config matches; one trained with another config is
-  an error (ValueError), or retrained from scratch with ``retrain``."""
+def check_inputs(workdir: str, out_dir: str, options: Options,
+                 step: int | None = None) -> ckpt_lib.LoadedCheckpoint:
+  """Every check of the user's input before the long work: the options,
+  the workdir's checkpoint (of ``step``), the seeds
+  (:func:`check_seeds`), the heads to remove. Returns the checkpoint.
+
+  Raises:
+    FileNotFoundError: no checkpoint (of ``step``) in ``workdir``.
+    ValueError: any other mistake, naming it.
+  """
+  options.validate()
   first = ckpt_lib.load_checkpoint(workdir, step)
-  check_step(first, step, num_seeds)
-  check_seed_dirs(first, out_dir, num_seeds, retrain)
-  stale = seed_conflicts(first, out_dir, num_seeds)
+  check_seeds(first, out_dir, options.num_seeds, options.retrain_seeds)
+  if options.remove_heads:
+    pruning.prune_heads(first.params, first.model_config, options.remove_heads)
+  return first
+
+
+def seed_models(first: ckpt_lib.LoadedCheckpoint, out_dir: str,
+                num_seeds: int, log: Log = print, *,
+                retrain: bool = False) -> list[ckpt_lib.LoadedCheckpoint]:
+  """The workdir's checkpoint ``first``, then ``num_seeds - 1`` models of
+  the same config trained with the next seeds under ``out_dir/seeds/``,
+  each at ``first.step``. A seed directory is reused when its recorded
+  config matches; one trained with another config is an error
+  (ValueError, :func:`check_seeds`), or retrained from scratch with
+  ``retrain``."""
+  stale = check_seeds(first, out_dir, num_seeds, retrain)
   loaded = [first]
   for i in range(1, num_seeds):
     config = _seed_config(first, i)
@@ -726,16 +774,13 @@ def seed_models(workdir: str, out_dir: str, num_seeds: int,
       log(f"Retraining seed {config.seed}: {directory} was trained with "
           f"another config ({', '.join(stale[directory])})")
       shutil.rmtree(directory)
-    try:
-      done = ckpt_lib.load_checkpoint(directory).step >= config.num_train_steps
-    except FileNotFoundError:
-      done = False
-    if done:
+    steps = _saved_steps(directory)
+    if steps and steps[-1] >= config.num_train_steps:
       log(f"Reusing seed {config.seed} from {directory}")
     else:
       log(f"Training seed {config.seed} in {directory} ...")
       train.train_and_evaluate(config, directory)
-    loaded.append(ckpt_lib.load_checkpoint(directory, step))
+    loaded.append(ckpt_lib.load_checkpoint(directory, first.step))
   return loaded
 
 
@@ -841,18 +886,13 @@ def run(workdir: str, out_dir: str, options: Options,
   Raises:
     FileNotFoundError: no checkpoint (of ``step``) in ``workdir``.
     ValueError: bad options, a head to remove that does not exist, a
-      ``step`` the other seeds will not have, or a seed directory trained
-      with another config (without ``retrain_seeds``).
+      step the other seeds will not have, or a seed directory trained
+      with another config (without ``retrain_seeds``): :func:`check_inputs`.
   """
-  options.validate()
   start = time.perf_counter()
-  first = ckpt_lib.load_checkpoint(workdir, step)
-  check_step(first, step, options.num_seeds)
-  check_seed_dirs(first, out_dir, options.num_seeds, options.retrain_seeds)
-  if options.remove_heads:  # Check before any long work.
-    pruning.prune_heads(first.params, first.model_config, options.remove_heads)
+  first = check_inputs(workdir, out_dir, options, step)
   os.makedirs(out_dir, exist_ok=True)
-  checkpoints = seed_models(workdir, out_dir, options.num_seeds, step, log,
+  checkpoints = seed_models(first, out_dir, options.num_seeds, log,
                             retrain=options.retrain_seeds)
   config = first.config
   splits = data.load_splits(build.data_spec(config), config.data.data_dir)
@@ -937,4 +977,4 @@ def write_outputs(results: Mapping[str, Any], out_dir: str) -> list[str]:
 __all__ = ["Options", "ORDERINGS", "CURVE_LABELS", "Resamples", "aggregate",
            "analyze_seed", "compute_orders", "measure_importance",
            "orders_from_importance", "custom_pruning", "run", "seed_models",
-           "check_seed_dirs", "write_outputs"]
+           "check_inputs", "check_seeds", "write_outputs"]
