@@ -42,8 +42,31 @@ def test_findings_claim_only_what_the_intervals_carry():
   assert "unclear +0.010 [-0.020, +0.040]" in next(
       l for l in lines.splitlines() if "not distinguishable" in l)
   assert "bad" in next(l for l in lines.splitlines() if "worse than" in l)
-  # The closest ordering's gap contains 0: no claim that it differs.
-  closest = next(l for l in lines.splitlines() if "closest" in l)
-  assert "good" in closest and "not distinguishable from the oracle" in closest
+  # Every ordering whose gap to the oracle contains 0 is named, no other.
+  close = next(l for l in lines.splitlines() if "oracle's AUC" in l)
+  assert "not distinguishable from it" in close and "good -0.020" in close
+  assert "unclear" not in close and "bad" not in close
+  # When every gap excludes 0, the closest is named by point estimate.
+  summary["good"] = _entry(0.6, (0.1, 0.05, 0.15), (-0.02, -0.03, -0.01))
+  close = next(l for l in report._findings_section(results)
+               if "oracle's AUC" in l)
+  assert "closest by point estimate is good, -0.020" in close
+  summary["good"] = _entry(0.6, (0.1, 0.05, 0.15), (-0.02, -0.05, 0.01),
+                           change=(0.05, 0.01, 0.09))
   assert "raises the AUC (same points) of: good" in lines
   assert "lowers the AUC (same points) of: bad" in lines
+
+
+def test_speed_beyond_the_flop_ratio_is_shown_with_the_other_costs():
+  entry = {"fraction": 0.5, "flop_ratio": {"4": 0.8},
+           "bytes_accessed_ratio": {"4": 0.6},
+           "transcendentals_ratio": {"4": 0.5}, "speedup": {"4": 1.6},
+           "speedup_ci": {"4": [1.4, 1.8]}}
+  line = report._speed_explanation({"entries": [entry]})[0]
+  # 1 / 0.8 = 1.25 < 1.4: beyond what the FLOPs give.
+  assert "batch 4: ×1.60 [1.40, 1.80] against ×1.25" in line
+  assert "bytes accessed ratio 0.600" in line
+  assert "transcendentals ratio 0.500" in line
+  entry["speedup_ci"] = {"4": [1.1, 1.8]}  # contains 1.25: no claim
+  assert report._speed_explanation(
+      {"entries": [entry]})[0].startswith("No speed-up's interval")

@@ -91,8 +91,12 @@ def test_benjamini_hochberg_by_hand():
 def test_fisher_mean_of_spearman():
   same = [{"rho": 0.5, "p": 0.2, "n": 8}] * 3
   out = stats.fisher_mean(same)
+  # Worked by hand: z = atanh(0.5) = 0.54931; se = sqrt(1.06 / (3 x 5)) =
+  # 0.26583; 95%: tanh(z -+ 1.95996 se) = 0.02828, 0.78958; p = 2 x
+  # sf(z / se = 2.0664) = 0.0388. Tolerance: the 4-5 digits written here.
   assert out["rho"] == pytest.approx(0.5)
-  assert out["ci"][0] < 0.5 < out["ci"][1]
+  assert out["ci"] == pytest.approx([0.02828, 0.78958], abs=5e-5)
+  assert out["p"] == pytest.approx(0.0388, abs=5e-5)
   # Pooling three seeds gives more evidence than one.
   assert out["p"] < stats.fisher_mean(same[:1])["p"]
   nan = stats.fisher_mean([{"rho": float("nan"), "p": float("nan"), "n": 8}])

@@ -250,16 +250,20 @@ def _intro(results: Mapping[str, Any]) -> list[str]:
       "token accuracy / exact match per seed: "
       + ", ".join(f"{s['test']['token_accuracy']:.4f} / "
                   f"{s['test']['exact_match']:.4f}" for s in seeds) + ".", "",
-      f"Every `value [low, high]` is a mean over seeds with its 95% interval "
-      f"from a paired bootstrap ({opts['num_bootstrap']} resamples) over test "
-      "and validation examples"
+      "In the findings, the pruning curves, never emptying a layer and the "
+      "ranking's stability, every `value [low, high]` is a mean over seeds "
+      "with its 95% interval from a paired bootstrap "
+      f"({opts['num_bootstrap']} resamples) over test and validation "
+      "examples"
       + (" and over seeds (two-level: seeds and examples resampled together)"
          if len(seeds) > 1 else " (one seed: the interval says nothing about "
-         "another training run)") + ". All orderings share each resample, so "
-      "differences between them are paired. A percentile bootstrap over few "
-      "seeds is too narrow when the seeds differ much (simulated coverage of "
-      "a 95% interval: 0.89 with 5 seeds, 0.80 with 3, when the seed effect "
-      "dominates, in a simulation with 300 trials).", "",
+         "another training run)") + ". The oracle's table, the importance "
+      "of each head and Michel et al.'s tables are of the first seed "
+      f"({seeds[0]['seed']}) only (the oracle's intervals over its test "
+      "examples). All orderings share each resample, so "
+      "differences between them are paired. A percentile bootstrap over a "
+      "handful of seeds gives intervals too narrow when the seeds differ "
+      "much more than the examples do; compare the per-seed values.", "",
   ]
 
 
@@ -270,6 +274,28 @@ def _sign(entry: Mapping[str, Any], key: str) -> int:
   if ci is None or not all(_finite(c) for c in ci):
     return 0
   return 1 if ci[0] > 0 else (-1 if ci[1] < 0 else 0)
+
+
+def _oracle_finding(summary: Mapping[str, Any], orderings: Sequence[str],
+                    labels: Mapping[str, str], key: str) -> str:
+  """The orderings whose AUC gap to the oracle has an interval containing
+  0; when there is none, the closest one by point estimate, said so."""
+  gap = f"{key}_minus_oracle"
+  text = f"- The oracle's AUC is {_ci(summary['oracle'], key)}. "
+  close = [k for k in orderings
+           if summary[k].get(f"{gap}_ci") is not None
+           and _sign(summary[k], gap) == 0]
+  if close:
+    return text + (
+        "Orderings not distinguishable from it (the interval of the AUC gap "
+        "contains 0): " + "; ".join(
+            f"{labels[k]} {_ci(summary[k], gap, sign=True)}"
+            for k in close) + ".")
+  best = max(orderings, key=lambda k: summary[k][key])
+  return text + (
+      "Every ordering's gap to it has an interval excluding 0; the closest "
+      f"by point estimate is {labels[best]}, "
+      f"{_ci(summary[best], gap, sign=True)}.")
 
 
 def _findings_section(results: Mapping[str, Any]) -> list[str]:
@@ -291,14 +317,7 @@ def _findings_section(results: Mapping[str, Any]) -> list[str]:
                        summary[k], f"{key}_minus_random", sign=True)
                              for k in by_sign[s]) + ".")
   if "oracle" in summary:
-    best = max(orderings, key=lambda k: summary[k][key])
-    lines.append(
-        f"- The oracle's AUC is {_ci(summary['oracle'], key)}; the closest "
-        f"ordering is {labels[best]}, "
-        f"{_ci(summary[best], f'{key}_minus_oracle', sign=True)} from it"
-        + (" (the interval excludes 0)." if _sign(
-            summary[best], f"{key}_minus_oracle") else
-           " (not distinguishable from the oracle)."))
+    lines.append(_oracle_finding(summary, orderings, labels, key))
     lines.append(
         "- Heads prunable within the tolerance (chosen on validation): "
         f"oracle {_ci(summary['oracle'], 'prunable_heads_token_accuracy', 1)}"
@@ -342,7 +361,11 @@ def _curves_section(results: Mapping[str, Any]) -> list[str]:
       "AUC: area under the test curve over the fraction removed (1 = no "
       f"loss). Prunable: the most heads removed with every validation point "
       f"within {tol:g} point(s) of the unpruned validation accuracy, chosen "
-      "on validation; its test accuracy beside it.", "",
+      "on validation; its test accuracy beside it. Random is the mean of "
+      f"{opts['num_random_orders']} random orders per seed: the intervals of "
+      "the differences against it resample examples and seeds, not the "
+      "random orders, so they leave out the Monte-Carlo error of that "
+      "mean.", "",
   ]
   rows = []
   for key, label in labels.items():
@@ -355,11 +378,14 @@ def _curves_section(results: Mapping[str, Any]) -> list[str]:
                  _ci(entry, "auc_token_accuracy_minus_reverse_gradient",
                      sign=True),
                  _ci(entry, "prunable_heads_token_accuracy", 1),
+                 _ci(entry, "prunable_heads_token_accuracy_minus_oracle", 1,
+                     sign=True),
                  _ci(entry, "test_token_accuracy_at_prunable"),
                  _ci(entry, "auc_exact_match")])
   lines += _table(["curve", "AUC token acc.", "Δ vs oracle", "Δ vs random",
                    "Δ vs reverse", "prunable heads (val.)",
-                   "test token acc. there", "AUC exact match"], rows)
+                   "prunable Δ vs oracle", "test token acc. there",
+                   "AUC exact match"], rows)
   share = agg.get("share_of_random_at_least_as_good", {})
   if share:
     lines += ["Share of random orders with at least the AUC of each curve, per "
@@ -499,6 +525,31 @@ def _speedup_cell(e: Mapping[str, Any], b: str) -> str:
   return text + (f" [{ci[0]:.2f}, {ci[1]:.2f}])" if ci else ")")
 
 
+def _speed_explanation(sp: Mapping[str, Any]) -> list[str]:
+  """Where a speed-up's interval lies above ``1 / FLOP ratio`` (what the
+  FLOPs alone predict): that speed-up beside the bytes-accessed and
+  transcendentals ratios at the same batch size."""
+  beyond = []
+  for e in sp["entries"]:
+    for b, ci in (e.get("speedup_ci") or {}).items():
+      flops = e.get("flop_ratio", {}).get(b)
+      if ci is not None and _finite(flops) and flops > 0 and ci[0] > 1 / flops:
+        beyond.append(
+            f"{e['fraction']:.0%} removed at batch {b}: ×{e['speedup'][b]:.2f}"
+            f" [{ci[0]:.2f}, {ci[1]:.2f}] against ×{1.0 / flops:.2f} from the "
+            f"FLOP ratio {flops:.3f}; bytes accessed ratio "
+            f"{e.get('bytes_accessed_ratio', {}).get(b, float('nan')):.3f}, "
+            "transcendentals ratio "
+            f"{e.get('transcendentals_ratio', {}).get(b, float('nan')):.3f}")
+  if not beyond:
+    return ["No speed-up's interval lies above 1 / FLOP ratio (the speed-up "
+            "the FLOPs alone would give).", ""]
+  return ["Speed-ups whose interval lies above 1 / FLOP ratio (the FLOPs "
+          "alone would give less), with the other costs XLA counts: "
+          + "; ".join(beyond) + ". A bytes or transcendentals ratio below "
+          "the FLOP ratio is a cost that fell faster than the FLOPs.", ""]
+
+
 def _speed_section(results: Mapping[str, Any]) -> list[str]:
   sp, labels = results["speed"], _labels(results)
   sizes = [str(b) for b in sp["batch_sizes"]]
@@ -526,7 +577,8 @@ def _speed_section(results: Mapping[str, Any]) -> list[str]:
            ratio(e, "transcendentals_ratio"),
            f"{e['test_token_accuracy']:.3f}"] +
           [_speedup_cell(e, b) for b in sizes] for e in sp["entries"]]
-  lines += _table(header, rows) + ["![speed](speed.png)", ""]
+  lines += _table(header, rows) + _speed_explanation(sp) + [
+      "![speed](speed.png)", ""]
   diffs = [e["max_abs_logit_diff_pruned_vs_masked"] for e in sp["entries"]]
   return lines + [f"Pruned vs masked model, largest logit difference: "
                   f"{max(diffs):.2e}.", ""]
