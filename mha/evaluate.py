@@ -26,8 +26,11 @@ Array = jax.Array
 Metrics = dict[str, Array]
 
 
-def metric_sums(logits: Array, targets: Array, inputs: Array) -> Metrics:
-  """Sums and counts over the valid (non-padding) positions of a batch.
+def example_metric_sums(logits: Array, targets: Array,
+                        inputs: Array) -> Metrics:
+  """The sums and counts of :func:`metric_sums` per example, ``[B]`` each
+  (their sums over the batch are the batch's): what a bootstrap resample
+  over examples needs.
 
   Args:
     logits: ``[B, L, V]``.
@@ -36,8 +39,8 @@ def metric_sums(logits: Array, targets: Array, inputs: Array) -> Metrics:
 
   Returns:
     ``loss_sum``, ``correct`` and ``tokens`` (token-level sums), and
-    ``exact`` and ``sequences`` (sequences with every valid position right,
-    and the number of non-empty sequences).
+    ``exact`` and ``sequences`` (1 when every valid position is right, 1
+    when the sequence is not empty).
   """
   valid = inputs != 0
   ce = optax.softmax_cross_entropy_with_integer_labels(
@@ -45,12 +48,19 @@ def metric_sums(logits: Array, targets: Array, inputs: Array) -> Metrics:
   right = (jnp.argmax(logits, -1) == targets) & valid
   nonempty = jnp.any(valid, axis=-1)
   return {
-      "loss_sum": jnp.sum(jnp.where(valid, ce, 0.0)),
-      "correct": jnp.sum(right),
-      "tokens": jnp.sum(valid),
-      "exact": jnp.sum(jnp.all(right | ~valid, axis=-1) & nonempty),
-      "sequences": jnp.sum(nonempty),
+      "loss_sum": jnp.sum(jnp.where(valid, ce, 0.0), axis=-1),
+      "correct": jnp.sum(right, axis=-1),
+      "tokens": jnp.sum(valid, axis=-1),
+      "exact": (jnp.all(right | ~valid, axis=-1) & nonempty).astype(jnp.int32),
+      "sequences": nonempty.astype(jnp.int32),
   }
+
+
+def metric_sums(logits: Array, targets: Array, inputs: Array) -> Metrics:
+  """Sums and counts over the valid (non-padding) positions of a batch: the
+  sums over the batch of :func:`example_metric_sums` (same arguments)."""
+  return {k: jnp.sum(v) for k, v in
+          example_metric_sums(logits, targets, inputs).items()}
 
 
 def summarize(sums: Mapping[str, np.ndarray | float]

@@ -1,6 +1,8 @@
 """Tests of the exhaustive oracle and exact Shapley values
 (mha.pruning.oracle)."""
 
+import itertools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -116,7 +118,6 @@ def test_shapley_efficiency_symmetry_and_null_player():
                             d_model=6, mlp_dim=8, max_len=4)
   values = rng.uniform(size=8)
   expected = np.zeros(3)
-  import itertools  # pylint: disable=import-outside-toplevel
   perms = list(itertools.permutations(range(3)))
   for perm in perms:
     subset = 0
@@ -186,9 +187,20 @@ def _planted():
   return model, params, data.Split(inputs, targets)
 
 
-def test_planted_model_has_the_designed_accuracies():
+@pytest.fixture(scope="module", name="planted")
+def planted_fixture():
+  """The planted model, its split, the metrics of every subset and every
+  ordering of :func:`experiment.compute_orders` (built once per module)."""
   model, params, split = _planted()
   metrics = oracle.evaluate_subsets(model, params, split)
+  orders = experiment.compute_orders(
+      model, params, split, experiment.Options(batch_size=32,
+                                               reestimate=True))
+  return model, params, split, metrics, orders
+
+
+def test_planted_model_has_the_designed_accuracies(planted):
+  _, _, _, metrics, _ = planted
   acc = metrics["token_accuracy"]
   full, a, b, c, d = 0b1111, 0b0001, 0b0010, 0b0100, 0b1000
   assert acc[full] == 1.0
@@ -199,15 +211,17 @@ def test_planted_model_has_the_designed_accuracies():
   assert acc[0] == 0.0
 
 
-def test_oracle_finds_the_pair_the_greedy_orders_miss():
-  model, params, split = _planted()
+def test_oracle_finds_the_pair_the_greedy_orders_miss(planted):
+  model, params, split, metrics, orders = planted
   a, b, c = 0, 1, 2  # flat head indices
-  metrics = oracle.evaluate_subsets(model, params, split)
   removals = oracle.best_removals(experiment.subset_values(metrics),
                                   model.config)
   assert sorted(removals[2]) in ([a, c], [b, c])
-  options = experiment.Options(batch_size=32, reestimate=True)
-  orders = experiment.compute_orders(model, params, split, options)
+  # The study's entry point chooses the same subsets.
+  ranked = experiment.oracle_removals(model, params, split,
+                                      experiment.Options(batch_size=32))
+  for k, best in enumerate(removals):
+    np.testing.assert_array_equal(ranked[k][0], best)
   for name in ("gradient", "gradient_l2", "leave_one_out"):
     assert sorted(orders[name][:2]) == [a, b], (name, orders[name])
   pair = lambda order: core.mask_without(model.config, order[:2])
@@ -224,12 +238,11 @@ def test_oracle_finds_the_pair_the_greedy_orders_miss():
   np.testing.assert_allclose(shapley[0], [0.25, 0.25, 0.2, 0.3], atol=1e-6)
 
 
-def test_compute_orders_computes_only_what_is_asked():
-  model, params, split = _planted()
+def test_compute_orders_computes_only_what_is_asked(planted):
+  model, params, split, _, full = planted
   options = experiment.Options(batch_size=32, reestimate=True)
   orders = experiment.compute_orders(model, params, split, options,
                                      names=["gradient"])
   assert "shapley" not in orders and "gradient_iterative" not in orders
-  full = experiment.compute_orders(model, params, split, options)
   np.testing.assert_array_equal(orders["gradient"], full["gradient"])
   assert {"shapley", "gradient_iterative"} <= set(full)

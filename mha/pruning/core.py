@@ -37,11 +37,11 @@ from typing import Any, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from mha import data
 from mha import evaluate as eval_lib
 from mha import sharding as sharding_lib
+from mha.evaluate import example_metric_sums  # Re-exported: per example.
 from mha.model import Transformer, TransformerConfig
 
 Array = jax.Array
@@ -142,12 +142,9 @@ def masked_logits(model: Transformer, params: Params, inputs: Array,
 def per_example_loss(model: Transformer, params: Params, inputs: Array,
                      targets: Array, head_mask: Array) -> Array:
   """Mean token cross-entropy of each example ``[B]`` (0 for empty rows)."""
-  logits = masked_logits(model, params, inputs, head_mask)
-  valid = inputs != 0
-  ce = optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), targets)
-  total = jnp.sum(jnp.where(valid, ce, 0.0), axis=-1)
-  return total / jnp.maximum(jnp.sum(valid, axis=-1), 1)
+  sums = eval_lib.example_metric_sums(
+      masked_logits(model, params, inputs, head_mask), targets, inputs)
+  return sums["loss_sum"] / jnp.maximum(sums["tokens"], 1)
 
 
 def head_mask_gradients(model: Transformer, params: Params, inputs: Array,
@@ -176,29 +173,11 @@ def masked_metric_sums(model: Transformer, params: Params, inputs: Array,
   return eval_lib.metric_sums(logits, targets, inputs)
 
 
-def example_metric_sums(logits: Array, targets: Array,
-                        inputs: Array) -> dict[str, Array]:
-  """:func:`mha.evaluate.metric_sums` of each example ``[B]`` (their sums
-  over the batch are the batch's): what a bootstrap resample needs."""
-  valid = inputs != 0
-  ce = optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), targets)
-  right = (jnp.argmax(logits, -1) == targets) & valid
-  nonempty = jnp.any(valid, axis=-1)
-  return {
-      "loss_sum": jnp.sum(jnp.where(valid, ce, 0.0), axis=-1),
-      "correct": jnp.sum(right, axis=-1),
-      "tokens": jnp.sum(valid, axis=-1),
-      "exact": (jnp.all(right | ~valid, axis=-1) & nonempty).astype(jnp.int32),
-      "sequences": nonempty.astype(jnp.int32),
-  }
-
-
 def masked_example_sums(model: Transformer, params: Params, inputs: Array,
                         targets: Array, head_mask: Array) -> dict[str, Array]:
-  """:func:`example_metric_sums` of the model under ``head_mask``."""
+  """:func:`mha.evaluate.example_metric_sums` of the model under ``head_mask``."""
   logits = masked_logits(model, params, inputs, head_mask)
-  return example_metric_sums(logits, targets, inputs)
+  return eval_lib.example_metric_sums(logits, targets, inputs)
 
 
 def attention_statistics(model: Transformer, params: Params,
@@ -387,9 +366,23 @@ def leave_one_out(model: Transformer, params: Params, split: data.Split, *,
     head); ``loss_increase``: ``loss - base loss`` (the importance).
   """
   config = model.config
-  masks = np.concatenate([full_head_mask(config)[None],
-                          leave_one_out_masks(config)])
-  metrics = evaluate_masks(model, params, split, masks, batch_size=batch_size)
+  metrics = evaluate_masks(model, params, split,
+                           leave_one_out_masks_with_full(config),
+                           batch_size=batch_size)
+  return leave_one_out_from_metrics(config, metrics)
+
+
+def leave_one_out_masks_with_full(config: TransformerConfig) -> np.ndarray:
+  """The full mask, then :func:`leave_one_out_masks`: ``[1 + N, L, H]``."""
+  return np.concatenate([full_head_mask(config)[None],
+                         leave_one_out_masks(config)])
+
+
+def leave_one_out_from_metrics(config: TransformerConfig,
+                               metrics: Mapping[str, np.ndarray]
+                               ) -> dict[str, Any]:
+  """:func:`leave_one_out`'s result from the ``[1 + N]`` metrics of
+  :func:`leave_one_out_masks_with_full` (however they were evaluated)."""
   base = {k: float(v[0]) for k, v in metrics.items()}
   out: dict[str, Any] = {"base": base}
   for key, values in metrics.items():
@@ -630,7 +623,8 @@ __all__ = [
     "per_example_loss",
     "head_mask_gradients",
     "masked_metric_sums",
-    "example_metric_sums",
+    "example_metric_sums", "leave_one_out_masks_with_full",
+    "leave_one_out_from_metrics",
     "masked_example_sums",
     "batches",
     "summarize_examples",

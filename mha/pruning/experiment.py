@@ -79,6 +79,12 @@ CURVE_LABELS = {**ORDERINGS, "oracle": "oracle (best subset)"}
 #: chooses the oracle again (the best ones on the full validation split), so
 #: that the oracle's intervals include the variability of its choice.
 ORACLE_CANDIDATES = 5
+#: The cost of one subset in ``oracle.evaluate_subsets`` relative to one mask
+#: of ``evaluate_masks`` (0.85 measured on 2 CPU cores when the study was
+#: written; ``scripts/benchmark.py`` measures it again: ``pruning_masks``,
+#: ``subsets.speedup`` is its inverse). Every subset is evaluated instead of
+#: ``M`` masks when ``M >= SUBSET_COST * 2**N``.
+SUBSET_COST = 0.85
 BASELINES = summary.BASELINES
 CURVE_METRICS = summary.CURVE_METRICS
 
@@ -197,16 +203,10 @@ def _leave_one_out(model: Transformer, params: Any, validation: data.Split,
     return pruning.leave_one_out(model, params, validation,
                                  batch_size=options.batch_size)
   config = model.config
-  masks = np.concatenate([pruning.full_head_mask(config)[None],
-                          pruning.leave_one_out_masks(config)])
-  ids = oracle.subset_index(config, masks)
-  metrics = pruning.summarize_examples(
-      {k: np.asarray(v)[ids] for k, v in table.items()})
-  out: dict[str, Any] = {"base": {k: float(v[0]) for k, v in metrics.items()}}
-  for key, values in metrics.items():
-    out[key] = pruning.heads_to_array(config, values[1:])
-  out["loss_increase"] = out["loss"] - out["base"]["loss"]
-  return out
+  ids = oracle.subset_index(config,
+                            pruning.leave_one_out_masks_with_full(config))
+  return pruning.leave_one_out_from_metrics(config, pruning.summarize_examples(
+      {k: np.asarray(v)[ids] for k, v in table.items()}))
 
 
 def measure_importance(model: Transformer, params: Any, validation: data.Split,
@@ -281,6 +281,29 @@ def subset_values(metrics: Mapping[str, np.ndarray]) -> np.ndarray:
   broken by the loss (differences in token accuracy are multiples of one
   token in the split, far above 1e-9 x loss)."""
   return metrics["token_accuracy"] - 1e-9 * metrics["loss"]
+
+
+def oracle_removals(model: Transformer, params: Any, validation: data.Split,
+                    options: Options, *, no_layer_emptied: bool = False,
+                    top: int = 1,
+                    table: Mapping[str, np.ndarray] | None = None
+                    ) -> list[list[np.ndarray]]:
+  """The oracle, chosen on ``validation``: for each number ``k`` of heads
+  removed (0..N), the removed heads (flat indices, ``layer * H + head``) of
+  the ``top`` best subsets by :func:`subset_values`, the best first;
+  ``[k][0]`` is the oracle's choice.
+
+  ``table``: the per-example sums of every subset on ``validation``
+  (``oracle.evaluate_subsets(..., per_example=True)``) when already
+  evaluated; otherwise they are evaluated here.
+  """
+  if table is None:
+    table = oracle.evaluate_subsets(model, params, validation,
+                                    batch_size=options.batch_size,
+                                    per_example=True)
+  values = subset_values(pruning.summarize_examples(table))
+  return oracle.ranked_removals(values, model.config,
+                                no_layer_emptied=no_layer_emptied, top=top)
 
 
 def compute_orders(model: Transformer, params: Any, validation: data.Split,
@@ -392,12 +415,11 @@ def _per_example(model: Transformer, params: Any, split: data.Split,
                  options: Options) -> dict[str, np.ndarray]:
   """Per-example sums ``[M, n]`` of ``masks``: looked up in ``table`` (every
   subset) when given; else every subset is evaluated when that is cheaper
-  (measured on 2 CPU cores: a subset costs about 0.85 of a mask of
-  ``evaluate_masks``, so when the masks are at least 3/4 of the subsets),
-  else just ``masks``."""
+  (the masks are at least :data:`SUBSET_COST` of the subsets), else just
+  ``masks``."""
   config = model.config
   if table is None and oracle_applies(config, options) and (
-      4 * len(masks) >= 3 * 2 ** oracle.num_heads(config)):
+      len(masks) >= SUBSET_COST * 2 ** oracle.num_heads(config)):
     table = oracle.evaluate_subsets(model, params, split, per_example=True,
                                     batch_size=options.batch_size)
   if table is not None:
@@ -431,12 +453,12 @@ def _oracle(model: Transformer, params: Any, validation: data.Split,
       "layer", lambda: oracle.evaluate_subsets(
           model, params, validation, per_example=True,
           batch_size=options.batch_size))
-  metrics = pruning.summarize_examples(table)
-  values = subset_values(metrics)
-  removals = {variant: oracle.ranked_removals(
-      values, config, no_layer_emptied=variant == "no_layer_emptied",
-      top=ORACLE_CANDIDATES) for variant in ("all", "no_layer_emptied")}
-  shapley = oracle.shapley_values(metrics["token_accuracy"], config)
+  removals = {variant: oracle_removals(
+      model, params, validation, options, table=table, top=ORACLE_CANDIDATES,
+      no_layer_emptied=variant == "no_layer_emptied")
+      for variant in ("all", "no_layer_emptied")}
+  shapley = oracle.shapley_values(
+      pruning.summarize_examples(table)["token_accuracy"], config)
   return table, shapley, removals
 
 
@@ -975,6 +997,6 @@ def write_outputs(results: Mapping[str, Any], out_dir: str) -> list[str]:
 
 
 __all__ = ["Options", "ORDERINGS", "CURVE_LABELS", "Resamples", "aggregate",
-           "analyze_seed", "compute_orders", "measure_importance",
-           "orders_from_importance", "custom_pruning", "run", "seed_models",
+           "analyze_seed", "compute_orders", "oracle_removals",
+           "measure_importance", "orders_from_importance", "custom_pruning", "run", "seed_models",
            "check_inputs", "check_seeds", "write_outputs"]
