@@ -175,7 +175,8 @@ def masked_metric_sums(model: Transformer, params: Params, inputs: Array,
 
 def masked_example_sums(model: Transformer, params: Params, inputs: Array,
                         targets: Array, head_mask: Array) -> dict[str, Array]:
-  """:func:`mha.evaluate.example_metric_sums` of the model under ``head_mask``."""
+  """:func:`mha.evaluate.example_metric_sums` of the model under
+  ``head_mask``."""
   logits = masked_logits(model, params, inputs, head_mask)
   return eval_lib.example_metric_sums(logits, targets, inputs)
 

@@ -998,5 +998,5 @@ def write_outputs(results: Mapping[str, Any], out_dir: str) -> list[str]:
 
 __all__ = ["Options", "ORDERINGS", "CURVE_LABELS", "Resamples", "aggregate",
            "analyze_seed", "compute_orders", "oracle_removals",
-           "measure_importance", "orders_from_importance", "custom_pruning", "run", "seed_models",
-           "check_inputs", "check_seeds", "write_outputs"]
+           "measure_importance", "orders_from_importance", "custom_pruning",
+           "run", "seed_models", "check_inputs", "check_seeds", "write_outputs"]
