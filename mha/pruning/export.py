@@ -288,10 +288,8 @@ def heads_of_order(model: Transformer, params: Any, validation: data.Split,
   check_order(config, order, options)
   count = _count(config, fraction)
   if order == "oracle":
-    metrics = oracle.evaluate_subsets(model, params, validation,
-                                      batch_size=options.batch_size)
-    flat = oracle.best_removals(experiment.subset_values(metrics),
-                                config)[count]
+    flat = experiment.oracle_removals(model, params, validation,
+                                      options)[count][0]
     return core.flat_to_pairs(config, flat)
   options = dataclasses.replace(options,
                                 reestimate=order == "gradient_iterative")
