@@ -178,7 +178,45 @@ class Transformer(nn.Module):
 
   config: TransformerConfig
 
-  @nn.compact
+  def setup(self):
+    cfg = self.config
+    self.token_embed = nn.Embed(
+        cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
+        embedding_init=nn.initializers.normal(stddev=1.0), name="embed")
+    if cfg.positional == "learned":
+      self.pos_embedding = self.param(
+          "pos_embedding", nn.initializers.normal(stddev=0.5),
+          (cfg.max_len, cfg.d_model))
+    # The name the compact version gave it: the same dropout rngs.
+    self.embed_dropout = nn.Dropout(cfg.dropout_rate, name="Dropout_0")
+    self.blocks = [EncoderBlock(cfg, heads, name=f"layer_{layer}")
+                   for layer, heads in enumerate(cfg.heads_per_layer)]
+    if cfg.pre_norm:
+      self.ln_final = nn.LayerNorm(dtype=cfg.dtype, name="ln_final")
+    self.logits_dense = nn.Dense(cfg.vocab_size, dtype=cfg.dtype,
+                                 name="logits")
+
+  def embed(self, tokens: Array, *, deterministic: bool = True) -> Array:
+    """The input of the first block: token embeddings plus positions,
+    ``[..., L, d_model]`` (dropout unless ``deterministic``). Also
+    ``model.apply(variables, tokens, method="embed")``."""
+    cfg = self.config
+    x = self.token_embed(tokens)
+    if cfg.positional == "learned":
+      pos = self.pos_embedding
+    else:
+      pos = jnp.asarray(sinusoidal_positions(cfg.max_len, cfg.d_model))
+    x = x + jnp.broadcast_to(pos[:tokens.shape[-1]].astype(x.dtype), x.shape)
+    return self.embed_dropout(x, deterministic=deterministic)
+
+  def readout(self, x: Array) -> Array:
+    """The logits ``[..., L, vocab_size]`` of the last block's output (after
+    the final LayerNorm of a pre-norm model). Also
+    ``model.apply(variables, x, method="readout")``."""
+    if self.config.pre_norm:
+      x = self.ln_final(x)
+    return self.logits_dense(x)
+
   def __call__(
       self,
       tokens: Array,
@@ -210,30 +248,14 @@ class Transformer(nn.Module):
           f"`tokens` has shape {tokens.shape}, expected [..., L] with "
           f"L <= max_len = {cfg.max_len}.")
     head_masks = self._split_head_mask(head_mask)
-    length = tokens.shape[-1]
-
-    x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
-                 embedding_init=nn.initializers.normal(stddev=1.0),
-                 name="embed")(tokens)
-    if cfg.positional == "learned":
-      pos = self.param("pos_embedding", nn.initializers.normal(stddev=0.5),
-                       (cfg.max_len, cfg.d_model))
-    else:
-      pos = jnp.asarray(sinusoidal_positions(cfg.max_len, cfg.d_model))
-    x = x + jnp.broadcast_to(pos[:length].astype(x.dtype), x.shape)
-    x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-
+    x = self.embed(tokens, deterministic=deterministic)
     mask = padding_mask_from_tokens(tokens)  # built once, passed down
     attention = []
-    for layer, heads in enumerate(cfg.heads_per_layer):
-      x, weights = EncoderBlock(cfg, heads, name=f"layer_{layer}")(
-          x, mask, head_masks[layer], deterministic=deterministic,
-          return_weights=return_weights)
+    for block, layer_mask in zip(self.blocks, head_masks):
+      x, weights = block(x, mask, layer_mask, deterministic=deterministic,
+                         return_weights=return_weights)
       attention.append(weights)
-    if cfg.pre_norm:
-      x = nn.LayerNorm(dtype=cfg.dtype, name="ln_final")(x)
-    logits = nn.Dense(cfg.vocab_size, dtype=cfg.dtype, name="logits")(x)
-    return logits, tuple(attention)
+    return self.readout(x), tuple(attention)
 
   def _split_head_mask(
       self, head_mask: Array | Sequence[Array] | None

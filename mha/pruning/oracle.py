@@ -28,7 +28,6 @@ import functools
 import math
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,7 +36,6 @@ from mha import data
 from mha import evaluate as eval_lib
 from mha.attention import padding_mask_from_tokens
 from mha.model import EncoderBlock, Transformer, TransformerConfig
-from mha.model import sinusoidal_positions
 from mha.pruning import core
 
 Array = jax.Array
@@ -98,14 +96,7 @@ def _layer_offsets(config: TransformerConfig) -> np.ndarray:
 
 def _embed(model: Transformer, params: Params, tokens: Array) -> Array:
   """The model's input to its first block (no dropout)."""
-  cfg = model.config
-  x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype).apply(
-      {"params": params["embed"]}, tokens)
-  if cfg.positional == "learned":
-    pos = params["pos_embedding"]
-  else:
-    pos = jnp.asarray(sinusoidal_positions(cfg.max_len, cfg.d_model))
-  return x + jnp.broadcast_to(pos[:tokens.shape[-1]].astype(x.dtype), x.shape)
+  return model.apply({"params": params}, tokens, method="embed")
 
 
 def _block(model: Transformer, params: Params, layer: int, x: Array,
@@ -120,16 +111,12 @@ def _block(model: Transformer, params: Params, layer: int, x: Array,
 
 def _readout(model: Transformer, params: Params, x: Array) -> Array:
   """Final LayerNorm (pre-norm models) and the logits."""
-  cfg = model.config
-  if cfg.pre_norm:
-    x = nn.LayerNorm(dtype=cfg.dtype).apply({"params": params["ln_final"]}, x)
-  return nn.Dense(cfg.vocab_size, dtype=cfg.dtype).apply(
-      {"params": params["logits"]}, x)
+  return model.apply({"params": params}, x, method="readout")
 
 
 def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
                        targets: Array) -> dict[str, Array]:
-  """Per-example :func:`core.example_metric_sums` under every subset.
+  """Per-example :func:`eval_lib.example_metric_sums` under every subset.
 
   Pure (``jit``, ``vmap`` over stacked parameters). Layer ``l`` runs once
   per distinct mask of the layers below it (see the module docstring).
@@ -150,7 +137,7 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
     xs = jax.vmap(per_prefix)(xs).reshape((-1,) + xs.shape[1:])
 
   def metrics(x):
-    sums = core.example_metric_sums(_readout(model, params, x), targets,
+    sums = eval_lib.example_metric_sums(_readout(model, params, x), targets,
                                     inputs)
     return sums["loss_sum"], sums["correct"], sums["exact"]
 
@@ -195,7 +182,7 @@ def evaluate_subsets(model: Transformer, params: Params, split: data.Split, *,
 
   Returns:
     ``loss``, ``token_accuracy``, ``exact_match``: ``[2**N]``. With
-    ``per_example``: the :func:`core.example_metric_sums` of every example,
+    ``per_example``: the :func:`eval_lib.example_metric_sums` of every example,
     ``loss_sum``, ``correct``, ``exact``, ``tokens``, ``sequences``, each
     ``[2**N, n]``; :func:`mha.evaluate.summarize` of their sums over the
     examples (any resample of them) gives the metrics.
