@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Collection, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 from matplotlib import colormaps
@@ -674,23 +674,11 @@ def _fraction_label(fraction: float) -> str:
   return "unpruned" if fraction == 0.0 else f"{fraction:.0%} of heads removed"
 
 
-def speed_figure(
-    batch_sizes: Sequence[int],
-    fractions: Sequence[float],
-    examples_per_sec: np.ndarray,
-    *,
-    flop_ratio: Sequence[float] | None = None,
-    title: str | None = None,
-    speedup: np.ndarray | None = None,
-    speedup_ci: np.ndarray | None = None,
-) -> Figure:
-  """Builds (but does not save) the figure of :func:`plot_speed`.
-
-  ``fig.axes`` is ``[throughput axis, speed-up axis]``.
-  """
-  batch_sizes = np.asarray(batch_sizes)
-  fractions = np.asarray(fractions, dtype=np.float64)
-  speed = np.asarray(examples_per_sec, dtype=np.float64)
+def _check_speed_inputs(batch_sizes: np.ndarray, fractions: np.ndarray,
+                        speed: np.ndarray, flop_ratio: np.ndarray | None,
+                        speedup: np.ndarray | None,
+                        speedup_ci: np.ndarray | None) -> None:
+  """Raises ValueError on inputs :func:`speed_figure` cannot draw."""
   if batch_sizes.ndim != 1 or batch_sizes.size == 0:
     raise ValueError(
         f"batch_sizes must be a non-empty 1-D sequence, got shape "
@@ -713,125 +701,137 @@ def speed_figure(
   if np.any(speed[np.isfinite(speed)] <= 0.0):
     raise ValueError("examples_per_sec must be positive (or NaN if missing).")
   if flop_ratio is not None:
-    flop_ratio = np.asarray(flop_ratio, dtype=np.float64)
     if flop_ratio.shape != fractions.shape:
       raise ValueError(
           f"flop_ratio must hold one value per fraction ({fractions.size}), "
           f"got shape {flop_ratio.shape}.")
     if np.any(flop_ratio <= 0.0):
       raise ValueError(f"flop_ratio must be positive, got {flop_ratio}.")
-
   if speedup is not None and np.shape(speedup) != expected:
     raise ValueError(f"speedup must be [F, B] = {list(expected)}, got shape "
                      f"{np.shape(speedup)}.")
-  if speedup_ci is not None:
-    speedup_ci = np.asarray(speedup_ci, dtype=np.float64)
-    if speedup_ci.shape != expected + (2,):
-      raise ValueError(
-          f"speedup_ci must be [F, B, 2] = {list(expected) + [2]}, got shape "
-          f"{speedup_ci.shape}.")
+  if speedup_ci is not None and speedup_ci.shape != expected + (2,):
+    raise ValueError(
+        f"speedup_ci must be [F, B, 2] = {list(expected) + [2]}, got shape "
+        f"{speedup_ci.shape}.")
 
-  colours = ["#000000"] + [
-      OKABE_ITO[i % (len(OKABE_ITO) - 1)] for i in range(fractions.size - 1)
-  ]
-  fig = _new_figure(10.5, 4.4)
-  left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.0, 1.15]})
 
-  # Left: throughput, log-log.
+def _throughput_panel(ax, batch_sizes: np.ndarray, fractions: np.ndarray,
+                      speed: np.ndarray, colours: Sequence[str]) -> None:
+  """Examples/s against batch size, log-log, a line per fraction."""
   for f, fraction in enumerate(fractions):
-    left.plot(batch_sizes,
-              speed[f],
-              color=colours[f],
-              marker=_MARKERS[f % len(_MARKERS)],
-              markersize=5,
-              linewidth=1.8,
-              label=_fraction_label(fraction))
-  left.set_xscale("log")
-  left.set_yscale("log")
-  left.set_xticks(batch_sizes)
-  left.set_xticklabels([str(int(b)) for b in batch_sizes])
-  left.xaxis.set_minor_formatter("")
-  left.set_xlabel("batch size", fontsize=_LABEL_SIZE)
-  left.set_ylabel("examples / s", fontsize=_LABEL_SIZE)
-  left.set_title("throughput", fontsize=_LABEL_SIZE)
-  left.tick_params(labelsize=_TICK_SIZE)
-  left.grid(True, which="major", color="0.9", linewidth=0.8)
-  left.grid(True, which="minor", axis="y", color="0.95", linewidth=0.5)
-  left.set_axisbelow(True)
+    ax.plot(batch_sizes,
+            speed[f],
+            color=colours[f],
+            marker=_MARKERS[f % len(_MARKERS)],
+            markersize=5,
+            linewidth=1.8,
+            label=_fraction_label(fraction))
+  ax.set_xscale("log")
+  ax.set_yscale("log")
+  ax.set_xticks(batch_sizes)
+  ax.set_xticklabels([str(int(b)) for b in batch_sizes])
+  ax.xaxis.set_minor_formatter("")
+  ax.set_xlabel("batch size", fontsize=_LABEL_SIZE)
+  ax.set_ylabel("examples / s", fontsize=_LABEL_SIZE)
+  ax.set_title("throughput", fontsize=_LABEL_SIZE)
+  ax.tick_params(labelsize=_TICK_SIZE)
+  ax.grid(True, which="major", color="0.9", linewidth=0.8)
+  ax.grid(True, which="minor", axis="y", color="0.95", linewidth=0.5)
+  ax.set_axisbelow(True)
 
-  # Right: speed-up over the unpruned model, grouped bars per batch size.
-  if speedup is not None:
-    speedup = np.asarray(speedup, np.float64)[1:]
-  else:
-    with np.errstate(invalid="ignore", divide="ignore"):
-      speedup = speed[1:] / speed[:1]
-  pruned = fractions.size - 1
-  groups = np.arange(batch_sizes.size)
-  width = 0.8 / max(pruned, 1)
+
+def _speedup_label_style(num_groups: int, pruned: int) -> dict[str, Any]:
+  """Font size and rotation of the value labels, from the bars' width."""
   # The speed-up axis is ~5.4 in (~390 pt) wide; a "1.23x" label is ~3 em.
-  bar_pt = 390.0 * 0.8 * 0.92 / (batch_sizes.size * max(pruned, 1))
-  label_size = float(np.clip(bar_pt / 3.6, 6.0, 8.0))
-  rotate = bar_pt < 6.0 * 3.6
+  bar_pt = 390.0 * 0.8 * 0.92 / (num_groups * max(pruned, 1))
+  return dict(fontsize=float(np.clip(bar_pt / 3.6, 6.0, 8.0)),
+              rotation=90 if bar_pt < 6.0 * 3.6 else 0, zorder=5,
+              bbox=dict(boxstyle="square,pad=0.1", facecolor="white",
+                        edgecolor="none", alpha=0.85))
+
+
+def _speedup_whiskers(ax, offsets: np.ndarray, values: np.ndarray,
+                      ci: np.ndarray, labels: Sequence[str],
+                      label_style: Mapping[str, Any]) -> None:
+  """The ``[B, 2]`` intervals as whiskers, each value above its whisker
+  (below it for a slow-down)."""
+  low, high = ci[:, 0], ci[:, 1]
+  ax.errorbar(offsets, values, yerr=np.stack([values - low, high - values]),
+              fmt="none", ecolor="0.2", elinewidth=1.0, capsize=2.0,
+              zorder=4)
+  for x, v, lo, hi, text in zip(offsets, values, low, high, labels):
+    up = v >= 1.0
+    ax.annotate(text, (x, max(hi, v) if up else min(lo, v)),
+                xytext=(0, 1.5 if up else -1.5), textcoords="offset points",
+                ha="center", va="bottom" if up else "top", **label_style)
+
+
+def _speedup_bars(ax, speedup: np.ndarray, speedup_ci: np.ndarray | None,
+                  flop_ratio: np.ndarray | None,
+                  colours: Sequence[str]) -> None:
+  """Grouped bars from 1x per batch size (``speedup`` ``[F - 1, B]``, the
+  pruned models), labelled with their value, whiskers when ``speedup_ci``
+  and a dashed line at 1 / FLOP ratio when ``flop_ratio``."""
+  pruned, num_groups = speedup.shape
+  groups = np.arange(num_groups)
+  width = 0.8 / max(pruned, 1)
+  label_style = _speedup_label_style(num_groups, pruned)
   for p in range(pruned):
     offsets = groups - 0.4 + width * (p + 0.5)
     # Bars start at 1x: their length is the gain (or, downwards, the loss).
-    bars = right.bar(offsets,
-                     np.nan_to_num(speedup[p] - 1.0, nan=0.0),
-                     bottom=1.0,
-                     width=width * 0.92,
-                     color=colours[p + 1],
-                     zorder=3)
+    bars = ax.bar(offsets,
+                  np.nan_to_num(speedup[p] - 1.0, nan=0.0),
+                  bottom=1.0,
+                  width=width * 0.92,
+                  color=colours[p + 1],
+                  zorder=3)
     labels = ["" if not np.isfinite(v) else f"{v:.2f}\u00d7"
               for v in speedup[p]]
-    label_style = dict(fontsize=label_size, rotation=90 if rotate else 0,
-                       zorder=5, bbox=dict(boxstyle="square,pad=0.1",
-                                           facecolor="white",
-                                           edgecolor="none", alpha=0.85))
     if speedup_ci is None:
-      right.bar_label(bars, labels=labels, padding=1.5, **label_style)
+      ax.bar_label(bars, labels=labels, padding=1.5, **label_style)
     else:
-      low, high = speedup_ci[p + 1, :, 0], speedup_ci[p + 1, :, 1]
-      right.errorbar(offsets, speedup[p],
-                     yerr=np.stack([speedup[p] - low, high - speedup[p]]),
-                     fmt="none", ecolor="0.2", elinewidth=1.0, capsize=2.0,
-                     zorder=4)
-      # The value above its whisker (below it for a slow-down).
-      for x, v, lo, hi, text in zip(offsets, speedup[p], low, high, labels):
-        up = v >= 1.0
-        right.annotate(text, (x, max(hi, v) if up else min(lo, v)),
-                       xytext=(0, 1.5 if up else -1.5),
-                       textcoords="offset points", ha="center",
-                       va="bottom" if up else "top", **label_style)
+      _speedup_whiskers(ax, offsets, speedup[p], speedup_ci[p + 1], labels,
+                        label_style)
     if flop_ratio is not None:
-      right.axhline(1.0 / flop_ratio[p + 1],
-                    color=colours[p + 1],
-                    linestyle="--",
-                    linewidth=1.3,
-                    zorder=4)
-  right.axhline(1.0, color="0.4", linewidth=1.0, zorder=4)
-  right.set_xticks(groups)
-  right.set_xticklabels([str(int(b)) for b in batch_sizes])
-  right.set_xlim(-0.6, batch_sizes.size - 0.4)
+      ax.axhline(1.0 / flop_ratio[p + 1],
+                 color=colours[p + 1],
+                 linestyle="--",
+                 linewidth=1.3,
+                 zorder=4)
+
+
+def _speedup_axis(ax, batch_sizes: np.ndarray, speedup: np.ndarray,
+                  speedup_ci: np.ndarray | None,
+                  flop_ratio: np.ndarray | None) -> None:
+  """The 1x line, ticks, limits with room for the labels, titles."""
+  ax.axhline(1.0, color="0.4", linewidth=1.0, zorder=4)
+  ax.set_xticks(np.arange(batch_sizes.size))
+  ax.set_xticklabels([str(int(b)) for b in batch_sizes])
+  ax.set_xlim(-0.6, batch_sizes.size - 0.4)
   levels = np.array([1.0] + list(speedup[np.isfinite(speedup)]))
   if speedup_ci is not None:
-    bounds = np.asarray(speedup_ci, np.float64)[1:]
+    bounds = speedup_ci[1:]
     levels = np.concatenate([levels, bounds[np.isfinite(bounds)]])
   if flop_ratio is not None:
     levels = np.concatenate([levels, 1.0 / flop_ratio[1:]])
   span = max(levels.max() - levels.min(), 0.05)
   # Room above (and below, for slow-downs) for the value labels.
-  right.set_ylim(levels.min() - (0.22 if levels.min() < 1.0 else 0.08) * span,
-                 levels.max() + 0.15 * span)
-  right.set_xlabel("batch size", fontsize=_LABEL_SIZE)
-  right.set_ylabel("speed-up over unpruned (\u00d7)", fontsize=_LABEL_SIZE)
-  right.set_title("speed-up (bars: measured" +
-                  (", whiskers: 95% CI)" if speedup_ci is not None else ")"),
-                  fontsize=_LABEL_SIZE)
-  right.tick_params(labelsize=_TICK_SIZE)
-  right.grid(True, axis="y", color="0.9", linewidth=0.8)
-  right.set_axisbelow(True)
+  ax.set_ylim(levels.min() - (0.22 if levels.min() < 1.0 else 0.08) * span,
+              levels.max() + 0.15 * span)
+  ax.set_xlabel("batch size", fontsize=_LABEL_SIZE)
+  ax.set_ylabel("speed-up over unpruned (\u00d7)", fontsize=_LABEL_SIZE)
+  ax.set_title("speed-up (bars: measured" +
+               (", whiskers: 95% CI)" if speedup_ci is not None else ")"),
+               fontsize=_LABEL_SIZE)
+  ax.tick_params(labelsize=_TICK_SIZE)
+  ax.grid(True, axis="y", color="0.9", linewidth=0.8)
+  ax.set_axisbelow(True)
 
-  # One legend for both panels: a fraction has the same colour in each.
+
+def _speed_legend(fig: Figure, fractions: np.ndarray, colours: Sequence[str],
+                  with_flops: bool) -> None:
+  """One legend for both panels: a fraction has the same colour in each."""
   handles = [
       Line2D([], [],
              color=colours[f],
@@ -843,7 +843,7 @@ def speed_figure(
   ]
   handles.append(Line2D([], [], color="0.4", linewidth=1.0,
                         label="1\u00d7 (no speed-up)"))
-  if flop_ratio is not None:
+  if with_flops:
     handles.append(
         Line2D([], [],
                color="0.3",
@@ -856,6 +856,46 @@ def speed_figure(
              ncols=min(len(handles), 3),
              fontsize=8.5,
              frameon=False)
+
+
+def speed_figure(
+    batch_sizes: Sequence[int],
+    fractions: Sequence[float],
+    examples_per_sec: np.ndarray,
+    *,
+    flop_ratio: Sequence[float] | None = None,
+    title: str | None = None,
+    speedup: np.ndarray | None = None,
+    speedup_ci: np.ndarray | None = None,
+) -> Figure:
+  """Builds (but does not save) the figure of :func:`plot_speed`.
+
+  ``fig.axes`` is ``[throughput axis, speed-up axis]``.
+  """
+  batch_sizes = np.asarray(batch_sizes)
+  fractions = np.asarray(fractions, dtype=np.float64)
+  speed = np.asarray(examples_per_sec, dtype=np.float64)
+  if flop_ratio is not None:
+    flop_ratio = np.asarray(flop_ratio, dtype=np.float64)
+  if speedup_ci is not None:
+    speedup_ci = np.asarray(speedup_ci, dtype=np.float64)
+  _check_speed_inputs(batch_sizes, fractions, speed, flop_ratio, speedup,
+                      speedup_ci)
+  colours = ["#000000"] + [
+      OKABE_ITO[i % (len(OKABE_ITO) - 1)] for i in range(fractions.size - 1)
+  ]
+  fig = _new_figure(10.5, 4.4)
+  left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.0, 1.15]})
+  _throughput_panel(left, batch_sizes, fractions, speed, colours)
+  # Right: speed-up over the unpruned model, grouped bars per batch size.
+  if speedup is not None:
+    speedup = np.asarray(speedup, np.float64)[1:]
+  else:
+    with np.errstate(invalid="ignore", divide="ignore"):
+      speedup = speed[1:] / speed[:1]
+  _speedup_bars(right, speedup, speedup_ci, flop_ratio, colours)
+  _speedup_axis(right, batch_sizes, speedup, speedup_ci, flop_ratio)
+  _speed_legend(fig, fractions, colours, flop_ratio is not None)
   if title:
     fig.suptitle(title, fontsize=11)
   return fig
