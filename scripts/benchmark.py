@@ -535,6 +535,14 @@ def _shape_cell(shape: Mapping[str, int]) -> str:
 
 def format_tables(results: Mapping[str, Any]) -> str:
   """The markdown report of :func:`run`'s results."""
+  lines = (_header_lines(results) + _layer_lines(results["layer"])
+           + _flop_rate_lines(results["flop_rate"])
+           + _train_lines(results["train"])
+           + _pruning_lines(results["pruning_masks"]))
+  return "\n".join(lines) + "\n"
+
+
+def _header_lines(results: Mapping[str, Any]) -> list[str]:
   env = results["environment"]
   device = (f"{env['platform']} ({env['cpu']}, {env['threads']} threads)"
             if env["platform"] == "cpu" else
@@ -552,7 +560,11 @@ def format_tables(results: Mapping[str, Any]) -> str:
   if results["plan"]["name"] == "quick":
     lines.append("Quick run (tiny shapes, XLA optimizations off): a smoke "
                  "test, not a measurement.")
-  lines += [
+  return lines
+
+
+def _layer_lines(layer: Sequence[Mapping[str, Any]]) -> list[str]:
+  lines = [
       "",
       "| one attention layer | B / L / D / H | ours (ms) | Flax (ms) | "
       "ours / Flax |",
@@ -560,14 +572,16 @@ def format_tables(results: Mapping[str, Any]) -> str:
   ]
   for kind, label in (("fwd_bwd_weights", "forward+backward, weights out"),
                       ("inference", "inference, no weights")):
-    for entry in results["layer"]:
+    for entry in layer:
       c = entry[kind]
       lines.append(f"| {label} | {_shape_cell(entry['shape'])} | "
                    f"{c['ours_ms']:.2f} | {c['flax_ms']:.2f} | "
                    f"{c['ratio']:.3f} |")
+  return lines
 
-  fr = results["flop_rate"]
-  lines += [
+
+def _flop_rate_lines(fr: Mapping[str, Any]) -> list[str]:
+  lines = [
       "",
       f"| forward FLOP rate | B / L / D / H | GFLOP | ms | GFLOP/s | "
       f"matmul peak GFLOP/s (N = {fr['peak_n']}) | of peak |",
@@ -580,24 +594,25 @@ def format_tables(results: Mapping[str, Any]) -> str:
         f"| {label} | {_shape_cell(fr['shape'])} | {fr['flops'] / 1e9:.2f} | "
         f"{f['ms']:.1f} | {f['gflops']:.1f} | {fr['peak_gflops']:.1f} | "
         f"{f['fraction_of_peak']:.0%} |")
+  return lines
 
-  lines += [
+
+def _train_lines(train: Sequence[Mapping[str, Any]]) -> list[str]:
+  lines = [
       "",
       "| train step | model (layers / width / heads / MLP) | parameters | "
       "batch x length | steps/s | tokens/s |",
       "| --- | --- | ---: | --- | ---: | ---: |",
   ]
-  for t in results["train"]:
+  for t in train:
     m = t["model"]
     lines.append(
         f"| {t['label']} | {m['num_layers']} / {m['d_model']} / "
         f"{m['num_heads']} / {m['mlp_dim']} | {t['parameters']:,} | "
         f"{t['batch_size']} x {t['length']} | {t['steps_per_s']:.1f} | "
         f"{t['tokens_per_s']:,.0f} |")
-  lines.append("")
-  lines.append("tokens/s counts positions, padding included; the train "
-               "batch is already on the device.")
-  return "\n".join(lines + _pruning_lines(results["pruning_masks"])) + "\n"
+  return lines + ["", "tokens/s counts positions, padding included; the "
+                  "train batch is already on the device."]
 
 
 def _pruning_lines(p: Mapping[str, Any]) -> list[str]:

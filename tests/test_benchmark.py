@@ -52,6 +52,20 @@ def test_quick_run_prints_and_writes_the_tables(tmp_path):
   (step,) = results["train"]
   assert step["steps_per_s"] > 0
   assert step["tokens_per_s"] == pytest.approx(step["steps_per_s"] * 32 * 8)
+  # The study's mask sets, two ways each: the same losses (float32 means
+  # over the quick split: 1e-5 is ~100 ulps), both rows in the table.
+  masks = results["pruning_masks"]
+  heads = masks["heads"]
+  loo, subsets = masks["leave_one_out"], masks["subsets"]
+  assert loo["masks"] == heads + 1 and subsets["masks"] == 2 ** heads
+  for entry in (loo, subsets):
+    assert entry["speedup"] > 0 and entry["max_abs_loss_diff"] < 1e-5
+  assert (f"| leave-one-out: vmapped vs loop of jitted calls | {loo['masks']} "
+          "|") in table
+  assert (f"| every subset: layer by layer vs evaluate_masks | "
+          f"{subsets['masks']} |") in table
+  assert (f"| pruning masks ({heads} heads, {masks['examples']} examples) |"
+          in table)
 
 
 @pytest.mark.parametrize("args, message", [
