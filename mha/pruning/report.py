@@ -344,6 +344,15 @@ def _findings_section(results: Mapping[str, Any]) -> list[str]:
   return lines + [""]
 
 
+def _curve_rows(summary: Mapping[str, Any], labels: Mapping[str, str],
+                columns: Sequence[tuple[str, int, bool]]) -> list[list[str]]:
+  """A row per curve of ``summary`` (in ``labels``' order): its label, then
+  ``value [low, high]`` of each ``(key, digits, signed)`` column."""
+  return [[label] + [_ci(summary[key], column, digits, sign)
+                     for column, digits, sign in columns]
+          for key, label in labels.items() if key in summary]
+
+
 def _curves_section(results: Mapping[str, Any]) -> list[str]:
   agg, opts = results["aggregate"], results["options"]
   labels = _labels(results)
@@ -367,21 +376,15 @@ def _curves_section(results: Mapping[str, Any]) -> list[str]:
       "random orders, so they leave out the Monte-Carlo error of that "
       "mean.", "",
   ]
-  rows = []
-  for key, label in labels.items():
-    entry = agg["curve_summary"].get(key)
-    if entry is None:
-      continue
-    rows.append([label, _ci(entry, "auc_token_accuracy"),
-                 _ci(entry, "auc_token_accuracy_minus_oracle", sign=True),
-                 _ci(entry, "auc_token_accuracy_minus_random", sign=True),
-                 _ci(entry, "auc_token_accuracy_minus_reverse_gradient",
-                     sign=True),
-                 _ci(entry, "prunable_heads_token_accuracy", 1),
-                 _ci(entry, "prunable_heads_token_accuracy_minus_oracle", 1,
-                     sign=True),
-                 _ci(entry, "test_token_accuracy_at_prunable"),
-                 _ci(entry, "auc_exact_match")])
+  rows = _curve_rows(agg["curve_summary"], labels, [
+      ("auc_token_accuracy", 3, False),
+      ("auc_token_accuracy_minus_oracle", 3, True),
+      ("auc_token_accuracy_minus_random", 3, True),
+      ("auc_token_accuracy_minus_reverse_gradient", 3, True),
+      ("prunable_heads_token_accuracy", 1, False),
+      ("prunable_heads_token_accuracy_minus_oracle", 1, True),
+      ("test_token_accuracy_at_prunable", 3, False),
+      ("auc_exact_match", 3, False)])
   lines += _table(["curve", "AUC token acc.", "Δ vs oracle", "Δ vs random",
                    "Δ vs reverse", "prunable heads (val.)",
                    "prunable Δ vs oracle", "test token acc. there",
@@ -433,15 +436,10 @@ def _no_layer_emptied_section(results: Mapping[str, Any]) -> list[str]:
       "curve minus the plain curve's over the same points.", "",
       f"![no layer emptied]({_NO_LAYER_EMPTIED_PNG})", "",
   ]
-  rows = []
-  for key, label in labels.items():
-    entry = group["curve_summary"].get(key)
-    if entry is None:
-      continue
-    rows.append([label, _ci(entry, "auc_token_accuracy"),
-                 _ci(entry, "auc_token_accuracy_plain"),
-                 _ci(entry, "auc_token_accuracy_change", sign=True),
-                 _ci(entry, "auc_token_accuracy_minus_oracle", sign=True)])
+  rows = _curve_rows(group["curve_summary"], labels, [
+      ("auc_token_accuracy", 3, False), ("auc_token_accuracy_plain", 3, False),
+      ("auc_token_accuracy_change", 3, True),
+      ("auc_token_accuracy_minus_oracle", 3, True)])
   return lines + _table(["curve", "AUC token acc.", "plain, same points",
                          "change", "Δ vs oracle"], rows)
 
