@@ -65,8 +65,12 @@ def test_speed_beyond_the_flop_ratio_is_shown_with_the_other_costs():
   line = report._speed_explanation({"entries": [entry]})[0]
   # 1 / 0.8 = 1.25 < 1.4: beyond what the FLOPs give.
   assert "batch 4: ×1.60 [1.40, 1.80] against ×1.25" in line
-  assert "bytes accessed ratio 0.600" in line
-  assert "transcendentals ratio 0.500" in line
+  assert "ratios of bytes accessed 0.600, transcendentals 0.500" in line
+  assert "bytes accessed and transcendentals fell more than the FLOPs" in line
+  entry["bytes_accessed_ratio"] = {"4": 0.9}
+  entry["transcendentals_ratio"] = {"4": 0.85}
+  assert "XLA's counts do not explain it" in report._speed_explanation(
+      {"entries": [entry]})[0]
   entry["speedup_ci"] = {"4": [1.1, 1.8]}  # contains 1.25: no claim
   assert report._speed_explanation(
       {"entries": [entry]})[0].startswith("No speed-up's interval")

@@ -523,29 +523,41 @@ def _speedup_cell(e: Mapping[str, Any], b: str) -> str:
   return text + (f" [{ci[0]:.2f}, {ci[1]:.2f}])" if ci else ")")
 
 
+def _cost_verdict(flops: float, other: Mapping[str, float]) -> str:
+  """Which of XLA's other counts (name -> ratio) fell more than the FLOPs."""
+  fell = [name for name, r in other.items() if _finite(r) and r < flops]
+  if not fell:
+    return ("neither fell more than the FLOPs: XLA's counts do not explain "
+            "it")
+  return " and ".join(fell) + " fell more than the FLOPs"
+
+
 def _speed_explanation(sp: Mapping[str, Any]) -> list[str]:
   """Where a speed-up's interval lies above ``1 / FLOP ratio`` (what the
   FLOPs alone predict): that speed-up beside the bytes-accessed and
-  transcendentals ratios at the same batch size."""
+  transcendentals ratios at the same batch size, and which of them fell
+  more than the FLOPs."""
   beyond = []
   for e in sp["entries"]:
     for b, ci in (e.get("speedup_ci") or {}).items():
       flops = e.get("flop_ratio", {}).get(b)
-      if ci is not None and _finite(flops) and flops > 0 and ci[0] > 1 / flops:
-        beyond.append(
-            f"{e['fraction']:.0%} removed at batch {b}: ×{e['speedup'][b]:.2f}"
-            f" [{ci[0]:.2f}, {ci[1]:.2f}] against ×{1.0 / flops:.2f} from the "
-            f"FLOP ratio {flops:.3f}; bytes accessed ratio "
-            f"{e.get('bytes_accessed_ratio', {}).get(b, float('nan')):.3f}, "
-            "transcendentals ratio "
-            f"{e.get('transcendentals_ratio', {}).get(b, float('nan')):.3f}")
+      if ci is None or not _finite(flops) or flops <= 0 or ci[0] <= 1 / flops:
+        continue
+      other = {"bytes accessed": e.get("bytes_accessed_ratio", {}).get(b),
+               "transcendentals": e.get("transcendentals_ratio", {}).get(b)}
+      beyond.append(
+          f"{e['fraction']:.0%} removed at batch {b}: ×{e['speedup'][b]:.2f}"
+          f" [{ci[0]:.2f}, {ci[1]:.2f}] against ×{1 / flops:.2f} from the "
+          f"FLOP ratio {flops:.3f}; ratios of bytes accessed "
+          f"{_fmt(other['bytes accessed'])}, transcendentals "
+          f"{_fmt(other['transcendentals'])}: "
+          + _cost_verdict(flops, other))
   if not beyond:
     return ["No speed-up's interval lies above 1 / FLOP ratio (the speed-up "
             "the FLOPs alone would give).", ""]
   return ["Speed-ups whose interval lies above 1 / FLOP ratio (the FLOPs "
-          "alone would give less), with the other costs XLA counts: "
-          + "; ".join(beyond) + ". A bytes or transcendentals ratio below "
-          "the FLOP ratio is a cost that fell faster than the FLOPs.", ""]
+          "alone would give less), beside the other costs XLA counts: "
+          + "; ".join(beyond) + ".", ""]
 
 
 def _speed_section(results: Mapping[str, Any]) -> list[str]:
