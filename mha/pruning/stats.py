@@ -48,7 +48,7 @@ def resampled_metrics(sums: Mapping[str, np.ndarray],
   """Metrics of per-example sums ``[..., n]`` under each resample.
 
   Args:
-    sums: :func:`mha.pruning.core.example_metric_sums` arrays ``[..., n]``.
+    sums: :func:`mha.evaluate.example_metric_sums` arrays ``[..., n]``.
     weights: ``[R, n]`` example counts (:func:`example_weights`); a row of
       ones is the full sample.
 
