@@ -105,11 +105,9 @@ def test_a_new_model_field_needs_only_model_py_and_default_py(tmp_path):
       "mha/model.py": [
           ('  positional: str = "learned"\n',
            '  positional: str = "learned"\n  embed_scale: float = 1.0\n'),
-          ("    x = nn.Dropout(cfg.dropout_rate)(x, "
-           "deterministic=deterministic)\n",
+          ("    return self.embed_dropout(x, deterministic=deterministic)\n",
            "    x = x * cfg.embed_scale\n"
-           "    x = nn.Dropout(cfg.dropout_rate)(x, "
-           "deterministic=deterministic)\n")],
+           "    return self.embed_dropout(x, deterministic=deterministic)\n")],
       "configs/default.py": [
           ('  config.model.pre_norm = True',
            '  config.model.embed_scale = 3.0  # Scales the embeddings.\n'
