@@ -103,6 +103,19 @@ def test_fisher_mean_of_spearman():
   assert np.isnan(nan["rho"])
 
 
+def test_fisher_mean_with_a_perfect_seed():
+  # rho = 1 has an infinite z: it counts as 1 - 6 / (n (n^2 - 1)), half an
+  # adjacent swap short of perfect (8 heads: 1 - 6/504), not as whatever a
+  # numerical cap would make it.
+  perfect = {"rho": 1.0, "p": 0.0, "n": 8}
+  assert stats.fisher_mean([perfect])["rho"] == pytest.approx(1 - 6 / 504)
+  z = (np.arctanh(1 - 6 / 504) + 2 * np.arctanh(0.5)) / 3
+  mixed = stats.fisher_mean([perfect] + [{"rho": 0.5, "p": 0.2, "n": 8}] * 2)
+  assert mixed["rho"] == pytest.approx(np.tanh(z))
+  assert stats.fisher_mean([dict(perfect, rho=-1.0)])["rho"] == pytest.approx(
+      -(1 - 6 / 504))
+
+
 def test_seed_statistics_of_a_known_curve():
   # One mask per point: accuracies 1, 0.5, 0 on both splits (2 examples of
   # one token each), so the AUC over fractions 0, 0.5, 1 is 0.5.

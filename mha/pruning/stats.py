@@ -113,7 +113,8 @@ def fisher_mean(results: Sequence[Mapping[str, float]]) -> dict[str, float]:
   """Mean of per-seed Spearman rhos through Fisher's z, with a two-sided
   p-value of "no correlation" from the pooled z (standard error
   ``sqrt(1.06 / (n - 3))`` per seed, the Fieller et al. approximation for
-  Spearman's rho; rough for few heads) and a 95% interval."""
+  Spearman's rho; rough for few heads) and a 95% interval. A per-seed rho
+  of +-1 counts as half an adjacent swap short of it."""
   rhos = np.asarray([r["rho"] for r in results], np.float64)
   ns = np.asarray([r["n"] for r in results], np.float64)
   keep = np.isfinite(rhos) & (ns > 3)
@@ -122,7 +123,13 @@ def fisher_mean(results: Sequence[Mapping[str, float]]) -> dict[str, float]:
          "per_seed_p": [float(r["p"]) for r in results]}
   if not keep.any():
     return out
-  z = np.arctanh(np.clip(rhos[keep], -0.9999, 0.9999))
+  # A perfect rank agreement has an infinite z, which would decide the mean
+  # alone (and a cap like 0.9999 would pick its value). Count it as half an
+  # adjacent swap short of perfect: 1 - 6 / (n (n^2 - 1)), halfway between 1
+  # and the largest rho below 1 that n items can have.
+  n = ns[keep]
+  bound = 1.0 - 6.0 / (n * (n * n - 1.0))
+  z = np.arctanh(np.clip(rhos[keep], -bound, bound))
   se = np.sqrt(1.0 / np.sum((ns[keep] - 3) / 1.06))
   mean = float(np.mean(z))
   half = stats.norm.ppf(0.5 + LEVEL / 2) * se
