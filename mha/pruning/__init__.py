@@ -3,10 +3,14 @@
 The core (:mod:`mha.pruning.core`: head masks, importance measures, orders,
 curves, physical pruning) and prediction timing (:mod:`mha.pruning.speed`)
 are re-exported here, so ``from mha import pruning; pruning.prune_heads(...)``
-works. The study built on them lives beside them and is imported by name:
-:mod:`mha.pruning.experiment` (the protocol), :mod:`mha.pruning.report`
-(``report.md``) and :mod:`mha.pruning.plots` (the figures). Imports point one
-way: the core never imports the study.
+works. The rest is imported by name: :mod:`mha.pruning.oracle` (every
+subset of heads, layer by layer; the best subsets; exact Shapley values),
+:mod:`mha.pruning.stats` (bootstrap, Benjamini-Hochberg, Fisher-z Spearman),
+:mod:`mha.pruning.export` (pruned models saved as workdirs), and the study:
+:mod:`mha.pruning.experiment` (the protocol), :mod:`mha.pruning.summary`
+(curve summaries with intervals), :mod:`mha.pruning.report` (``report.md``)
+and :mod:`mha.pruning.plots` (the figures). Imports point one way: the core
+never imports the study.
 """
 
 from mha.pruning.core import *  # noqa: F401,F403
