@@ -48,27 +48,33 @@ _STEP = flags.DEFINE_integer(
 _OUT = flags.DEFINE_string("out", None,
                            "Output folder (default: <workdir>/pruning).")
 _NUM_SEEDS = flags.DEFINE_integer(
-    "num_seeds", _DEFAULTS.num_seeds, "Models analysed: the workdir's and num_seeds-1 more "
-    "trained with the next seeds.")
+    "num_seeds", _DEFAULTS.num_seeds,
+    "Models analysed: the workdir's and num_seeds-1 more trained with the "
+    "next seeds.")
 _RETRAIN_SEEDS = flags.DEFINE_bool(
-    "retrain_seeds", _DEFAULTS.retrain_seeds, "Retrain a seed directory that was trained with "
-    "another config (otherwise that is an error).")
+    "retrain_seeds", _DEFAULTS.retrain_seeds,
+    "Retrain a seed directory that was trained with another config "
+    "(otherwise that is an error).")
 _ORACLE_MAX_HEADS = flags.DEFINE_integer(
-    "oracle_max_heads", _DEFAULTS.oracle_max_heads, "Evaluate every subset of heads (the oracle, "
-    "Shapley values) up to this many heads; skipped above it.")
+    "oracle_max_heads", _DEFAULTS.oracle_max_heads,
+    "Evaluate every subset of heads (the oracle, Shapley values) up to this "
+    "many heads; skipped above it.")
 _NUM_BOOTSTRAP = flags.DEFINE_integer(
-    "num_bootstrap", _DEFAULTS.num_bootstrap, "Bootstrap resamples of every 95% interval.")
+    "num_bootstrap", _DEFAULTS.num_bootstrap,
+    "Bootstrap resamples of every 95% interval.")
 _NUM_RANDOM = flags.DEFINE_integer(
     "num_random_orders", _DEFAULTS.num_random_orders,
     "Random orders per seed (the baseline).")
 _STEP_FRACTION = flags.DEFINE_float(
-    "step_fraction", _DEFAULTS.step_fraction, "Fraction of heads removed per curve point; 0 "
-    "removes one head at a time.")
+    "step_fraction", _DEFAULTS.step_fraction,
+    "Fraction of heads removed per curve point; 0 removes one head at a "
+    "time.")
 _REESTIMATE = flags.DEFINE_bool(
-    "reestimate", _DEFAULTS.reestimate, "Also prune re-estimating gradient importance after "
-    "each removal.")
+    "reestimate", _DEFAULTS.reestimate,
+    "Also prune re-estimating gradient importance after each removal.")
 _TOLERANCE = flags.DEFINE_float(
-    "tolerance", _DEFAULTS.tolerance, "Accuracy loss counted as none (0.01 = 1 point).")
+    "tolerance", _DEFAULTS.tolerance,
+    "Accuracy loss counted as none (0.01 = 1 point).")
 _SPEED_FRACTIONS = flags.DEFINE_list(
     "speed_fractions", [str(f) for f in _DEFAULTS.speed_fractions],
     "Fractions of heads physically pruned for the speed table.")
@@ -76,8 +82,9 @@ _BATCH_SIZES = flags.DEFINE_list(
     "batch_sizes", [str(b) for b in _DEFAULTS.batch_sizes],
     "Batch sizes of the speed table.")
 _SPEED_REPEATS = flags.DEFINE_integer(
-    "speed_repeats", _DEFAULTS.speed_repeats, "Timing rounds of >= 0.2 s per model, the models' "
-    "order rotated every round (median and its interval).")
+    "speed_repeats", _DEFAULTS.speed_repeats,
+    "Timing rounds of >= 0.2 s per model, the models' order rotated every "
+    "round (median and its interval).")
 _SPEED_ORDER = flags.DEFINE_string(
     "speed_order", _DEFAULTS.speed_order, "Ordering pruned for the speed table.")
 _SPEED = flags.DEFINE_bool("speed", _DEFAULTS.speed, "Run the speed table.")
@@ -86,7 +93,8 @@ _REMOVE_HEADS = flags.DEFINE_string(
     "accuracy, e.g. 0:1,1:3 (LAYER:HEAD, 0-based).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size,
                                    "Examples per evaluation call.")
-_SEED = flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the random orders.")
+_SEED = flags.DEFINE_integer("seed", _DEFAULTS.seed,
+                             "Seed of the random orders.")
 _SAVE_PRUNED = flags.DEFINE_string(
     "save_pruned", None, "Instead of the study: save the model with "
     "--remove_heads (or --prune_fraction of --order) removed as a workdir "
