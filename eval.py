@@ -32,8 +32,8 @@ flags.mark_flags_as_required(["workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
-  # Deferred: --help and a mistyped flag answer at once, without importing
-  # JAX, orbax and TFDS.
+  # Deferred: --help and a mistyped flag answer without importing orbax and
+  # TFDS (``mha.cli`` already brings in JAX and Flax through ``mha``).
   from mha import build, checkpoint, data, evaluate
 
   workdir = cli.existing_dir("eval.py", _WORKDIR.value)

@@ -74,7 +74,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
-  from mha import checkpoint, sharding, train  # Deferred: --help is fast.
+  # Deferred: --help and a mistyped flag answer without importing orbax and
+  # TFDS (``mha.cli`` already brings in JAX and Flax through ``mha``).
+  from mha import checkpoint, sharding, train
   distributed = (_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value,
                  _PROCESS_ID.value)
   if _DISTRIBUTED.value or distributed != (None, None, None):
