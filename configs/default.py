@@ -5,10 +5,12 @@ Train it (about 15 s on 2 CPU cores to >= 99% exact match on test):
     python train.py --config configs/default.py --workdir runs/reverse
 
 Variants come from the argument after the colon, comma-separated: a task name
-(`reverse`, `sort`, `histogram`), `tiny` (a seconds-long smoke-test model), or
-`key=value` pairs; any field can also be overridden with a flag:
+(`reverse`, `sort`, `histogram`, `spell`: the last one also sets its
+`data.max_len` and training steps), `tiny` (a seconds-long smoke-test model),
+or `key=value` pairs; any field can also be overridden with a flag:
 
     python train.py --config configs/default.py:sort --workdir runs/sort
+    python train.py --config configs/default.py:spell --workdir runs/spell
     python train.py --config configs/default.py:tiny,num_train_steps=50 \
         --workdir /tmp/tiny
     python train.py --workdir runs/wide --config.model.d_model=128 \
@@ -25,13 +27,13 @@ import ast
 import ml_collections
 from ml_collections import config_dict
 
-TASKS = ("reverse", "sort", "histogram")
+TASKS = ("reverse", "sort", "histogram", "spell")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """Returns the locked config; ``arg`` selects variants (see module doc)."""
   config = ml_collections.ConfigDict()
-  config.task = "reverse"  # One of: reverse, sort, histogram.
+  config.task = "reverse"  # One of: reverse, sort, histogram, spell.
   config.seed = 0  # Seeds parameter init, dropout and the batch order.
   config.batch_size = 128  # Global training batch, split across the devices.
   # Batch size of evaluation (the last one padded; rounded up to a multiple of
@@ -75,6 +77,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.data.num_train_examples = 20000  # Size of the train split.
   config.data.num_eval_examples = 1000  # Size of each of validation and test.
   config.data.seed = 0  # Seed of the dataset generation (not of training).
+  # spell only: 1..max_digits digits in; data.max_len must hold the longest
+  # spelling, 5 letters a digit (spell ignores num_symbols and min_len).
+  config.data.max_digits = 4
   config.data.data_dir = "~/tensorflow_datasets"  # Where TFDS prepares data.
 
   for part in filter(None, (arg or "").split(",")):
@@ -84,7 +89,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
 
 def _apply_variant(config: ml_collections.ConfigDict, part: str) -> None:
-  if part in TASKS:
+  if part == "spell":
+    # Digits to their English words; the default model, trained longer.
+    config.task = part
+    config.data.max_len = 5 * config.data.max_digits  # The longest spelling.
+    config.num_train_steps = 2000  # About 20 s on 2 CPU cores to 100% test.
+  elif part in TASKS:
     config.task = part
   elif part == "tiny":
     # A model that compiles and trains in seconds: for tests and smoke runs.

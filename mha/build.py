@@ -11,6 +11,7 @@ imports none of them, so no import cycle can form.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -27,16 +28,12 @@ TrainState = train_state_lib.TrainState
 
 
 def data_spec(config: ml_collections.ConfigDict) -> data.DataSpec:
-  """The dataset a config trains on."""
-  return data.DataSpec(
-      task=config.task,
-      num_symbols=config.data.num_symbols,
-      min_len=config.data.min_len,
-      max_len=config.data.max_len,
-      num_train_examples=config.data.num_train_examples,
-      num_eval_examples=config.data.num_eval_examples,
-      seed=config.data.seed,
-  )
+  """The dataset a config trains on: ``config.data``'s fields that the
+  ``DataSpec`` has (all but ``data_dir``). A config saved before a field
+  existed (e.g. ``max_digits``) lacks it and gets the dataclass default."""
+  fields = {field.name for field in dataclasses.fields(data.DataSpec)}
+  return data.DataSpec(task=config.task, **{
+      key: value for key, value in config.data.items() if key in fields})
 
 
 def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:

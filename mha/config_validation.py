@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import ml_collections
 
 from configs import default
-from mha.data import TASKS
+from mha.data import MAX_WORD_LEN, TASKS
 from mha.model import POSITIONAL_KINDS
 
 # The keys a resumed run may change: none of them changes the model, the data
@@ -45,7 +45,8 @@ _AT_LEAST_ONE = (
     "batch_size", "eval_batch_size", "num_train_steps", "log_every_steps",
     "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
     "model.num_layers", "model.d_model", "model.mlp_dim", "data.num_symbols",
-    "data.min_len", "data.num_train_examples", "data.num_eval_examples")
+    "data.min_len", "data.num_train_examples", "data.num_eval_examples",
+    "data.max_digits")
 _AT_LEAST_ZERO = ("warmup_steps", "data.seed")
 
 
@@ -181,6 +182,12 @@ def _range_problems(values: Mapping[str, Any]) -> list[str]:
   if value("data.min_len") > value("data.max_len"):
     problems.append(f"data.min_len={value('data.min_len')} is larger than "
                     f"data.max_len={value('data.max_len')}")
+  if value("task") == "spell" and value("data.max_len") < (
+      MAX_WORD_LEN * value("data.max_digits")):
+    problems.append(
+        f"data.max_len={value('data.max_len')} cannot hold the longest "
+        f"spelling of data.max_digits={value('data.max_digits')} digits "
+        f"({MAX_WORD_LEN * value('data.max_digits')} letters)")
   if not value("data.data_dir"):
     problems.append("data.data_dir is empty")
   if value("mesh.data") != -1 and value("mesh.data") < 1:

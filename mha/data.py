@@ -10,6 +10,15 @@ sequence of the same length, one target token per input position:
 
 Inputs and targets are padded with ``0`` up to ``max_len``.
 
+``spell`` writes digits as English words, so its output is longer than the
+digits: the input is ``1..max_digits`` digits (``0-9``, uniform in number)
+followed by blanks up to the length of the spelling, then padding; the target
+at each non-padding position is the letter at that position of the digits'
+words written one after the other (``3 1 _ _ _ _ _ _`` -> ``t h r e e o n e``).
+Digits, the blank and the letters have token ids of their own (``0`` stays
+padding); ``num_symbols`` and ``min_len`` play no part in it, and ``max_len``
+must hold the longest spelling (``MAX_WORD_LEN * max_digits``).
+
 The data is generated deterministically from ``DataSpec.seed`` with numpy,
 written to disk by ``tfds`` in the ``array_record`` format and read back with
 ``builder.as_data_source()`` (random access, no TensorFlow needed or imported).
@@ -27,13 +36,50 @@ from typing import Iterator
 import numpy as np
 import tensorflow_datasets as tfds
 
-TASKS: tuple[str, ...] = ("reverse", "sort", "histogram")
+TASKS: tuple[str, ...] = ("reverse", "sort", "histogram", "spell")
 
 # Bump when the generation code changes so that stale prepared data on disk is
 # never silently reused (the version is part of the on-disk path).
 _VERSION = "1.1.0"
 _SPLITS: tuple[str, ...] = ("train", "validation", "test")
 _READ_CHUNK = 4096  # records per `__getitems__` call when reading a split.
+
+
+# --------------------------------------------------------------------------
+# The spell task's tokens
+# --------------------------------------------------------------------------
+
+DIGIT_WORDS: tuple[str, ...] = ("zero", "one", "two", "three", "four", "five",
+                                "six", "seven", "eight", "nine")
+MAX_WORD_LEN = max(map(len, DIGIT_WORDS))  # "three", "seven", "eight": 5.
+LETTERS = "".join(sorted(set("".join(DIGIT_WORDS))))  # the 15 letters used.
+_DIGIT_0 = 1  # Token of the digit 0; digit d is token 1 + d.
+BLANK = _DIGIT_0 + len(DIGIT_WORDS)  # Token 11: a position still to spell.
+_LETTER_0 = BLANK + 1  # Token of LETTERS[0]; LETTERS[i] is token 12 + i.
+
+
+def spell(digits) -> str:
+  """The digits' English words written one after the other: [3, 1] ->
+  "threeone"."""
+  return "".join(DIGIT_WORDS[int(d)] for d in digits)
+
+
+def spell_tokens(digits) -> tuple[list[int], list[int]]:
+  """The ``spell`` task's (inputs, targets) for ``digits``, unpadded:
+  [3, 1] -> ([4, 2, 11, 11, 11, 11, 11, 11], tokens of "threeone")."""
+  letters = spell(digits)
+  inputs = [_DIGIT_0 + int(d) for d in digits]
+  inputs += [BLANK] * (len(letters) - len(inputs))
+  return inputs, [_LETTER_0 + LETTERS.index(c) for c in letters]
+
+
+def token_names(task: str) -> tuple[str, ...] | None:
+  """What each token id of ``task`` reads as, indexed by id (``0``: ``""``,
+  padding), where it is not the number itself: spell's digits, blank (``_``)
+  and letters. None for the other tasks (their tokens are numbers)."""
+  if task != "spell":
+    return None
+  return ("", *map(str, range(len(DIGIT_WORDS))), "_", *LETTERS)
 
 
 # --------------------------------------------------------------------------
@@ -52,6 +98,7 @@ class DataSpec:
   num_train_examples: int = 20000
   num_eval_examples: int = 1000  # size of EACH of validation and test
   seed: int = 0  # data-generation seed
+  max_digits: int = 4  # spell only: inputs of 1..max_digits digits.
 
   def __post_init__(self) -> None:
     if self.task not in TASKS:
@@ -66,6 +113,18 @@ class DataSpec:
       raise ValueError("num_train_examples and num_eval_examples must be >= 1.")
     if self.seed < 0:
       raise ValueError(f"seed must be >= 0 (numpy seeding), got {self.seed}.")
+    if self.max_digits < 1:
+      raise ValueError(f"max_digits must be >= 1, got {self.max_digits}.")
+    if self.task == "spell" and self.max_len < self.longest_spelling:
+      raise ValueError(
+          f"max_len={self.max_len} cannot hold the longest spelling of "
+          f"max_digits={self.max_digits} digits ({self.longest_spelling} "
+          "letters).")
+
+  @property
+  def longest_spelling(self) -> int:
+    """Letters in the longest ``spell`` target (of ``max_digits`` digits)."""
+    return MAX_WORD_LEN * self.max_digits
 
 
 def vocab_size(task: str, num_symbols: int, max_len: int) -> int:
@@ -79,8 +138,11 @@ def vocab_size(task: str, num_symbols: int, max_len: int) -> int:
   Returns:
     ``num_symbols + 1`` for reverse/sort (targets are input symbols);
     ``max(num_symbols, max_len) + 1`` for histogram (targets are counts in
-    ``1..max_len``).
+    ``1..max_len``); for spell the pad, 10 digits, the blank and the letters
+    (27, whatever ``num_symbols`` and ``max_len``).
   """
+  if task == "spell":
+    return _LETTER_0 + len(LETTERS)
   if task in ("reverse", "sort"):
     return num_symbols + 1
   if task == "histogram":
@@ -97,10 +159,36 @@ def _sample_inputs(
     rng: np.random.Generator, spec: DataSpec, num: int
 ) -> np.ndarray:
   """Samples `num` padded input rows [num, max_len] int32."""
+  if spec.task == "spell":
+    return _sample_spell_inputs(rng, spec, num)
   lengths = rng.integers(spec.min_len, spec.max_len + 1, size=num)
   tokens = rng.integers(1, spec.num_symbols + 1, size=(num, spec.max_len))
   mask = np.arange(spec.max_len)[None, :] < lengths[:, None]
   return np.where(mask, tokens, 0).astype(np.int32)
+
+
+def _sample_spell_inputs(
+    rng: np.random.Generator, spec: DataSpec, num: int
+) -> np.ndarray:
+  """`num` padded spell input rows: 1..max_digits digit tokens, blanks up to
+  the length of their spelling, then padding."""
+  counts = rng.integers(1, spec.max_digits + 1, size=num)
+  digits = rng.integers(0, len(DIGIT_WORDS), size=(num, spec.max_digits))
+  inputs = np.zeros((num, spec.max_len), np.int32)
+  for row, (count, ds) in enumerate(zip(counts, digits)):
+    tokens, _ = spell_tokens(ds[:count])
+    inputs[row, : len(tokens)] = tokens
+  return inputs
+
+
+def _spell_targets(inputs: np.ndarray) -> np.ndarray:
+  """Letter tokens [N, L] of padded spell `inputs` [N, L]."""
+  out = np.zeros_like(inputs)
+  is_digit = (inputs >= _DIGIT_0) & (inputs < BLANK)
+  for row, (x, digit) in enumerate(zip(inputs, is_digit)):
+    _, letters = spell_tokens(x[digit] - _DIGIT_0)
+    out[row, : len(letters)] = letters
+  return out
 
 
 def _compute_targets(task: str, inputs: np.ndarray) -> np.ndarray:
@@ -124,6 +212,8 @@ def _compute_targets(task: str, inputs: np.ndarray) -> np.ndarray:
       m = mask[s : s + chunk]
       eq = (x[:, :, None] == x[:, None, :]) & m[:, None, :]
       out[s : s + chunk] = eq.sum(axis=2)
+  elif task == "spell":
+    out = _spell_targets(inputs)
   else:
     raise ValueError(f"Unknown task {task!r}; expected one of {TASKS}.")
   return np.where(mask, out, 0).astype(np.int32)
@@ -196,6 +286,7 @@ class ToySeq2SeqConfig(tfds.core.BuilderConfig):
   num_train_examples: int = 20000
   num_eval_examples: int = 1000
   seed: int = 0
+  max_digits: int = 4
 
   @property
   def spec(self) -> DataSpec:
@@ -215,7 +306,8 @@ class ToySeq2SeqConfig(tfds.core.BuilderConfig):
 
 
 class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """Toy per-position sequence-to-sequence tasks (reverse, sort, histogram).
+  """Toy per-position sequence-to-sequence tasks (reverse, sort, histogram,
+  spell).
 
   Not registered in the global tfds registry (build it with `make_builder`),
   so re-importing this module (e.g. as `__main__`) cannot collide.
@@ -231,8 +323,10 @@ class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
       "1.0.0": "Initial release.",
       "1.1.0": "No stored `length` feature (it is `inputs != 0`).",
   }
+  # spell has none: its DataSpec defaults (max_len 16) cannot hold 4 digits.
   BUILDER_CONFIGS = [
-      ToySeq2SeqConfig.from_spec(task, DataSpec(task=task)) for task in TASKS
+      ToySeq2SeqConfig.from_spec(task, DataSpec(task=task))
+      for task in ("reverse", "sort", "histogram")
   ]
   DEFAULT_BUILDER_CONFIG_NAME = "reverse"
 
@@ -268,15 +362,26 @@ class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
       }
 
 
+def _identity(spec: DataSpec) -> dict[str, object]:
+  """The fields that name `spec`'s data on disk: all of them, except
+  ``max_digits`` (added with spell) for the other tasks, so that every spec
+  of theirs keeps the name, and the prepared data, it had before."""
+  fields = dataclasses.asdict(spec)
+  if spec.task != "spell":
+    del fields["max_digits"]
+  return fields
+
+
 def _spec_hash(spec: DataSpec) -> str:
   """Short stable hash of `spec` (independent of Python's `hash()`)."""
-  blob = json.dumps(dataclasses.asdict(spec), sort_keys=True).encode()
+  blob = json.dumps(_identity(spec), sort_keys=True).encode()
   return hashlib.sha256(blob).hexdigest()[:10]
 
 
 def config_name(spec: DataSpec) -> str:
   """Builder config name for `spec` (see `make_builder`)."""
-  if spec == DataSpec(task=spec.task):
+  if (spec.task in ToySeq2Seq.builder_configs
+      and _identity(spec) == _identity(DataSpec(task=spec.task))):
     return spec.task
   return f"{spec.task}_{_spec_hash(spec)}"
 
@@ -309,6 +414,7 @@ class Split:
 
   inputs: np.ndarray  # [N, max_len] int32
   targets: np.ndarray  # [N, max_len] int32
+  task: str | None = None  # What `token_names` to read the tokens as.
 
   def __len__(self) -> int:
     return int(self.inputs.shape[0])
@@ -319,7 +425,7 @@ class Split:
     return (self.inputs != 0).sum(axis=1).astype(np.int32)
 
 
-def _read_split(source, max_len: int) -> Split:
+def _read_split(source, max_len: int, task: str) -> Split:
   """Reads a whole data source into memory, `_READ_CHUNK` records per call."""
   n = len(source)
   inputs = np.zeros((n, max_len), np.int32)
@@ -331,7 +437,7 @@ def _read_split(source, max_len: int) -> Split:
     targets[start : start + len(idx)] = np.stack([r["targets"] for r in records])
   inputs.setflags(write=False)
   targets.setflags(write=False)
-  return Split(inputs=inputs, targets=targets)
+  return Split(inputs=inputs, targets=targets, task=task)
 
 
 def load_splits(spec: DataSpec, data_dir: str) -> dict[str, Split]:
@@ -360,7 +466,8 @@ def load_splits(spec: DataSpec, data_dir: str) -> dict[str, Split]:
       tfds.enable_progress_bar()
   sources = builder.as_data_source()
   return {
-      split: _read_split(sources[split], spec.max_len) for split in _SPLITS
+      split: _read_split(sources[split], spec.max_len, spec.task)
+      for split in _SPLITS
   }
 
 

@@ -128,7 +128,9 @@ def pick_examples(split: data.Split, num_examples: int) -> np.ndarray:
 def write_attention_plots(model: Transformer, params, split: data.Split,
                           out_dir: str, *, num_examples: int = 4,
                           prefix: str = "attention") -> list[str]:
-  """Writes one layers x heads heatmap grid per picked example.
+  """Writes one layers x heads heatmap grid per picked example, its tokens
+  labelled as ``data.token_names(split.task)`` reads them (spell's digits,
+  blanks and letters; the numbers themselves for the other tasks).
 
   Returns:
     The paths of the PNG files written (``out_dir/<prefix>_<index>.png``).
@@ -140,6 +142,7 @@ def write_attention_plots(model: Transformer, params, split: data.Split,
   logits, attention = jax.jit(model.apply)({"params": params}, inputs)
   predictions = np.asarray(jnp.argmax(logits, -1))
   attention = [np.asarray(a) for a in attention]
+  names = data.token_names(split.task) if split.task else None
   os.makedirs(out_dir, exist_ok=True)
   paths = []
   for row, index in enumerate(indices):
@@ -149,6 +152,7 @@ def write_attention_plots(model: Transformer, params, split: data.Split,
     plotting.plot_attention(
         split.inputs[index], [a[row] for a in attention], path,
         targets=split.targets[index], predictions=predictions[row],
+        token_names=names,
         title=(f"example {index}: input -> target, {correct}/{n} positions "
                "predicted right"))
     paths.append(path)

@@ -108,6 +108,7 @@ def attention_grid_figure(
     targets: np.ndarray | None = None,
     predictions: np.ndarray | None = None,
     title: str | None = None,
+    token_names: Sequence[str] | None = None,
 ) -> Figure:
   """Builds (but does not save) the layers x heads attention-heatmap figure.
 
@@ -146,10 +147,13 @@ def attention_grid_figure(
                       gridspec_kw={"height_ratios": row_heights})
   norm = Normalize(vmin=0.0, vmax=1.0)
 
-  key_labels = [str(int(t)) for t in tokens[:n]]
+  def name(token: int) -> str:
+    return str(token) if token_names is None else token_names[token]
+
+  key_labels = [name(int(t)) for t in tokens[:n]]
   if targets is not None:
     query_labels = [
-        f"{int(x)}\u2192{int(t)}"
+        f"{name(int(x))}\u2192{name(int(t))}"
         for x, t in zip(tokens[:n], targets[:n])
     ]
   else:
@@ -234,6 +238,7 @@ def plot_attention(
     targets: np.ndarray | None = None,
     predictions: np.ndarray | None = None,
     title: str | None = None,
+    token_names: Sequence[str] | None = None,
 ) -> None:
   """Writes a PNG grid of attention heatmaps (rows = layers, columns = heads).
 
@@ -254,6 +259,9 @@ def plot_attention(
       predictions: optional ``[L]`` int predicted tokens (requires ``targets``);
         query labels where ``prediction != target`` are drawn in bold red.
       title: optional figure title (``fig.suptitle``).
+      token_names: optional label of each token id (``token_names[t]``, e.g.
+        ``mha.data.token_names("spell")``: digits, ``_`` and letters); by
+        default a token is labelled with its number.
 
     Raises:
       ValueError: if ``tokens`` is not 1-D or starts with padding, an attention
@@ -267,6 +275,7 @@ def plot_attention(
       targets=targets,
       predictions=predictions,
       title=title,
+      token_names=token_names,
   )
   path = os.fspath(path)
   parent = os.path.dirname(path)
