@@ -42,13 +42,14 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from configs import default
 from mha import build
 from mha import sharding as sharding_lib
 from mha.model import Transformer, TransformerConfig
@@ -115,14 +116,34 @@ def restore_state(manager: ocp.CheckpointManager, step: int,
   return restored["state"]
 
 
-def restore_config(manager: ocp.CheckpointManager,
-                   step: int) -> ml_collections.ConfigDict:
-  """The config saved with ``step``, locked."""
-  restored = manager.restore(step, args=ocp.args.Composite(
-      config=ocp.args.JsonRestore()))
-  config = ml_collections.ConfigDict(restored["config"])
+def complete_config(saved: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """A saved config (as a dict) with every key of today's
+  ``default.get_config()``, locked: a key added since the run was saved
+  (``model.head_dim``, ``data.max_digits``) gets its default, which is what
+  that run did; every saved value stays as saved (a pruned model's per-layer
+  ``model.num_heads`` list included)."""
+
+  def merge(defaults: dict[str, Any], values: Mapping[str, Any]) -> dict:
+    merged = dict(defaults)
+    for key, value in values.items():
+      if isinstance(value, Mapping) and isinstance(defaults.get(key), dict):
+        merged[key] = merge(defaults[key], value)
+      else:
+        merged[key] = value
+    return merged
+
+  config = ml_collections.ConfigDict(
+      merge(default.get_config().to_dict(), saved))
   config.lock()
   return config
+
+
+def restore_config(manager: ocp.CheckpointManager,
+                   step: int) -> ml_collections.ConfigDict:
+  """The config saved with ``step`` (:func:`complete_config`), locked."""
+  restored = manager.restore(step, args=ocp.args.Composite(
+      config=ocp.args.JsonRestore()))
+  return complete_config(restored["config"])
 
 
 def _drop_closed_loop_reports() -> None:

@@ -20,6 +20,7 @@ from configs import default
 from conftest import copy_workdir, tiny_config
 import mha
 from mha import build
+from mha import config_validation
 from mha import data
 from mha import evaluate
 from mha import train
@@ -112,27 +113,35 @@ def test_load_checkpoint_restores_params_and_config(tiny_run):
     mha.load_checkpoint(os.path.join(workdir, "nothing-here"))
 
 
-def _forget_head_dim(workdir):
-  """Makes ``workdir`` look saved before ``model.head_dim`` existed: its
-  configs (``config.json`` and each checkpoint's JSON item) lack the key."""
+def _forget_new_keys(workdir):
+  """Makes ``workdir`` look saved before ``model.head_dim`` and
+  ``data.max_digits`` existed: its configs (``config.json`` and each
+  checkpoint's JSON item) lack them."""
   paths = [os.path.join(workdir, "config.json")] + glob.glob(
       os.path.join(workdir, "checkpoints", "*", "config", "metadata"))
   assert len(paths) == 3
   for path in paths:
     with open(path, encoding="utf-8") as f:
       saved = json.load(f)
-    del saved["model"]["head_dim"]
+    del saved["model"]["head_dim"], saved["data"]["max_digits"]
     with open(path, "w", encoding="utf-8") as f:
       json.dump(saved, f)
 
 
 def test_second_call_resumes_and_continues(tiny_run, tmp_path, data_dir):
-  # A copy of the finished run, as saved before model.head_dim existed, is
-  # loaded and continued for 10 more steps with today's config.
+  # A copy of the finished run, as saved before model.head_dim and
+  # data.max_digits existed, is loaded and continued for 10 more steps with
+  # today's config.
   resumed_dir = copy_workdir(tiny_run.workdir, tmp_path / "resumed")
-  _forget_head_dim(resumed_dir)
+  _forget_new_keys(resumed_dir)
   ckpt = mha.load_checkpoint(resumed_dir)
-  assert "head_dim" not in ckpt.config.model
+  # The loaded config is today's: the missing keys at their defaults (what
+  # the old run did), so it passes the checks a new run's config passes
+  # (the pruning study trains more seeds from it).
+  assert ckpt.config.model.head_dim is None
+  assert ckpt.config.data.max_digits == default.get_config().data.max_digits
+  assert ckpt.config.to_dict() == tiny_run.config.to_dict()
+  config_validation.validate_config(ckpt.config)
   assert ckpt.model_config == build.model_config(tiny_run.config)
   for a, b in zip(jax.tree.leaves(ckpt.params),
                   jax.tree.leaves(tiny_run.state.params)):
