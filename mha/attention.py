@@ -15,6 +15,12 @@ Conventions (shared with the rest of the package):
 Everything here is a pure function of its inputs, so ``jax.jit``,
 ``jax.grad`` and ``jax.vmap`` pass through (over batch axes, over head masks,
 and over stacked parameters).
+
+:class:`MultiHeadAttention` is a drop-in for
+``flax.linen.MultiHeadDotProductAttention`` (every field and call argument,
+the same parameters, cache and sown weights) that also returns the weights;
+its docstring lists where it differs on purpose. Off CPU, the fused path picks
+cuDNN flash attention or XLA (:mod:`mha.attention_kernels`).
 """
 
 from __future__ import annotations

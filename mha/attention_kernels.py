@@ -39,6 +39,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+try:  # Private: where jax.nn.dot_product_attention reads cuDNN's version.
+  from jax._src.lib import cuda_versions as _cuda_versions
+except ImportError:  # A JAX that moved it: no cuDNN detected, XLA then.
+  _cuda_versions = None
+
 Array = jax.Array
 
 IMPLEMENTATIONS = ("cudnn", "xla")
@@ -69,11 +74,10 @@ def device_facts() -> DeviceFacts:
     version = str(getattr(device.client, "platform_version", "")).lower()
     platform = "rocm" if "rocm" in version else "cuda"
   cudnn = None
-  if platform == "cuda":
+  if platform == "cuda" and _cuda_versions is not None:
     try:
-      from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
-      cudnn = int(cuda_versions.cudnn_get_version()) if cuda_versions else None
-    except Exception:  # No cuDNN, or a JAX that moved it: not cuDNN then.
+      cudnn = int(_cuda_versions.cudnn_get_version())
+    except Exception:  # No cuDNN: not cuDNN then.
       cudnn = None
   return DeviceFacts(platform, getattr(device, "compute_capability", None),
                      cudnn)

@@ -416,7 +416,7 @@ def format_tables(results: Mapping[str, Any]) -> list[str]:
   lines += ["", "| seeds trained together | config | one model (steps/s) | "
             "vmapped (steps/s) | seed-steps/s vs one |",
             "| --- | --- | ---: | ---: | ---: |",
-            f"| {s['num_seeds']} seeds, vmapped | {s['config_arg'] or 'default'}"
-            f" | {s['single_steps_per_s']:.1f} | {s['vmapped_steps_per_s']:.1f}"
-            f" | {s['throughput_ratio']:.2f}x |"]
+            f"| {s['num_seeds']} seeds, vmapped | "
+            f"{s['config_arg'] or 'default'} | {s['single_steps_per_s']:.1f} | "
+            f"{s['vmapped_steps_per_s']:.1f} | {s['throughput_ratio']:.2f}x |"]
   return lines

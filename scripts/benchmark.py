@@ -663,8 +663,11 @@ def run_accelerator(log: Callable[[str], None]) -> tuple[dict[str, Any], str]:
              "repeats": plan.repeats}
   results["accelerator"] = accelerator.run(plan, time_interleaved, log)
   results["load_average_end"] = _load()
-  lines = _header_lines(results) + accelerator.format_tables(
-      results["accelerator"])
+  lines = _header_lines(results)
+  if plan is accelerator.SEEDS:
+    lines[1] = (f"Train steps/s: medians of {plan.seeds_windows} windows of "
+                f"about {plan.seeds_window_s:g} s.")
+  lines += accelerator.format_tables(results["accelerator"])
   return results, "\n".join(lines) + "\n"
 
 

@@ -130,6 +130,7 @@ def test_accelerator_section_compares_the_same_function(bench):
   assert max(fused["max_relative_diff"].values()) < 1e-2
   assert results["seeds"]["throughput_ratio"] > 0
   table = "\n".join(acc.format_tables(results))
-  assert "| forward+backward, weights out | bfloat16 | 2 / 8 / 16 / 2 |" in table
+  assert ("| forward+backward, weights out | bfloat16 | 2 / 8 / 16 / 2 |"
+          in table)
   assert "| fwd_bwd | bfloat16 | 2 / 8 / 16 / 2 | xla | lengths |" in table
   assert "| 2 seeds, vmapped | tiny |" in table

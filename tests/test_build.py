@@ -13,7 +13,9 @@ import pytest
 
 from configs import default
 from mha import build
+from mha import config_validation
 from mha import data
+from mha import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -192,7 +194,6 @@ def test_schedule_warms_up_to_the_peak_then_decays_to_zero():
 
 
 def test_model_dtype_key_trains_in_bfloat16():
-  from mha import config_validation, train  # pylint: disable=g-import-not-at-top
   assert default.get_config().model.dtype == "float32"
   config = default.get_config("tiny,model.dtype=bfloat16")
   assert config_validation.config_problems(config) == []
