@@ -180,18 +180,20 @@ def library_attention(query: Array, key: Array, value: Array, *,
       return_residual=return_weights)
   context, lse = result if return_weights else (result, None)
   context = jnp.reshape(context, batch_shape + context.shape[-3:])
-  if mask is None and kv_lengths is not None:
-    key_lengths = jnp.reshape(jnp.asarray(kv_lengths), batch_shape + (1, 1, 1))
-    positions = jnp.reshape(jnp.arange(lk), (1,) * (len(batch_shape) + 2)
-                            + (lk,))
-    mask = positions < key_lengths
-    mask = jnp.broadcast_to(mask, batch_shape + (1, lq, lk))
-  if mask is None:
+  if mask is None and kv_lengths is None:
     return context, (None if lse is None else _rebuild(query, key, lse, None))
-  row_ok = jnp.swapaxes(jnp.any(mask, axis=-1), -1, -2)  # [..., Lq, H|1]
+  if mask is not None:
+    row_ok = jnp.swapaxes(jnp.any(mask, axis=-1), -1, -2)  # [..., Lq, H]
+  else:  # A sequence of length 0 has no key for any query.
+    row_ok = jnp.reshape(jnp.asarray(kv_lengths) > 0, batch_shape + (1, 1))
   context = jnp.where(row_ok[..., None], context, jnp.zeros((), context.dtype))
   if lse is None:
     return context, None
+  if mask is None:
+    key_lengths = jnp.reshape(jnp.asarray(kv_lengths), batch_shape + (1, 1, 1))
+    positions = jnp.reshape(jnp.arange(lk), (1,) * (len(batch_shape) + 2)
+                            + (lk,))
+    mask = jnp.broadcast_to(positions < key_lengths, batch_shape + (1, lq, lk))
   return context, _rebuild(query, key, lse, mask)
 
 
