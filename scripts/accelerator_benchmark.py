@@ -131,7 +131,7 @@ def torch_device() -> tuple[Any, str | None]:
 def torch_layer(torch: Any, device: str, params: Any, shape: LayerShape,
                 dtype: str) -> Any:
   """A ``torch.nn.MultiheadAttention`` holding ``params`` (ours/Flax's)."""
-  p = jax.tree.map(np.asarray, params["params"])
+  p = jax.tree.map(np.array, params["params"])  # writable copies for torch
   width = shape.width
   layer = torch.nn.MultiheadAttention(width, shape.heads, batch_first=True)
   kernel = lambda name: p[name]["kernel"].reshape(width, width).T

@@ -550,3 +550,27 @@ def test_no_warning_on_a_plain_call():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     layer.apply(params, x, x, x[..., :3, :])  # inputs_v not square
+
+
+@pytest.mark.skipif(kernels.device_facts().platform != "cuda",
+                    reason="needs an NVIDIA GPU (cuDNN)")
+def test_cudnn_path_on_a_gpu_equals_xla():
+  # On a GPU the rule picks cuDNN for bfloat16 with a supported head width;
+  # its context and rebuilt weights equal XLA's (bfloat16 outputs: ~1e-2).
+  q, k, v = (_x(2, 64, 2, 64, seed=s, dtype=jnp.bfloat16) for s in range(3))
+  facts = kernels.device_facts()
+  mask_cases = ((None, jnp.array([64, 17], jnp.int32)),
+                (att.causal_mask(64)[None] & jnp.ones((2, 2, 64, 64), bool),
+                 None))
+  for mask, lengths in mask_cases:
+    form = "array" if mask is not None else "lengths"
+    assert kernels.select_implementation(
+        facts, dtype=q.dtype, head_dim=64, value_head_dim=64, q_len=64,
+        kv_len=64, mask_form=form) == "cudnn", facts
+    run = lambda impl: jax.jit(lambda q, k, v: kernels.library_attention(
+        q, k, v, mask=mask, kv_lengths=lengths, implementation=impl,
+        return_weights=True))(q, k, v)
+    (context, weights), (xla_context, xla_weights) = run("cudnn"), run("xla")
+    np.testing.assert_allclose(np.asarray(context, np.float32),
+                               np.asarray(xla_context, np.float32), atol=2e-2)
+    np.testing.assert_allclose(weights, xla_weights, atol=2e-3)
