@@ -845,26 +845,17 @@ class MultiHeadAttention(nn.Module):
     """``(context, weights or None)`` of the projected heads: the unfused
     path when the weights are wanted (unless ``weights_from_lse``), dropout
     is on, or the einsums are customised; else the fused one."""
+    shape = query.shape[:-3] + (self.num_heads, query.shape[-3],
+                                key.shape[-3])  # [..., H, Lq, Lk]
     if self.attention_fn is not dot_product_attention:
-      return self._custom_attention(query, key, value,
-                                    _lengths_or_mask(mask, kv_lengths, (
-                                        query.shape[:-3] + (
-                                            self.num_heads, query.shape[-3],
-                                            key.shape[-3]))),
-                                    deterministic, dropout_rng, sow_weights)
+      return self._custom_attention(
+          query, key, value, _lengths_or_mask(mask, kv_lengths, shape),
+          deterministic, dropout_rng, sow_weights)
     qk_einsum, av_einsum = self._einsums()
     dropout = not deterministic and self.dropout_rate > 0.0
     unfused = (dropout or self.precision is not None or qk_einsum is not None
                or (want_weights and not self.weights_from_lse))
-    weights_dtype = (jnp.float32 if self.force_fp32_for_softmax else
-                     query.dtype)
-    if not unfused:
-      context, weights = _fused(query, key, value, mask, kv_lengths,
-                                return_weights=want_weights)
-      weights = None if weights is None else weights.astype(weights_dtype)
-    else:
-      shape = query.shape[:-3] + (self.num_heads, query.shape[-3],
-                                  key.shape[-3])
+    if unfused:
       context, weights = dot_product_attention(
           query, key, value, mask=_lengths_or_mask(mask, kv_lengths, shape),
           broadcast_dropout=self.broadcast_dropout, dropout_rng=dropout_rng,
@@ -873,6 +864,12 @@ class MultiHeadAttention(nn.Module):
           force_fp32_for_softmax=self.force_fp32_for_softmax,
           qk_attn_weights_einsum=qk_einsum,
           attn_weights_value_einsum=av_einsum)
+    else:
+      context, weights = _fused(query, key, value, mask, kv_lengths,
+                                return_weights=want_weights)
+      if weights is not None:  # float32 from the kernel: Flax's dtype rule
+        weights = weights.astype(jnp.float32 if self.force_fp32_for_softmax
+                                 else query.dtype)
     if sow_weights:
       self.sow("intermediates", "attention_weights", weights)
     return context, weights
