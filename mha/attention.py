@@ -417,7 +417,13 @@ def _fused(query: Array, key: Array, value: Array, mask: Array | None,
 
   def elsewhere(q, k, v, m, n):
     if m is not None:
-      m = _lengths_or_mask(m, n, shape)
+      # Full batch axes, but one head when the mask has one: cuDNN takes the
+      # mask as an additive bias (and computes its gradient), H times
+      # smaller that way.
+      m = combine_masks(m, None if n is None else padding_mask_from_lengths(
+          n, shape[-1]))
+      heads = 1 if m.ndim < 3 or m.shape[-3] == 1 else shape[-3]
+      m = _full_mask(m, shape[:-3] + (heads,) + shape[-2:])
       n = None
     return attention_kernels.fused_attention(
         q, k, v, mask=m, kv_lengths=n, return_weights=return_weights)
@@ -464,7 +470,7 @@ def fused_dot_product_attention(
   num_heads = query.shape[-2]
   weights_shape = batch_shape + (num_heads, query.shape[-3], key.shape[-3])
   if mask is not None:
-    mask = _full_mask(mask, weights_shape)
+    mask = _check_mask(mask, weights_shape)
   if kv_lengths is not None:
     kv_lengths = jnp.asarray(kv_lengths)
     if kv_lengths.shape != batch_shape:

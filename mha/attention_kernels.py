@@ -158,7 +158,8 @@ def library_attention(query: Array, key: Array, value: Array, *,
   Args:
     query, key, value: ``[..., Lq, H, Dh]``, ``[..., Lk, H, Dh]``,
       ``[..., Lk, H, Dv]``.
-    mask: None or boolean ``[..., H, Lq, Lk]`` (full shape).
+    mask: None or boolean ``[..., H, Lq, Lk]`` or ``[..., 1, Lq, Lk]`` (full
+      batch axes).
     kv_lengths: None or integer ``[...]``: keys at positions ``>= length``
       are masked (only without ``mask``).
     implementation: ``"xla"`` or ``"cudnn"``.
@@ -183,7 +184,7 @@ def library_attention(query: Array, key: Array, value: Array, *,
   if mask is None and kv_lengths is None:
     return context, (None if lse is None else _rebuild(query, key, lse, None))
   if mask is not None:
-    row_ok = jnp.swapaxes(jnp.any(mask, axis=-1), -1, -2)  # [..., Lq, H]
+    row_ok = jnp.swapaxes(jnp.any(mask, axis=-1), -1, -2)  # [..., Lq, H|1]
   else:  # A sequence of length 0 has no key for any query.
     row_ok = jnp.reshape(jnp.asarray(kv_lengths) > 0, batch_shape + (1, 1))
   context = jnp.where(row_ok[..., None], context, jnp.zeros((), context.dtype))

@@ -477,8 +477,11 @@ def test_weights_rebuilt_from_the_log_sum_exp_equal_the_unfused_ones():
   rebuild = lambda q, k, v, mask, lengths=None: kernels.library_attention(
       q, k, v, mask=mask, kv_lengths=lengths, implementation="xla",
       return_weights=True)
-  for m, lengths in ((mask, None), (None, jnp.array([6, 0]))):
+  one_head = mask[:, :1]  # [B, 1, Lq, Lk]: one mask for every head
+  for m, lengths in ((mask, None), (one_head, None),
+                     (None, jnp.array([6, 0]))):
     full = m if lengths is None else att.padding_mask_from_lengths(lengths, 6)
+    full = jnp.broadcast_to(full, (2, 2, 6, 6))
     context, weights = jax.jit(rebuild)(q, k, v, m, lengths)
     expected_context, expected = dot_product_attention(q, k, v, mask=full)
     assert weights.dtype == jnp.float32
