@@ -302,22 +302,30 @@ def _random_batches(config: Any, num: int) -> dict[str, Any]:
           "targets": jnp.asarray(inputs[..., ::-1], jnp.int32)}
 
 
-def _rate(step: Callable, state: Any, batch: Any, rng: Any,
-          window_s: float, windows: int) -> tuple[float, list[float]]:
-  """Median steps/s over ``windows`` windows of about ``window_s``."""
+def _interleaved_rates(sides: dict[str, list], window_s: float,
+                       windows: int) -> dict[str, list[float]]:
+  """Steps/s of each ``[step, state, batch, rng]`` in ``sides`` over
+  ``windows`` windows of about ``window_s``, the sides alternating (in turn
+  first and last) so that both see the same machine."""
 
-  def steps_per_s(steps):
-    nonlocal state
+  def steps_per_s(name, steps):
+    step, state, batch, rng = sides[name]
     start = time.perf_counter()
     for _ in range(steps):
       state, metrics = step(state, batch, rng)
     jax.block_until_ready((state, metrics))
+    sides[name][1] = state
     return steps / (time.perf_counter() - start)
 
-  steps_per_s(1)  # Compiles.
-  steps = max(2, round(window_s * steps_per_s(3)))
-  rates = [steps_per_s(steps) for _ in range(windows)]
-  return statistics.median(rates), rates
+  for name in sides:
+    steps_per_s(name, 1)  # Compiles.
+  steps = {name: max(2, round(window_s * steps_per_s(name, 3)))
+           for name in sides}
+  rates = {name: [] for name in sides}
+  for w in range(windows):
+    for name in list(sides) if w % 2 == 0 else reversed(list(sides)):
+      rates[name].append(steps_per_s(name, steps[name]))
+  return rates
 
 
 def vmapped_seeds(arg: str, num_seeds: int, window_s: float,
@@ -332,18 +340,20 @@ def vmapped_seeds(arg: str, num_seeds: int, window_s: float,
   create = functools.partial(build.create_train_state, config, model)
   keys = jax.random.split(jax.random.key(config.seed), num_seeds)
   batches = _random_batches(config, num_seeds)
-  single, single_rates = _rate(
-      jax.jit(step, donate_argnums=0), jax.jit(create)(keys[0]),
-      jax.tree.map(lambda a: a[0], batches), keys[0], window_s, windows)
-  stacked, stacked_rates = _rate(
-      jax.jit(jax.vmap(step), donate_argnums=0),
-      jax.jit(jax.vmap(create))(keys), batches, keys, window_s, windows)
+  rates = _interleaved_rates({
+      "single": [jax.jit(step, donate_argnums=0), jax.jit(create)(keys[0]),
+                 jax.tree.map(lambda a: a[0], batches), keys[0]],
+      "vmapped": [jax.jit(jax.vmap(step), donate_argnums=0),
+                  jax.jit(jax.vmap(create))(keys), batches, keys],
+  }, window_s, windows)
+  single = statistics.median(rates["single"])
+  stacked = statistics.median(rates["vmapped"])
   return {"config_arg": arg, "num_seeds": num_seeds,
           "single_steps_per_s": single,
           "vmapped_steps_per_s": stacked,
           "throughput_ratio": num_seeds * stacked / single,
-          "single_window_rates": single_rates,
-          "vmapped_window_rates": stacked_rates}
+          "single_window_rates": rates["single"],
+          "vmapped_window_rates": rates["vmapped"]}
 
 
 # --------------------------------------------------------------------------
