@@ -234,13 +234,14 @@ def fused_attention(query: Array, key: Array, value: Array, *,
   :func:`select_implementation`; a cuDNN call that still refuses at trace
   time falls back to XLA."""
   facts = device_facts() if facts is None else facts
+  dtype = jnp.result_type(query, key, value)  # both kernels want one dtype
+  query, key, value = (x.astype(dtype) for x in (query, key, value))
   mask_form = ("array" if mask is not None else
                "lengths" if kv_lengths is not None else "none")
   choice = select_implementation(
-      facts, dtype=jnp.result_type(query, key, value),
-      head_dim=query.shape[-1], value_head_dim=value.shape[-1],
-      q_len=query.shape[-3], kv_len=key.shape[-3], mask_form=mask_form,
-      size=query.size)
+      facts, dtype=dtype, head_dim=query.shape[-1],
+      value_head_dim=value.shape[-1], q_len=query.shape[-3],
+      kv_len=key.shape[-3], mask_form=mask_form, size=query.size)
   if choice == "cudnn":
     try:
       return library_attention(query, key, value, mask=mask,
