@@ -71,9 +71,10 @@ class AcceleratorPlan:
     dtypes: compute dtypes of parts 1-3.
     repeats: timed interleaved rounds of each comparison.
     seeds_config: ``get_config`` argument of part 4.
-    num_seeds: models trained together in part 4.
+    num_seeds: models trained together in part 4 (0: no part 4).
     seeds_window_s: about how long a timed window of train steps lasts.
     seeds_windows: timed windows (the rate is their median).
+    fused_masks: mask forms of part 3: "none" and/or "lengths".
   """
   name: str
   shapes: tuple[LayerShape, ...]
@@ -83,6 +84,7 @@ class AcceleratorPlan:
   num_seeds: int = 4
   seeds_window_s: float = 2.0
   seeds_windows: int = 5
+  fused_masks: tuple[str, ...] = ("none", "lengths")
 
 
 GPU = AcceleratorPlan(
@@ -247,7 +249,9 @@ def layer_rows(shape: LayerShape, dtype: str, repeats: int,
 
 
 def fused_vs_direct(shape: LayerShape, dtype: str, repeats: int,
-                    timer: Timer) -> dict[str, Any]:
+                    timer: Timer,
+                    masks: Sequence[str] = ("none", "lengths")
+                    ) -> dict[str, Any]:
   """Our fused path vs the library call it selects, same arrays."""
   head_dim = shape.width // shape.heads
   q, k, v = (jax.random.normal(
@@ -265,9 +269,8 @@ def fused_vs_direct(shape: LayerShape, dtype: str, repeats: int,
   loss = lambda f: lambda q, k, v, n: jnp.sum(f(q, k, v, n).astype(
       jnp.float32))
   calls = {}
-  for masked in (False, True):
-    n = lengths if masked else None
-    suffix = "lengths" if masked else "none"
+  for suffix in masks:
+    n = lengths if suffix == "lengths" else None
     for side, f in (("ours", ours), ("direct", direct)):
       calls[f"forward/{suffix}/{side}"] = functools.partial(
           jax.jit(f), q, k, v, n)
@@ -371,11 +374,12 @@ def run(plan: AcceleratorPlan, timer: Timer,
       results["layers"].append(layer_rows(shape, dtype, plan.repeats, timer))
       log(f"accelerator: fused path vs direct call, {shape} {dtype}")
       results["fused"].append(fused_vs_direct(shape, dtype, plan.repeats,
-                                              timer))
-  log(f"accelerator: {plan.num_seeds} vmapped seeds vs one "
-      f"({plan.seeds_config or 'default'} config)")
-  results["seeds"] = vmapped_seeds(plan.seeds_config, plan.num_seeds,
-                                   plan.seeds_window_s, plan.seeds_windows)
+                                              timer, plan.fused_masks))
+  if plan.num_seeds:
+    log(f"accelerator: {plan.num_seeds} vmapped seeds vs one "
+        f"({plan.seeds_config or 'default'} config)")
+    results["seeds"] = vmapped_seeds(plan.seeds_config, plan.num_seeds,
+                                     plan.seeds_window_s, plan.seeds_windows)
   return results
 
 
@@ -415,13 +419,15 @@ def format_tables(results: Mapping[str, Any]) -> list[str]:
               "| --- | --- | --- | --- | --- | ---: | ---: | ---: |"]
     for row in results["fused"]:
       for kind in ("forward", "fwd_bwd"):
-        for mask in ("none", "lengths"):
+        for mask in sorted({k.split("/")[1] for k in row["ms"]}):
           ms = row["ms"]
           a, b = f"{kind}/{mask}/ours", f"{kind}/{mask}/direct"
           lines.append(
               f"| {kind} | {row['dtype']} | {LayerShape(**row['shape'])} | "
               f"{row['implementation']} | {mask} | {ms[a]:.2f} | "
               f"{ms[b]:.2f} | {ms[a] / ms[b]:.3f} |")
+  if "seeds" not in results:
+    return lines
   s = results["seeds"]
   lines += ["", "| seeds trained together | config | one model (steps/s) | "
             "vmapped (steps/s) | seed-steps/s vs one |",

@@ -112,12 +112,14 @@ def test_forward_flops_count_the_matmuls_xla_counts(bench):
 
 def test_accelerator_section_compares_the_same_function(bench):
   # A tiny plan in-process: every side computes the same attention on the
-  # same parameters, and the tables name every row.
+  # same parameters, and the tables name every row. (The vmapped-seeds part
+  # is left out: compiling its two train steps took 20 s on the loaded
+  # 2-core machine, more than the rest; `benchmark.py --vmapped_seeds` runs
+  # it.)
   acc = bench.accelerator
   plan = acc.AcceleratorPlan(
       name="quick", shapes=(acc.LayerShape(2, 8, 16, 2),),
-      dtypes=("bfloat16",), repeats=1, seeds_config="tiny", num_seeds=2,
-      seeds_window_s=0.001, seeds_windows=1)
+      dtypes=("bfloat16",), repeats=1, num_seeds=0, fused_masks=("lengths",))
   results = acc.run(plan, bench.time_interleaved)
   (layer,), (fused,) = results["layers"], results["fused"]
   diffs = layer["max_relative_diff"]
@@ -128,9 +130,9 @@ def test_accelerator_section_compares_the_same_function(bench):
     assert diffs["weights_torch"] < 1e-2
   assert fused["implementation"] == "xla"  # no cuDNN on this device
   assert max(fused["max_relative_diff"].values()) < 1e-2
-  assert results["seeds"]["throughput_ratio"] > 0
+  assert "seeds" not in results
   table = "\n".join(acc.format_tables(results))
   assert ("| forward+backward, weights out | bfloat16 | 2 / 8 / 16 / 2 |"
           in table)
   assert "| fwd_bwd | bfloat16 | 2 / 8 / 16 / 2 | xla | lengths |" in table
-  assert "| 2 seeds, vmapped | tiny |" in table
+  assert "seeds trained together" not in table
