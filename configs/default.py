@@ -65,6 +65,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.model.positional = "learned"  # Position embedding: learned|sinusoidal.
   # Per-head width; None: d_model // num_heads.
   config.model.head_dim = config_dict.placeholder(int)
+  # Computation dtype: float32|bfloat16 (parameters, softmax and loss stay
+  # float32; bfloat16 lets GPUs run cuDNN flash attention).
+  config.model.dtype = "float32"
 
   config.mesh = ml_collections.ConfigDict()
   config.mesh.data = -1  # Devices along the data (batch) axis; -1 = all.

@@ -15,17 +15,27 @@ Conventions (shared with the rest of the package):
 Everything here is a pure function of its inputs, so ``jax.jit``,
 ``jax.grad`` and ``jax.vmap`` pass through (over batch axes, over head masks,
 and over stacked parameters).
+
+:class:`MultiHeadAttention` is a drop-in for
+``flax.linen.MultiHeadDotProductAttention`` (every field and call argument,
+the same parameters, cache and sown weights) that also returns the weights;
+its docstring lists where it differs on purpose. Off CPU, the fused path picks
+cuDNN flash attention or XLA (:mod:`mha.attention_kernels`).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import Any, Callable
+import warnings
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from mha import attention_kernels
 
 Array = jax.Array
 Dtype = Any
@@ -119,7 +129,23 @@ def _shape_error(name: str, shape: tuple[int, ...], expected: str) -> ValueError
 # --------------------------------------------------------------------------
 
 
+def _check_dtypes(**arrays: Array | None) -> None:
+  """Raises ``ValueError`` naming the first array whose dtype is not a real
+  floating-point type: a complex input would lose its imaginary part in the
+  float32 softmax, and integers are not activations."""
+  for name, x in arrays.items():
+    if x is None:
+      continue
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise ValueError(
+          f"`{name}` has dtype {dtype}, expected a real floating-point dtype "
+          "(float32, bfloat16, float16, ...); complex and integer inputs are "
+          "not supported.")
+
+
 def _check_qkv(query: Array, key: Array, value: Array) -> None:
+  _check_dtypes(query=query, key=key, value=value)
   for name, x in (("query", query), ("key", key), ("value", value)):
     if x.ndim < 3:
       raise _shape_error(name, x.shape, "[..., L, H, Dh] (at least 3 dims)")
@@ -141,17 +167,22 @@ def _check_qkv(query: Array, key: Array, value: Array) -> None:
         f"{query.shape}, key {key.shape}.")
 
 
-def _check_mask(mask: Array, target: tuple[int, ...]) -> Array:
-  """Validates ``mask`` against ``[..., H, Lq, Lk]``; returns it as bool."""
-  mask = jnp.asarray(mask)
+def _broadcastable(name: str, x: Array, target: tuple[int, ...]) -> Array:
+  """``x`` as an array, after checking it broadcasts to ``target``."""
+  x = jnp.asarray(x)
   try:
-    ok = jnp.broadcast_shapes(mask.shape, target) == tuple(target)
+    ok = jnp.broadcast_shapes(x.shape, target) == tuple(target)
   except ValueError:
     ok = False
   if not ok:
-    raise _shape_error("mask", mask.shape,
+    raise _shape_error(name, x.shape,
                        f"a shape broadcastable to {tuple(target)}")
-  return mask.astype(bool)
+  return x
+
+
+def _check_mask(mask: Array, target: tuple[int, ...]) -> Array:
+  """Validates ``mask`` against ``[..., H, Lq, Lk]``; returns it as bool."""
+  return _broadcastable("mask", mask, target).astype(bool)
 
 
 def _full_mask(mask: Array, shape: tuple[int, ...]) -> Array:
@@ -218,51 +249,37 @@ def _softmax_jvp(primals, tangents):
   return y, y * (logits_dot - jnp.sum(y * logits_dot, -1, keepdims=True))
 
 
-def dot_product_attention(
-    query: Array,
-    key: Array,
-    value: Array,
-    *,
-    mask: Array | None = None,
-    head_mask: Array | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: Array | None = None,
-    deterministic: bool = True,
-    precision: Precision = None,
-) -> tuple[Array, Array]:
-  """Scaled dot-product attention on per-head arrays, returning the weights.
+def _einsums(precision: Precision, einsum_dot_general: Callable | None,
+             qk_attn_weights_einsum: Callable | None,
+             attn_weights_value_einsum: Callable | None
+             ) -> tuple[Callable, Callable]:
+  """The two einsums (``QK^T`` and weights x values), with Flax's checks."""
+  if (qk_attn_weights_einsum is None) != (attn_weights_value_einsum is None):
+    raise ValueError("qk_attn_weights_einsum and attn_weights_value_einsum "
+                     "must be specified together.")
+  if qk_attn_weights_einsum is not None:
+    if precision is not None or einsum_dot_general is not None:
+      raise ValueError(
+          "precision/einsum_dot_general and qk_attn_weights_einsum/"
+          "attn_weights_value_einsum are mutually exclusive; specify only "
+          "one of them.")
+    return qk_attn_weights_einsum, attn_weights_value_einsum
+  kwargs = {"precision": precision}
+  if einsum_dot_general is not None:
+    kwargs["_dot_general"] = einsum_dot_general
+  einsum = functools.partial(jnp.einsum, **kwargs)
+  return einsum, einsum
 
-  Args:
-    query: ``[..., Lq, H, Dh]``.
-    key: ``[..., Lk, H, Dh]``.
-    value: ``[..., Lk, H, Dv]``.
-    mask: optional boolean, True = may attend, broadcastable to
-      ``[..., H, Lq, Lk]``.
-    head_mask: optional float ``[H]`` or ``[..., H]``; multiplies each head's
-      context (after attention, before any output projection).
-    dropout_rate: dropout on the attention weights (applied to the weights
-      used for the context, not to the returned weights).
-    dropout_rng: PRNG key, needed when dropout is active.
-    deterministic: disables dropout when True.
-    precision: matmul precision for the two einsums.
 
-  Returns:
-    ``(context, weights)``: context ``[..., Lq, H, Dv]`` and the softmax
-    weights ``[..., H, Lq, Lk]`` (before dropout, in the query dtype). Masked
-    keys get exactly zero weight; rows with no valid key are all zero.
-  """
-  _check_qkv(query, key, value)
-  batch_shape = query.shape[:-3]
-  num_heads, depth = query.shape[-2], query.shape[-1]
-  weights_shape = batch_shape + (num_heads, query.shape[-3], key.shape[-3])
-  if mask is not None:
-    mask = _full_mask(mask, weights_shape)
-  if head_mask is not None:
-    head_mask = _check_head_mask(head_mask, batch_shape, num_heads)
-  dtype = query.dtype
-
-  query = query / jnp.asarray(math.sqrt(depth), dtype)
-  logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
+def _attention_weights(query: Array, key: Array, bias: Array | None,
+                       mask: Array | None, einsum: Callable) -> Array:
+  """Float32 softmax weights ``[..., H, Lq, Lk]``; masked keys exactly 0,
+  rows with no valid key all 0."""
+  depth = query.shape[-1]
+  query = query / jnp.asarray(math.sqrt(depth), query.dtype)
+  logits = einsum("...qhd,...khd->...hqk", query, key)
+  if bias is not None:
+    logits = logits + bias
   logits = logits.astype(jnp.float32)  # softmax in float32 whatever the dtype
   if mask is not None:
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
@@ -271,18 +288,148 @@ def dot_product_attention(
     # Exact zeros for masked keys, and all-zero rows where nothing is valid
     # (the softmax of an all-masked row would be uniform otherwise).
     weights = jnp.where(mask, weights, 0.0)
-  weights = weights.astype(dtype)
+  return weights
 
+
+def _dropout(probs: Array, rng: Array, rate: float, broadcast: bool,
+             dtype: Dtype, batch_ndim: int) -> Array:
+  """Flax's attention dropout: one mask shared over batch and heads when
+  ``broadcast``, else one per element; kept weights scaled by 1/(1-rate)."""
+  keep_prob = 1.0 - rate
+  shape = ((1,) * (batch_ndim + 1) + probs.shape[-2:] if broadcast
+           else probs.shape)
+  keep = jax.random.bernoulli(rng, keep_prob, shape)
+  return probs * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype))
+
+
+def dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    bias: Array | None = None,
+    mask: Array | None = None,
+    head_mask: Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = True,
+    dtype: Dtype | None = None,
+    precision: Precision = None,
+    force_fp32_for_softmax: bool = False,
+    einsum_dot_general: Callable[..., Array] | None = None,
+    qk_attn_weights_einsum: Callable[..., Array] | None = None,
+    attn_weights_value_einsum: Callable[..., Array] | None = None,
+) -> tuple[Array, Array]:
+  """Scaled dot-product attention on per-head arrays, returning the weights.
+
+  The arguments of ``flax.linen.dot_product_attention`` with their meaning
+  (``module`` aside: the weights are returned), plus ``head_mask``.
+
+  Args:
+    query: ``[..., Lq, H, Dh]``, real floating point.
+    key: ``[..., Lk, H, Dh]``.
+    value: ``[..., Lk, H, Dv]``.
+    bias: optional, added to the logits; broadcastable to
+      ``[..., H, Lq, Lk]``.
+    mask: optional boolean, True = may attend, broadcastable to
+      ``[..., H, Lq, Lk]``.
+    head_mask: optional float ``[H]`` or ``[..., H]``; multiplies each head's
+      context (after attention, before any output projection).
+    broadcast_dropout: one dropout mask shared across batch and heads (True,
+      Flax's default) or one per element.
+    dropout_rng: PRNG key, needed when dropout is active.
+    dropout_rate: dropout on the attention weights (applied to the weights
+      used for the context, not to the returned weights).
+    deterministic: disables dropout when True.
+    dtype: computation dtype (default: that of query, key and value).
+    precision: matmul precision for the two einsums.
+    force_fp32_for_softmax: return the weights (and multiply them with the
+      values) in float32 rather than in ``dtype``. The softmax itself always
+      runs in float32.
+    einsum_dot_general: the ``dot_general`` of the two einsums.
+    qk_attn_weights_einsum: replaces the ``QK^T`` einsum (with the next; not
+      with ``precision`` or ``einsum_dot_general``).
+    attn_weights_value_einsum: replaces the weights x values einsum.
+
+  Returns:
+    ``(context, weights)``: context ``[..., Lq, H, Dv]`` and the softmax
+    weights ``[..., H, Lq, Lk]`` (before dropout, in ``dtype``, or float32
+    with ``force_fp32_for_softmax``). Masked keys get exactly zero weight;
+    rows with no valid key are all zero (not uniform, as in Flax).
+
+  Raises:
+    ValueError: naming the argument, for a complex or integer query, key or
+      value, or a shape that does not fit.
+  """
+  qk_einsum, av_einsum = _einsums(precision, einsum_dot_general,
+                                  qk_attn_weights_einsum,
+                                  attn_weights_value_einsum)
+  _check_qkv(query, key, value)
+  dtype = jnp.result_type(query, key, value) if dtype is None else dtype
+  query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+  batch_shape = query.shape[:-3]
+  num_heads = query.shape[-2]
+  weights_shape = batch_shape + (num_heads, query.shape[-3], key.shape[-3])
+  if mask is not None:
+    mask = _full_mask(mask, weights_shape)
+  if bias is not None:
+    bias = _broadcastable("bias", bias, weights_shape)
+  if head_mask is not None:
+    head_mask = _check_head_mask(head_mask, batch_shape, num_heads)
+
+  weights = _attention_weights(query, key, bias, mask, qk_einsum)
+  weights = weights.astype(jnp.float32 if force_fp32_for_softmax else dtype)
   probs = weights
   if not deterministic and dropout_rate > 0.0:
     if dropout_rng is None:
       raise ValueError("dropout_rng is required when dropout is active.")
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
-    probs = jnp.where(keep, probs / jnp.asarray(1.0 - dropout_rate, dtype),
-                      jnp.zeros((), dtype))
-  context = jnp.einsum("...hqk,...khd->...qhd", probs, value,
-                       precision=precision)
+    probs = _dropout(probs, dropout_rng, dropout_rate, broadcast_dropout,
+                     dtype, len(batch_shape))
+  context = av_einsum("...hqk,...khd->...qhd", probs, value)
   return _gate_heads(context, head_mask), weights
+
+
+def _lengths_or_mask(mask: Array | None, kv_lengths: Array | None,
+                     shape: tuple[int, ...]) -> Array | None:
+  """``mask`` and the key-length mask of ``kv_lengths``, as one full mask."""
+  if kv_lengths is not None:
+    mask = combine_masks(mask, padding_mask_from_lengths(kv_lengths,
+                                                         shape[-1]))
+  return None if mask is None else _full_mask(mask, shape)
+
+
+def _fused(query: Array, key: Array, value: Array, mask: Array | None,
+           kv_lengths: Array | None, *,
+           return_weights: bool) -> tuple[Array, Array | None]:
+  """``(context, float32 weights or None)`` of the fused path: on CPU the
+  math of :func:`dot_product_attention` (XLA:CPU fuses it into one kernel);
+  elsewhere ``jax.nn.dot_product_attention`` with the implementation of
+  :func:`mha.attention_kernels.select_implementation`, the weights rebuilt
+  from its log-sum-exp when asked for."""
+  shape = query.shape[:-3] + (query.shape[-2], query.shape[-3],
+                              key.shape[-3])
+
+  def on_cpu(q, k, v, m, n):
+    context, weights = dot_product_attention(
+        q, k, v, mask=_lengths_or_mask(m, n, shape))
+    return context, (weights.astype(jnp.float32) if return_weights else None)
+
+  def elsewhere(q, k, v, m, n):
+    if m is not None:
+      # Full batch axes, but one head when the mask has one: cuDNN takes the
+      # mask as an additive bias (and computes its gradient), H times
+      # smaller that way.
+      m = combine_masks(m, None if n is None else padding_mask_from_lengths(
+          n, shape[-1]))
+      heads = 1 if m.ndim < 3 or m.shape[-3] == 1 else shape[-3]
+      m = _full_mask(m, shape[:-3] + (heads,) + shape[-2:])
+      n = None
+    return attention_kernels.fused_attention(
+        q, k, v, mask=m, kv_lengths=n, return_weights=return_weights)
+
+  return jax.lax.platform_dependent(query, key, value, mask, kv_lengths,
+                                    cpu=on_cpu, default=elsewhere)
 
 
 def fused_dot_product_attention(
@@ -292,6 +439,7 @@ def fused_dot_product_attention(
     *,
     mask: Array | None = None,
     head_mask: Array | None = None,
+    kv_lengths: Array | None = None,
 ) -> Array:
   """The context of :func:`dot_product_attention`, without the weights.
 
@@ -305,42 +453,33 @@ def fused_dot_product_attention(
   fuses into one kernel (``QK^T``, softmax, product with the values), while
   ``jax.nn.dot_product_attention`` adds a copy of the ``[..., H, Lq, Lk]``
   probabilities (a layer 1.4x slower at batch 8, length 512, width 512).
-  Elsewhere it runs ``jax.nn.dot_product_attention``, which uses its XLA
-  implementation too unless called with ``implementation="cudnn"``.
+  Elsewhere it runs ``jax.nn.dot_product_attention`` with
+  ``implementation="cudnn"`` where cuDNN flash attention's constraints hold
+  (:func:`mha.attention_kernels.select_implementation`: an NVIDIA GPU, 16-bit
+  floats, a head width it supports, a mask it takes) and ``"xla"`` otherwise.
+
+  Args:
+    query, key, value: as for :func:`dot_product_attention`.
+    mask: optional boolean, broadcastable to ``[..., H, Lq, Lk]``.
+    head_mask: optional float ``[H]`` or ``[..., H]``.
+    kv_lengths: optional integer ``[...]``: keys at positions ``>= length``
+      are masked (cuDNN's padding mask when there is no ``mask``).
   """
   _check_qkv(query, key, value)
   batch_shape = query.shape[:-3]
   num_heads = query.shape[-2]
   weights_shape = batch_shape + (num_heads, query.shape[-3], key.shape[-3])
   if mask is not None:
-    mask = _full_mask(mask, weights_shape)
+    mask = _check_mask(mask, weights_shape)
+  if kv_lengths is not None:
+    kv_lengths = jnp.asarray(kv_lengths)
+    if kv_lengths.shape != batch_shape:
+      raise _shape_error("kv_lengths", kv_lengths.shape, f"{batch_shape}")
   if head_mask is not None:
     head_mask = _check_head_mask(head_mask, batch_shape, num_heads)
-  context = jax.lax.platform_dependent(
-      query, key, value, mask,
-      cpu=lambda q, k, v, m: dot_product_attention(q, k, v, mask=m)[0],
-      default=_library_attention)
+  context, _ = _fused(query, key, value, mask, kv_lengths,
+                      return_weights=False)
   return _gate_heads(context, head_mask)
-
-
-def _library_attention(query: Array, key: Array, value: Array,
-                       mask: Array | None) -> Array:
-  """``jax.nn.dot_product_attention`` on ``[..., L, H, Dh]`` arrays, with
-  all-masked query rows zeroed; ``mask`` is ``None`` or ``[..., H, Lq, Lk]``.
-  """
-  batch_shape = query.shape[:-3]
-  # jax.nn.dot_product_attention wants exactly one batch axis.
-  flat = lambda x: jnp.reshape(x, (-1,) + x.shape[-3:])
-  row_ok = flat_mask = None
-  if mask is not None:
-    flat_mask = flat(mask)
-    row_ok = jnp.swapaxes(jnp.any(mask, axis=-1), -1, -2)  # [..., Lq, H]
-  context = jax.nn.dot_product_attention(
-      flat(query), flat(key), flat(value), mask=flat_mask)
-  context = jnp.reshape(context, batch_shape + context.shape[-3:])
-  if row_ok is not None:
-    context = context * row_ok[..., None].astype(context.dtype)
-  return context
 
 
 # --------------------------------------------------------------------------
@@ -348,16 +487,45 @@ def _library_attention(query: Array, key: Array, value: Array,
 # --------------------------------------------------------------------------
 
 
-def _self_attention_defaults(inputs_q: Array, inputs_k: Array | None,
-                             inputs_v: Array | None) -> tuple[Array, Array]:
-  """``(inputs_k, inputs_v)``, defaulting to self-attention, after checking
-  the three inputs' shapes agree."""
+def _resolve_inputs(inputs_q: Array, inputs_k: Array | None,
+                    inputs_v: Array | None,
+                    inputs_kv: Array | None) -> tuple[Array, Array]:
+  """``(inputs_k, inputs_v)`` as Flax resolves them (self-attention by
+  default; ``inputs_kv`` deprecated), its warnings included."""
+  if inputs_kv is not None:
+    if inputs_k is not None or inputs_v is not None:
+      raise ValueError(
+          "If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must "
+          "be None. If `inputs_kv` is not None, both `inputs_k` and "
+          "`inputs_v` must be None. Use `inputs_k` and `inputs_v`: "
+          "`inputs_kv` will be deprecated.")
+    warnings.warn("The inputs_kv arg will be deprecated soon. Use inputs_k "
+                  "and inputs_v instead.", DeprecationWarning, stacklevel=3)
+    return inputs_kv, inputs_kv
   if inputs_k is None:
     if inputs_v is not None:
-      raise ValueError("inputs_v was given without inputs_k.")
+      raise ValueError(
+          "`inputs_k` cannot be None if `inputs_v` is not None. To have both "
+          "`inputs_k` and `inputs_v` be the same value, pass in the value to "
+          "`inputs_k` and leave `inputs_v` as None.")
     inputs_k = inputs_q
   if inputs_v is None:
     inputs_v = inputs_k
+  elif inputs_v.ndim >= 2 and inputs_v.shape[-1] == inputs_v.shape[-2]:
+    warnings.warn(
+        f"You are passing an array of shape {inputs_v.shape} to the "
+        "`inputs_v` arg, when you may have intended to pass it to the `mask` "
+        "arg. As in Flax since version 0.7.4, the function signature of "
+        "MultiHeadAttention's `__call__` method has changed to "
+        "`__call__(inputs_q, inputs_k=None, inputs_v=None, *, "
+        "inputs_kv=None, mask=None, deterministic=None)`. Use the kwarg "
+        "`mask` instead.", DeprecationWarning, stacklevel=3)
+  return inputs_k, inputs_v
+
+
+def _check_inputs(inputs_q: Array, inputs_k: Array, inputs_v: Array) -> None:
+  """Dtypes and shapes of the layer's three inputs agree."""
+  _check_dtypes(inputs_q=inputs_q, inputs_k=inputs_k, inputs_v=inputs_v)
   for name, x in (("inputs_q", inputs_q), ("inputs_k", inputs_k),
                   ("inputs_v", inputs_v)):
     if x.ndim < 2:
@@ -369,7 +537,6 @@ def _self_attention_defaults(inputs_q: Array, inputs_k: Array | None,
         "and keys/values their length; got inputs_q "
         f"{inputs_q.shape}, inputs_k {inputs_k.shape}, "
         f"inputs_v {inputs_v.shape}.")
-  return inputs_k, inputs_v
 
 
 class _OutBias(nn.Module):
@@ -387,13 +554,29 @@ class _OutBias(nn.Module):
 
 
 class MultiHeadAttention(nn.Module):
-  """Multi-head attention that returns ``(out, weights)``.
+  """Multi-head attention that returns ``(out, weights)``: a drop-in for
+  ``flax.linen.MultiHeadDotProductAttention``.
 
-  The parameter tree is exactly that of
-  ``flax.linen.MultiHeadDotProductAttention`` with the same settings
+  Every constructor field and call argument of the installed Flax layer
+  (0.12.8) is here, in Flax's order, with its meaning and default; ours come
+  after them. The parameter tree is exactly Flax's with the same settings
   (``query``/``key``/``value`` kernels ``[D_in, H, Dh]`` and biases
-  ``[H, Dh]``, ``out`` kernel ``[H, Dh, D_out]`` and bias ``[D_out]``), so a
-  checkpoint of either loads into the other and gives the same outputs.
+  ``[H, Dh]``, ``out`` kernel ``[H, Dh, D_out]`` and bias ``[D_out]``;
+  ``query_ln``/``key_ln`` with ``normalize_qk``), so a checkpoint of either
+  loads into the other and gives the same outputs, and ``decode=True`` keeps
+  Flax's cache (``cached_key``, ``cached_value``, ``cache_index`` in the
+  ``cache`` collection). ``sow_weights=True`` sows the weights where Flax
+  does (``intermediates`` / ``attention_weights``).
+
+  Where ours differs from Flax's, on purpose:
+
+  * a query row with no valid key gets all-zero weights and a zero context
+    (Flax: uniform weights over the masked keys);
+  * the softmax always runs in float32 (``force_fp32_for_softmax`` then only
+    decides whether the weights stay float32 or are cast to ``dtype``);
+  * complex or integer inputs raise ``ValueError`` (Flax computes in complex
+    or promotes integers to float);
+  * a wrong shape raises ``ValueError`` naming the argument at trace time.
 
   ``num_heads=0`` is allowed (a fully pruned layer): no attention is computed,
   the output is the out-projection bias alone (what a model with every head
@@ -401,28 +584,69 @@ class MultiHeadAttention(nn.Module):
 
   Attributes:
     num_heads: number of heads H.
+    dtype: computation dtype (default: inferred from inputs and parameters).
+    param_dtype: parameter dtype.
     qkv_features: total width H * Dh of queries, keys and values; defaults to
       the query input width.
     out_features: output width; defaults to the query input width.
+    broadcast_dropout: one attention-dropout mask shared across batch and
+      heads (True, Flax's default) or one per element.
     dropout_rate: dropout on the attention weights.
-    use_bias: whether the projections have biases.
-    dtype: computation dtype (the softmax is always float32).
-    param_dtype: parameter dtype.
-    kernel_init: initializer of the four kernels.
-    bias_init: initializer of the biases.
+    deterministic: disables dropout when True; merged with the call's
+      argument (exactly one of them is set when ``dropout_rate > 0``).
     precision: matmul precision.
+    kernel_init: initializer of the kernels.
+    out_kernel_init: initializer of the out kernel (None: ``kernel_init``).
+    bias_init: initializer of the biases.
+    out_bias_init: initializer of the out bias (None: ``bias_init``).
+    use_bias: whether the projections have biases.
+    attention_fn: the attention of the projected heads. The default is this
+      module's :func:`dot_product_attention`; another function is called as
+      Flax calls it (keyword arguments it does not take are left out; with
+      ``module=self`` when sowing) and may return the context alone (then
+      the weights are None) or ``(context, weights)``.
+    decode: autoregressive decoding with a cache of keys and values: the
+      first call (``init``) sizes the cache from its inputs, each later call
+      takes one position.
+    normalize_qk: LayerNorm (no bias) on queries and keys (ViT-22B).
+    force_fp32_for_softmax: weights in float32 whatever ``dtype``.
+    qkv_dot_general, out_dot_general, qkv_dot_general_cls,
+      out_dot_general_cls: the ``dot_general`` of the projections
+      (deprecated in Flax).
+    qk_attn_weights_einsum_cls, attn_weights_value_einsum_cls: factories of
+      the two attention einsums (for quantized einsums).
+    weights_from_lse: off CPU, when the weights are wanted and dropout is off,
+      run the fused kernel with its residual (the log-sum-exp) and rebuild
+      the weights as ``exp(logits - lse)`` in float32, instead of the unfused
+      path (on CPU the unfused path runs either way).
   """
 
   num_heads: int
-  qkv_features: int | None = None
-  out_features: int | None = None
-  dropout_rate: float = 0.0
-  use_bias: bool = True
   dtype: Dtype | None = None
   param_dtype: Dtype = jnp.float32
-  kernel_init: Initializer = nn.initializers.lecun_normal()
-  bias_init: Initializer = nn.initializers.zeros_init()
+  qkv_features: int | None = None
+  out_features: int | None = None
+  broadcast_dropout: bool = True
+  dropout_rate: float = 0.0
+  deterministic: bool | None = None
   precision: Precision = None
+  kernel_init: Initializer = nn.linear.default_kernel_init
+  out_kernel_init: Initializer | None = None
+  bias_init: Initializer = nn.initializers.zeros_init()
+  out_bias_init: Initializer | None = None
+  use_bias: bool = True
+  attention_fn: Callable[..., Any] = dot_product_attention
+  decode: bool = False
+  normalize_qk: bool = False
+  force_fp32_for_softmax: bool = False
+  qkv_dot_general: Any = None
+  out_dot_general: Any = None
+  qkv_dot_general_cls: Any = None
+  out_dot_general_cls: Any = None
+  qk_attn_weights_einsum_cls: Callable[..., Callable[..., Array]] | None = None
+  attn_weights_value_einsum_cls: Callable[..., Callable[..., Array]] | None = (
+      None)
+  weights_from_lse: bool = False
 
   @nn.compact
   def __call__(
@@ -431,10 +655,13 @@ class MultiHeadAttention(nn.Module):
       inputs_k: Array | None = None,
       inputs_v: Array | None = None,
       *,
+      inputs_kv: Array | None = None,
       mask: Array | None = None,
+      deterministic: bool | None = None,
+      dropout_rng: Array | None = None,
+      sow_weights: bool = False,
       valid_lens: Array | None = None,
       head_mask: Array | None = None,
-      deterministic: bool = True,
       return_weights: bool = True,
   ) -> tuple[Array, Array | None]:
     """Attends from ``inputs_q`` to ``inputs_k``/``inputs_v``.
@@ -443,70 +670,51 @@ class MultiHeadAttention(nn.Module):
       inputs_q: queries ``[..., Lq, D_q]`` (``[Lq, D_q]`` unbatched works).
       inputs_k: keys ``[..., Lk, D_k]``; defaults to ``inputs_q``.
       inputs_v: values ``[..., Lk, D_v]``; defaults to ``inputs_k``.
+      inputs_kv: keys and values at once (deprecated, as in Flax).
       mask: boolean, True = may attend, broadcastable to ``[..., H, Lq, Lk]``.
+      deterministic: disables attention dropout when True; merged with the
+        field of the same name.
+      dropout_rng: the dropout key; default ``self.make_rng("dropout")``.
+      sow_weights: also sow the weights into ``intermediates`` as
+        ``attention_weights`` (apply with ``mutable=["intermediates"]``).
       valid_lens: integer ``[...]`` or ``[..., Lq]``; keys at positions
         ``>= valid_lens`` get zero weight. Combined with ``mask`` if both.
       head_mask: float ``[H]`` or ``[..., H]`` gating each head's context.
-      deterministic: disables attention dropout when True.
       return_weights: when False, returns ``(out, None)`` through the fused
-        ``jax.nn.dot_product_attention`` path (unless dropout is active).
+        path (unless dropout is active, or ``precision``, einsum factories or
+        another ``attention_fn`` are set).
 
     Returns:
       ``(out, weights)``: ``out [..., Lq, out_features]`` and the softmax
       weights ``[..., H, Lq, Lk]`` (or None).
     """
-    inputs_k, inputs_v = _self_attention_defaults(inputs_q, inputs_k,
-                                                  inputs_v)
+    inputs_k, inputs_v = _resolve_inputs(inputs_q, inputs_k, inputs_v,
+                                         inputs_kv)
+    _check_inputs(inputs_q, inputs_k, inputs_v)
     batch_shape = inputs_q.shape[:-2]
-    lq, lk = inputs_q.shape[-2], inputs_k.shape[-2]
-    num_heads = self.num_heads
     qkv_features, features = self._widths(inputs_q.shape[-1])
-    dtype = self.dtype or jnp.result_type(inputs_q, self.param_dtype)
-
-    mask = self._combined_mask(mask, valid_lens, batch_shape, num_heads, lq,
-                               lk)
     if head_mask is not None:
-      head_mask = _check_head_mask(head_mask, batch_shape, num_heads)
+      head_mask = _check_head_mask(head_mask, batch_shape, self.num_heads)
+    if self.num_heads == 0:
+      self._masks(mask, valid_lens, None, batch_shape, inputs_q.shape[-2],
+                  inputs_k.shape[-2])  # Checked all the same.
+      return self._no_heads(inputs_q, inputs_k, features, return_weights)
 
-    if num_heads == 0:
-      weights = jnp.zeros(batch_shape + (0, lq, lk), dtype)
-      if self.use_bias:
-        out = _OutBias(features, self.param_dtype, self.bias_init,
-                       name="out")(batch_shape + (lq,), dtype)
-      else:
-        out = jnp.zeros(batch_shape + (lq, features), dtype)
-      return out, (weights if return_weights else None)
-
-    head_dim = qkv_features // num_heads
-    dense = functools.partial(
-        nn.DenseGeneral,
-        axis=-1,
-        features=(num_heads, head_dim),
-        use_bias=self.use_bias,
-        dtype=self.dtype,
-        param_dtype=self.param_dtype,
-        kernel_init=self.kernel_init,
-        bias_init=self.bias_init,
-        precision=self.precision,
-    )
-    query = dense(name="query")(inputs_q)
-    key = dense(name="key")(inputs_k)
-    value = dense(name="value")(inputs_v)
-
-    context, weights = self._attend(query, key, value, mask, head_mask,
-                                    deterministic=deterministic,
-                                    return_weights=return_weights)
-    out = nn.DenseGeneral(
-        features=features,
-        axis=(-2, -1),
-        use_bias=self.use_bias,
-        dtype=self.dtype,
-        param_dtype=self.param_dtype,
-        kernel_init=self.kernel_init,
-        bias_init=self.bias_init,
-        precision=self.precision,
-        name="out",
-    )(context)
+    query, key, value = self._project(inputs_q, inputs_k, inputs_v,
+                                      qkv_features // self.num_heads)
+    decode_mask = None
+    if self.decode:
+      key, value, decode_mask = self._update_cache(query, key, value)
+    mask, kv_lengths = self._masks(mask, valid_lens, decode_mask, batch_shape,
+                                   query.shape[-3], key.shape[-3])
+    deterministic, dropout_rng = self._dropout_setup(deterministic,
+                                                     dropout_rng)
+    context, weights = self._attend(
+        query, key, value, mask, kv_lengths, deterministic=deterministic,
+        dropout_rng=dropout_rng, want_weights=return_weights or sow_weights,
+        sow_weights=sow_weights)
+    context = _gate_heads(context, head_mask)
+    out = self._out(context, features)
     return out, (weights if return_weights else None)
 
   def _widths(self, input_width: int) -> tuple[int, int]:
@@ -523,36 +731,187 @@ class MultiHeadAttention(nn.Module):
     return qkv_features, (input_width if self.out_features is None
                           else self.out_features)
 
-  def _attend(self, query: Array, key: Array, value: Array,
-              mask: Array | None, head_mask: Array | None, *,
-              deterministic: bool,
-              return_weights: bool) -> tuple[Array, Array | None]:
-    """``(context, weights)`` of the projected heads: the explicit path when
-    the weights are wanted or dropout is on, else the fused one (no
-    weights)."""
-    use_dropout = not deterministic and self.dropout_rate > 0.0
-    if return_weights or use_dropout:
-      dropout_rng = self.make_rng("dropout") if use_dropout else None
-      return dot_product_attention(
-          query, key, value, mask=mask, head_mask=head_mask,
-          dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
-          deterministic=not use_dropout, precision=self.precision)
-    return fused_dot_product_attention(
-        query, key, value, mask=mask, head_mask=head_mask), None
+  def _no_heads(self, inputs_q: Array, inputs_k: Array, features: int,
+                return_weights: bool) -> tuple[Array, Array | None]:
+    """A layer with zero heads: the out bias alone, and empty weights."""
+    batch_shape, lq = inputs_q.shape[:-2], inputs_q.shape[-2]
+    dtype = self.dtype or jnp.result_type(inputs_q, self.param_dtype)
+    weights = jnp.zeros(batch_shape + (0, lq, inputs_k.shape[-2]), dtype)
+    if self.use_bias:
+      out = _OutBias(features, self.param_dtype,
+                     self.out_bias_init or self.bias_init,
+                     name="out")(batch_shape + (lq,), dtype)
+    else:
+      out = jnp.zeros(batch_shape + (lq, features), dtype)
+    return out, (weights if return_weights else None)
 
-  @staticmethod
-  def _combined_mask(mask: Array | None, valid_lens: Array | None,
-                     batch_shape: tuple[int, ...], num_heads: int, lq: int,
-                     lk: int) -> Array | None:
-    target = batch_shape + (num_heads, lq, lk)
+  def _project(self, inputs_q: Array, inputs_k: Array, inputs_v: Array,
+               head_dim: int) -> tuple[Array, Array, Array]:
+    """Queries, keys and values ``[..., L, H, Dh]`` (Flax's projections)."""
+    dense = functools.partial(
+        nn.DenseGeneral,
+        axis=-1,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        features=(self.num_heads, head_dim),
+        kernel_init=self.kernel_init,
+        bias_init=self.bias_init,
+        use_bias=self.use_bias,
+        precision=self.precision,
+        dot_general=self.qkv_dot_general,
+        dot_general_cls=self.qkv_dot_general_cls,
+    )
+    query = dense(name="query")(inputs_q)
+    key = dense(name="key")(inputs_k)
+    value = dense(name="value")(inputs_v)
+    if self.normalize_qk:
+      # Normalizing queries and keys stabilizes training at higher learning
+      # rates (ViT-22B, arxiv.org/abs/2302.05442).
+      norm = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype,
+                               param_dtype=self.param_dtype)
+      query = norm(name="query_ln")(query)
+      key = norm(name="key_ln")(key)
+    return query, key, value
+
+  def _update_cache(self, query: Array, key: Array,
+                    value: Array) -> tuple[Array, Array, Array | None]:
+    """Flax's decode cache: ``(keys, values, mask)`` of every position so far
+    (the cache is written at ``cache_index``, then the index advances); the
+    first call only creates the cache and attends over its own inputs."""
+    is_initialized = self.has_variable("cache", "cached_key")
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape,
+                               key.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros,
+                                 value.shape, value.dtype)
+    cache_index = self.variable("cache", "cache_index",
+                                lambda: jnp.array(0, dtype=jnp.int32))
+    if not is_initialized:
+      return key, value, None
+    *batch_dims, max_length, num_heads, depth = cached_key.value.shape
+    expected = tuple(batch_dims) + (1, num_heads, depth)
+    if expected != query.shape:
+      raise ValueError("Autoregressive cache shape error, expected query "
+                       f"shape {expected} instead got {query.shape}.")
+    index = cache_index.value
+    zero = jnp.array(0, dtype=jax.lax.dtype(index.dtype))
+    indices = (zero,) * len(batch_dims) + (index, zero, zero)
+    key = jax.lax.dynamic_update_slice(cached_key.value, key, indices)
+    value = jax.lax.dynamic_update_slice(cached_value.value, value, indices)
+    cached_key.value, cached_value.value = key, value
+    cache_index.value = index + 1
+    # The one query sees the positions generated so far, not the zeros after.
+    mask = jnp.broadcast_to(jnp.arange(max_length) <= index,
+                            tuple(batch_dims) + (1, 1, max_length))
+    return key, value, mask
+
+  def _masks(self, mask: Array | None, valid_lens: Array | None,
+             decode_mask: Array | None, batch_shape: tuple[int, ...],
+             lq: int, lk: int) -> tuple[Array | None, Array | None]:
+    """``(mask, kv_lengths)``: per-sequence ``valid_lens`` alone stay lengths
+    (the fused kernels take them as such), anything else is one mask."""
+    target = batch_shape + (self.num_heads, lq, lk)
     if mask is not None:
       mask = _check_mask(mask, target)
-    if valid_lens is not None:
-      valid_lens = jnp.asarray(valid_lens)
-      if valid_lens.shape not in (batch_shape, batch_shape + (lq,)):
-        raise _shape_error("valid_lens", valid_lens.shape,
-                           f"{batch_shape} or {batch_shape + (lq,)}")
-      per_query = valid_lens.shape == batch_shape + (lq,)
-      mask = combine_masks(
-          mask, padding_mask_from_lengths(valid_lens, lk, per_query=per_query))
-    return mask
+    mask = combine_masks(mask, decode_mask)
+    if valid_lens is None:
+      return mask, None
+    valid_lens = jnp.asarray(valid_lens)
+    if valid_lens.shape not in (batch_shape, batch_shape + (lq,)):
+      raise _shape_error("valid_lens", valid_lens.shape,
+                         f"{batch_shape} or {batch_shape + (lq,)}")
+    per_query = valid_lens.shape == batch_shape + (lq,)
+    if mask is None and not per_query:
+      return None, valid_lens
+    return combine_masks(mask, padding_mask_from_lengths(
+        valid_lens, lk, per_query=per_query)), None
+
+  def _dropout_setup(self, deterministic: bool | None,
+                     dropout_rng: Array | None) -> tuple[bool, Array | None]:
+    """Flax's rule: ``deterministic`` is needed only with dropout, from the
+    field or the call (not both); the key from the call or the ``dropout``
+    stream."""
+    if self.dropout_rate <= 0.0:
+      return True, dropout_rng
+    deterministic = nn.merge_param("deterministic", self.deterministic,
+                                   deterministic)
+    if not deterministic and dropout_rng is None:
+      dropout_rng = self.make_rng("dropout")
+    return deterministic, dropout_rng
+
+  def _einsums(self) -> tuple[Callable | None, Callable | None]:
+    make = lambda cls: cls() if cls else None
+    return (make(self.qk_attn_weights_einsum_cls),
+            make(self.attn_weights_value_einsum_cls))
+
+  def _attend(self, query: Array, key: Array, value: Array,
+              mask: Array | None, kv_lengths: Array | None, *,
+              deterministic: bool, dropout_rng: Array | None,
+              want_weights: bool,
+              sow_weights: bool) -> tuple[Array, Array | None]:
+    """``(context, weights or None)`` of the projected heads: the unfused
+    path when the weights are wanted (unless ``weights_from_lse``), dropout
+    is on, or the einsums are customised; else the fused one."""
+    shape = query.shape[:-3] + (self.num_heads, query.shape[-3],
+                                key.shape[-3])  # [..., H, Lq, Lk]
+    if self.attention_fn is not dot_product_attention:
+      return self._custom_attention(
+          query, key, value, _lengths_or_mask(mask, kv_lengths, shape),
+          deterministic, dropout_rng, sow_weights)
+    qk_einsum, av_einsum = self._einsums()
+    dropout = not deterministic and self.dropout_rate > 0.0
+    unfused = (dropout or self.precision is not None or qk_einsum is not None
+               or (want_weights and not self.weights_from_lse))
+    if unfused:
+      context, weights = dot_product_attention(
+          query, key, value, mask=_lengths_or_mask(mask, kv_lengths, shape),
+          broadcast_dropout=self.broadcast_dropout, dropout_rng=dropout_rng,
+          dropout_rate=self.dropout_rate, deterministic=not dropout,
+          dtype=self.dtype, precision=self.precision,
+          force_fp32_for_softmax=self.force_fp32_for_softmax,
+          qk_attn_weights_einsum=qk_einsum,
+          attn_weights_value_einsum=av_einsum)
+    else:
+      context, weights = _fused(query, key, value, mask, kv_lengths,
+                                return_weights=want_weights)
+      if weights is not None:  # float32 from the kernel: Flax's dtype rule
+        weights = weights.astype(jnp.float32 if self.force_fp32_for_softmax
+                                 else query.dtype)
+    if sow_weights:
+      self.sow("intermediates", "attention_weights", weights)
+    return context, weights
+
+  def _custom_attention(self, query: Array, key: Array, value: Array,
+                        mask: Array | None, deterministic: bool,
+                        dropout_rng: Array | None,
+                        sow_weights: bool) -> tuple[Array, Array | None]:
+    """Another ``attention_fn``, called as Flax calls it."""
+    qk_einsum, av_einsum = self._einsums()
+    kwargs = dict(
+        mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
+        broadcast_dropout=self.broadcast_dropout, deterministic=deterministic,
+        dtype=self.dtype, precision=self.precision,
+        force_fp32_for_softmax=self.force_fp32_for_softmax,
+        qk_attn_weights_einsum=qk_einsum,
+        attn_weights_value_einsum=av_einsum)
+    accepted = inspect.signature(self.attention_fn).parameters
+    kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+    if sow_weights:
+      kwargs["module"] = self
+    result = self.attention_fn(query, key, value, **kwargs)
+    return result if isinstance(result, tuple) else (result, None)
+
+  def _out(self, context: Array, features: int) -> Array:
+    """The output projection of ``context [..., Lq, H, Dh]``."""
+    return nn.DenseGeneral(
+        features=features,
+        axis=(-2, -1),
+        kernel_init=self.out_kernel_init or self.kernel_init,
+        bias_init=self.out_bias_init or self.bias_init,
+        use_bias=self.use_bias,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        precision=self.precision,
+        dot_general=self.out_dot_general,
+        dot_general_cls=self.out_dot_general_cls,
+        name="out",
+    )(context)

@@ -22,7 +22,7 @@ import ml_collections
 
 from configs import default
 from mha.data import MAX_WORD_LEN, TASKS
-from mha.model import POSITIONAL_KINDS
+from mha.model import DTYPES, POSITIONAL_KINDS
 
 # The keys a resumed run may change: none of them changes the model, the data
 # or the optimizer state. (``num_train_steps`` stretches or shortens the cosine
@@ -179,6 +179,9 @@ def _range_problems(values: Mapping[str, Any]) -> list[str]:
   if value("model.positional") not in POSITIONAL_KINDS:
     problems.append(f"model.positional={value('model.positional')!r} is not "
                     f"one of {', '.join(POSITIONAL_KINDS)}")
+  if value("model.dtype") not in DTYPES:
+    problems.append(f"model.dtype={value('model.dtype')!r} is not one of "
+                    f"{', '.join(DTYPES)}")
   if value("data.min_len") > value("data.max_len"):
     problems.append(f"data.min_len={value('data.min_len')} is larger than "
                     f"data.max_len={value('data.max_len')}")

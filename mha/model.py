@@ -14,7 +14,7 @@ ordinary model of this class.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
 import flax.linen as nn
 import jax
@@ -26,6 +26,7 @@ from mha.attention import MultiHeadAttention, padding_mask_from_tokens
 Array = jax.Array
 
 POSITIONAL_KINDS = ("learned", "sinusoidal")
+DTYPES = ("float32", "bfloat16")  # computation dtypes (model.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,8 @@ class TransformerConfig:
       when ``num_heads`` is a tuple).
     pre_norm: pre-LayerNorm blocks (True) or post-LayerNorm (False).
     positional: "learned" or "sinusoidal" position embeddings.
-    dtype: computation dtype (parameters stay float32; softmax is float32).
+    dtype: computation dtype, "float32" or "bfloat16" (a ``jnp`` dtype is
+      taken too); parameters, the softmax and the loss stay float32.
   """
 
   vocab_size: int
@@ -60,7 +62,7 @@ class TransformerConfig:
   head_dim: int | None = None
   pre_norm: bool = True
   positional: str = "learned"
-  dtype: Any = jnp.float32
+  dtype: str = "float32"
 
   def __post_init__(self):
     if isinstance(self.num_heads, (list, tuple, np.ndarray)):
@@ -80,6 +82,9 @@ class TransformerConfig:
           f"({self.num_heads}).")
     if any(h < 0 for h in self.heads_per_layer):
       raise ValueError(f"head counts must be >= 0, got {self.num_heads}.")
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
+    if self.dtype not in DTYPES:
+      raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
     if self.positional not in POSITIONAL_KINDS:
       raise ValueError(f"positional must be one of {POSITIONAL_KINDS}, got "
                        f"{self.positional!r}.")
@@ -97,6 +102,11 @@ class TransformerConfig:
     if self.head_dim is not None:
       return self.head_dim
     return self.d_model // self.num_heads
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    """``dtype`` as a ``jnp`` dtype."""
+    return jnp.dtype(self.dtype)
 
   @property
   def max_heads(self) -> int:
@@ -123,10 +133,10 @@ class MlpBlock(nn.Module):
   @nn.compact
   def __call__(self, x: Array, *, deterministic: bool) -> Array:
     cfg = self.config
-    y = nn.Dense(cfg.mlp_dim, dtype=cfg.dtype, name="fc1")(x)
+    y = nn.Dense(cfg.mlp_dim, dtype=cfg.compute_dtype, name="fc1")(x)
     y = nn.gelu(y)
     y = nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
-    return nn.Dense(x.shape[-1], dtype=cfg.dtype, name="fc2")(y)
+    return nn.Dense(x.shape[-1], dtype=cfg.compute_dtype, name="fc2")(y)
 
 
 class EncoderBlock(nn.Module):
@@ -140,7 +150,7 @@ class EncoderBlock(nn.Module):
                deterministic: bool,
                return_weights: bool) -> tuple[Array, Array | None]:
     cfg = self.config
-    norm = lambda name: nn.LayerNorm(dtype=cfg.dtype, name=name)
+    norm = lambda name: nn.LayerNorm(dtype=cfg.compute_dtype, name=name)
     dropout = lambda y: nn.Dropout(cfg.dropout_rate)(
         y, deterministic=deterministic)
 
@@ -150,7 +160,10 @@ class EncoderBlock(nn.Module):
         qkv_features=self.num_heads * cfg.resolved_head_dim,
         out_features=cfg.d_model,
         dropout_rate=cfg.attention_dropout_rate,
-        dtype=cfg.dtype,
+        # One dropout draw per weight (Flax's layer shares one across batch
+        # and heads by default); the model has always dropped this way.
+        broadcast_dropout=False,
+        dtype=cfg.compute_dtype,
         name="attention",
     )(y, mask=mask, head_mask=head_mask, deterministic=deterministic,
       return_weights=return_weights)
@@ -181,7 +194,7 @@ class Transformer(nn.Module):
   def setup(self):
     cfg = self.config
     self.token_embed = nn.Embed(
-        cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
+        cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype,
         embedding_init=nn.initializers.normal(stddev=1.0), name="embed")
     if cfg.positional == "learned":
       self.pos_embedding = self.param(
@@ -192,8 +205,8 @@ class Transformer(nn.Module):
     self.blocks = [EncoderBlock(cfg, heads, name=f"layer_{layer}")
                    for layer, heads in enumerate(cfg.heads_per_layer)]
     if cfg.pre_norm:
-      self.ln_final = nn.LayerNorm(dtype=cfg.dtype, name="ln_final")
-    self.logits_dense = nn.Dense(cfg.vocab_size, dtype=cfg.dtype,
+      self.ln_final = nn.LayerNorm(dtype=cfg.compute_dtype, name="ln_final")
+    self.logits_dense = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype,
                                  name="logits")
 
   def embed(self, tokens: Array, *, deterministic: bool = True) -> Array:

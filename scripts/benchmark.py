@@ -61,6 +61,7 @@ from mha import train
 from mha.attention import MultiHeadAttention
 from mha.pruning import core as pruning
 from mha.pruning import oracle
+from scripts import accelerator_benchmark as accelerator
 
 _QUICK = flags.DEFINE_bool(
     "quick", False, "Tiny shapes, few repeats and XLA optimizations off: a "
@@ -71,6 +72,15 @@ _OUT = flags.DEFINE_string(
 _REPEATS = flags.DEFINE_integer(
     "repeats", None, "Timed rounds per comparison (default 20; 3 with "
     "--quick).", lower_bound=1)
+
+_GPU = flags.DEFINE_bool(
+    "gpu", False, "Run the accelerator section instead "
+    "(scripts/accelerator_benchmark.py): ours vs Flax vs torch in float32 and "
+    "bfloat16 up to length 4096, the fused path vs a direct cuDNN call, "
+    "vmapped seeds. Needs a GPU; with --quick, tiny shapes on any device.")
+_VMAPPED_SEEDS = flags.DEFINE_bool(
+    "vmapped_seeds", False, "Run only the vmapped-seeds rows: the default "
+    "config's train step, one model vs 4 trained together (any device).")
 
 _PROG = "benchmark.py"
 
@@ -636,6 +646,31 @@ def _pruning_lines(p: Mapping[str, Any]) -> list[str]:
 # --------------------------------------------------------------------------
 
 
+def run_accelerator(log: Callable[[str], None]) -> tuple[dict[str, Any], str]:
+  """The accelerator section (``--gpu``, ``--vmapped_seeds``): results and
+  tables."""
+  if _GPU.value and not _QUICK.value and jax.devices()[0].platform != "gpu":
+    cli.fail(_PROG, f"--gpu needs a GPU (this device is "
+             f"{jax.devices()[0].platform}); --gpu --quick runs a smoke test "
+             "on any device")
+  plan = (accelerator.QUICK if _GPU.value and _QUICK.value else
+          accelerator.GPU if _GPU.value else accelerator.SEEDS)
+  if _REPEATS.value is not None:
+    plan = dataclasses.replace(plan, repeats=_REPEATS.value)
+  results = {"environment": environment() | {
+      "dtype": ", ".join(plan.dtypes) or "float32"},
+             "load_average_start": _load(), "plan": {"name": plan.name},
+             "repeats": plan.repeats}
+  results["accelerator"] = accelerator.run(plan, time_interleaved, log)
+  results["load_average_end"] = _load()
+  lines = _header_lines(results)
+  if plan is accelerator.SEEDS:
+    lines[1] = (f"Train steps/s: medians of {plan.seeds_windows} windows of "
+                f"about {plan.seeds_window_s:g} s.")
+  lines += accelerator.format_tables(results["accelerator"])
+  return results, "\n".join(lines) + "\n"
+
+
 def main(argv: list[str]) -> None:
   del argv
   out = os.path.abspath(os.path.expanduser(_OUT.value))
@@ -650,8 +685,11 @@ def main(argv: list[str]) -> None:
     plan = dataclasses.replace(plan, repeats=_REPEATS.value)
 
   log = lambda message: print(message, file=sys.stderr, flush=True)
-  results = run(plan, log)
-  table = format_tables(results)
+  if _GPU.value or _VMAPPED_SEEDS.value:
+    results, table = run_accelerator(log)
+  else:
+    results = run(plan, log)
+    table = format_tables(results)
   os.makedirs(os.path.dirname(out), exist_ok=True)
   with open(out, "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1)

@@ -1,5 +1,7 @@
 """Tests of mha.attention: semantics, parity with Flax, transformations."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -7,6 +9,7 @@ import numpy as np
 import pytest
 
 from mha import attention as att
+from mha import attention_kernels as kernels
 from mha.attention import MultiHeadAttention, dot_product_attention
 
 # float32 reductions over a few hundred terms: 1e-5 absolute is ~100 ulps.
@@ -297,8 +300,11 @@ def test_grad_through_everything_is_finite():
 
 def test_dropout_only_when_not_deterministic():
   x = _inputs(2, 6, 16)
-  layer = MultiHeadAttention(num_heads=4, dropout_rate=0.5)
-  params = _init(layer, x)
+  # Per-element dropout (the model's); Flax's broadcast default is tested
+  # with the drop-in tests.
+  layer = MultiHeadAttention(num_heads=4, dropout_rate=0.5,
+                             broadcast_dropout=False)
+  params = _init(layer, x, deterministic=True)
   reference, ref_w = MultiHeadAttention(num_heads=4).apply(params, x)
   det, det_w = layer.apply(params, x, deterministic=True)
   np.testing.assert_allclose(det, reference, **TOL)
@@ -345,11 +351,21 @@ def test_library_path_equals_explicit_math():
   mask = jnp.ones((2, 4, 6, 6), bool).at[:, :, 3, :].set(False)
   mask = mask.at[1, :, :, 4:].set(False)
   expected, _ = dot_product_attention(q, k, v, mask=mask)
-  got = jax.jit(att._library_attention)(q, k, v, mask)
+  library = functools.partial(kernels.library_attention, implementation="xla")
+  got, none = jax.jit(lambda q, k, v, m: library(q, k, v, mask=m,
+                                                 kv_lengths=None))(q, k, v,
+                                                                   mask)
+  assert none is None
   np.testing.assert_allclose(got, expected, **TOL)
   np.testing.assert_array_equal(got[:, 3], 0.0)  # no key: zero context
-  np.testing.assert_allclose(att._library_attention(q, k, v, None),
+  np.testing.assert_allclose(library(q, k, v, mask=None, kv_lengths=None)[0],
                              dot_product_attention(q, k, v)[0], **TOL)
+  # Key lengths (cuDNN's padding form), a length of 0 included.
+  lengths = jnp.array([0, 4])
+  np.testing.assert_allclose(
+      library(q, k, v, mask=None, kv_lengths=lengths)[0],
+      dot_product_attention(q, k, v, mask=att.padding_mask_from_lengths(
+          lengths, 6))[0], **TOL)
 
 
 # ------------------------------------------------- softmax's custom derivative

@@ -72,6 +72,7 @@ def test_quick_run_prints_and_writes_the_tables(tmp_path):
     (["--repeats=0"], "--repeats=0"),
     (["--no_such_flag"], "no_such_flag"),
     (["positional"], "unexpected arguments"),
+    (["--gpu"], "--gpu needs a GPU"),
 ])
 def test_bad_command_line_is_one_line_and_exit_2(args, message, tmp_path):
   res = _run(*args, f"--out={tmp_path / 'b.json'}")
@@ -107,3 +108,31 @@ def test_forward_flops_count_the_matmuls_xla_counts(bench):
   # XLA also counts biases, scaling and the softmax (O(B H L L) and
   # O(B L D) elementwise work); at this shape that is under 10% more.
   assert analytic <= xla <= 1.1 * analytic
+
+
+def test_accelerator_section_compares_the_same_function(bench):
+  # A tiny plan in-process: every side computes the same attention on the
+  # same parameters, and the tables name every row. (The vmapped-seeds part
+  # is left out: compiling its two train steps took 20 s on the loaded
+  # 2-core machine, more than the rest; `benchmark.py --vmapped_seeds` runs
+  # it.)
+  acc = bench.accelerator
+  plan = acc.AcceleratorPlan(
+      name="quick", shapes=(acc.LayerShape(2, 8, 16, 2),),
+      dtypes=("bfloat16",), repeats=1, num_seeds=0, fused_masks=("lengths",))
+  results = acc.run(plan, bench.time_interleaved)
+  (layer,), (fused,) = results["layers"], results["fused"]
+  diffs = layer["max_relative_diff"]
+  # bfloat16 keeps 8 significant bits: weights agree to ~2 ulps (1e-2).
+  assert diffs["weights_flax"] < 1e-2 and diffs["inference_flax"] < 1e-2
+  assert diffs["weights_lse"] < 1e-2
+  if layer["torch"] is not None:
+    assert diffs["weights_torch"] < 1e-2
+  assert fused["implementation"] == "xla"  # no cuDNN on this device
+  assert max(fused["max_relative_diff"].values()) < 1e-2
+  assert "seeds" not in results
+  table = "\n".join(acc.format_tables(results))
+  assert ("| forward+backward, weights out | bfloat16 | 2 / 8 / 16 / 2 |"
+          in table)
+  assert "| fwd_bwd | bfloat16 | 2 / 8 / 16 / 2 | xla | lengths |" in table
+  assert "seeds trained together" not in table

@@ -13,7 +13,9 @@ import pytest
 
 from configs import default
 from mha import build
+from mha import config_validation
 from mha import data
+from mha import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -189,3 +191,27 @@ def test_schedule_warms_up_to_the_peak_then_decays_to_zero():
   assert values.max() == pytest.approx(peak, rel=1e-6)
   assert np.all(np.diff(values[:warmup + 1]) > 0)
   assert np.all(np.diff(values[warmup:]) <= 0)
+
+
+def test_model_dtype_key_trains_in_bfloat16():
+  assert default.get_config().model.dtype == "float32"
+  config = default.get_config("tiny,model.dtype=bfloat16")
+  assert config_validation.config_problems(config) == []
+  model = build.make_model(config)
+  assert model.config.compute_dtype == jnp.bfloat16
+  state = build.create_train_state(config, model, jax.random.key(0))
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(state.params))
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(1, 5, (4, config.data.max_len)),
+                       jnp.int32)
+  step = jax.jit(lambda s, b: train.train_step(
+      s, b, jax.random.key(1), model=model,
+      schedule=build.learning_rate_schedule(config)))
+  state, metrics = step(state, {"inputs": tokens, "targets": tokens})
+  assert np.isfinite(metrics["loss_sum"]) and np.isfinite(metrics["grad_norm"])
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(state.params))
+  with pytest.raises(config_validation.ConfigError,
+                     match="model.dtype='float16' is not one of float32, "
+                           "bfloat16"):
+    config_validation.validate_config(
+        default.get_config("tiny,model.dtype=float16"))

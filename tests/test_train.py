@@ -114,9 +114,9 @@ def test_load_checkpoint_restores_params_and_config(tiny_run):
 
 
 def _forget_new_keys(workdir):
-  """Makes ``workdir`` look saved before ``model.head_dim`` and
-  ``data.max_digits`` existed: its configs (``config.json`` and each
-  checkpoint's JSON item) lack them."""
+  """Makes ``workdir`` look saved before ``model.head_dim``,
+  ``data.max_digits`` and ``model.dtype`` existed: its configs
+  (``config.json`` and each checkpoint's JSON item) lack them."""
   paths = [os.path.join(workdir, "config.json")] + glob.glob(
       os.path.join(workdir, "checkpoints", "*", "config", "metadata"))
   assert len(paths) == 3
@@ -124,6 +124,7 @@ def _forget_new_keys(workdir):
     with open(path, encoding="utf-8") as f:
       saved = json.load(f)
     del saved["model"]["head_dim"], saved["data"]["max_digits"]
+    del saved["model"]["dtype"]
     with open(path, "w", encoding="utf-8") as f:
       json.dump(saved, f)
 
@@ -139,6 +140,7 @@ def test_second_call_resumes_and_continues(tiny_run, tmp_path, data_dir):
   # the old run did), so it passes the checks a new run's config passes
   # (the pruning study trains more seeds from it).
   assert ckpt.config.model.head_dim is None
+  assert ckpt.config.model.dtype == "float32"
   assert ckpt.config.data.max_digits == default.get_config().data.max_digits
   assert ckpt.config.to_dict() == tiny_run.config.to_dict()
   config_validation.validate_config(ckpt.config)
