@@ -37,9 +37,12 @@ the shared files) and process 0 alone moves a damaged step aside.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Any, Callable, Mapping, TypeVar
@@ -52,6 +55,7 @@ from jax.experimental import multihost_utils
 from configs import default
 from mha import build
 from mha import sharding as sharding_lib
+from mha import write_failures
 from mha.model import Transformer, TransformerConfig
 
 CHECKPOINT_DIR = "checkpoints"
@@ -238,10 +242,17 @@ class TrainCheckpoints:
   def __init__(self, workdir: str | os.PathLike, *, keep: int,
                abstract_state: Any):
     self._workdir = os.path.abspath(os.path.expanduser(workdir))
-    self._manager = make_manager(workdir)
     self._keep = keep
     self._abstract_state = abstract_state
     self._unverified: int | None = None
+    # Orbax's own log of a write failure, which ``save``, ``verify`` and
+    # ``close`` raise as one ``WriteFailure``.
+    self._unlogged = contextlib.ExitStack()
+    self._unlogged.enter_context(write_failures.orbax_failures_unlogged())
+    # A failed write ends orbax's event loop while tensorstore still finishes
+    # its other writes (as a failed read does, see _drop_closed_loop_reports).
+    _drop_closed_loop_reports()
+    self._manager = make_manager(workdir)
 
   @property
   def directory(self) -> str:
@@ -289,7 +300,8 @@ class TrainCheckpoints:
            config: ml_collections.ConfigDict) -> None:
     """Verifies the previous save, then saves ``step`` (asynchronously)."""
     self.verify()
-    save(self._manager, step, state, config)
+    with self._failed_save(step):
+      save(self._manager, step, state, config)
     self._unverified = step
 
   def verify(self) -> None:
@@ -300,7 +312,8 @@ class TrainCheckpoints:
       DamagedCheckpointError: the last save cannot be read back (nothing is
         deleted).
     """
-    self.wait_until_finished()
+    with self._failed_save(self._unverified):
+      self.wait_until_finished()
     if self._unverified is None:
       return
     step, self._unverified = self._unverified, None
@@ -314,10 +327,38 @@ class TrainCheckpoints:
     """Waits for the last save to be written (not verified)."""
     self._manager.wait_until_finished()
 
+  @contextlib.contextmanager
+  def _failed_save(self, step: int | None):
+    """Turns a write failure of the save of ``step`` into a
+    ``WriteFailure``, once its temporary folder is removed (older steps are
+    untouched); other errors pass."""
+    try:
+      yield
+    except Exception as e:  # orbax and tensorstore raise many kinds.
+      code = write_failures.write_errno(e)
+      if code is None or step is None:
+        raise
+      self._unverified = None
+      if sharding_lib.is_main_process():
+        for tmp in glob.glob(f"{self.step_path(step)}.orbax-checkpoint-tmp*"):
+          shutil.rmtree(tmp, ignore_errors=True)
+      self._manager.reload()
+      raise write_failures.WriteFailure(
+          code, f"saving checkpoint {step} in {self.directory}") from e
+
   def close(self) -> None:
-    """Waits for the last save (unverified if not ``verify``-ed) and closes."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for the last save (unverified if not ``verify``-ed) and closes.
+
+    Raises:
+      WriteFailure: the last save failed for want of space or permission
+        (its temporary folder removed).
+    """
+    try:
+      with self._failed_save(self._unverified):
+        self._manager.wait_until_finished()
+    finally:
+      self._manager.close()
+      self._unlogged.close()
 
 
 def config_to_json(config: ml_collections.ConfigDict) -> str:

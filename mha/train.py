@@ -48,6 +48,8 @@ from mha import config_validation
 from mha import data
 from mha import evaluate as eval_lib
 from mha import sharding as sharding_lib
+from mha import workdir_lock
+from mha import write_failures
 from mha.metric_writers import MetricWriter, format_duration
 from mha.model import Transformer
 
@@ -253,7 +255,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     The final train state.
 
   Raises:
-    ConfigError: a bad config or workdir, or another run's workdir.
+    ConfigError: a bad config or workdir, or another run's workdir
+      (``WorkdirLockedError``: one that another run is training in).
+    WriteFailure: a checkpoint, metrics or event-file write failed for want
+      of space or permission (the message names the intact checkpoints).
     TrainingInterrupted: after SIGTERM or SIGINT (the checkpoint is saved).
     FloatingPointError: a non-finite loss, gradient or parameter; no
       checkpoint of it is written.
@@ -273,12 +278,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   state_shardings = sharding_lib.state_shardings(
       abstract_state, mesh, shard_params=config.mesh.shard_params)
 
-  os.makedirs(workdir, exist_ok=True)
-  checkpoints = ckpt_lib.TrainCheckpoints(
-      workdir, keep=config.max_checkpoints_to_keep,
-      abstract_state=sharding_lib.with_shardings(abstract_state,
-                                                 state_shardings))
   with contextlib.ExitStack() as cleanup:
+    # Released last, once everything is written; makes the workdir.
+    cleanup.enter_context(workdir_lock.held(workdir))
+    cleanup.enter_context(write_failures.reported(
+        ckpt_lib.checkpoint_dir(workdir)))
+    checkpoints = ckpt_lib.TrainCheckpoints(
+        workdir, keep=config.max_checkpoints_to_keep,
+        abstract_state=sharding_lib.with_shardings(abstract_state,
+                                                   state_shardings))
     cleanup.callback(checkpoints.close)  # Even on errors: finish the saves.
     restored = checkpoints.restore_latest()
     if restored is None:
