@@ -26,6 +26,14 @@ What survives what (see :class:`TrainCheckpoints`):
   warns, moves it to ``workdir/damaged_checkpoints/`` and resumes from the
   newest intact one; ``load_checkpoint`` skips it (or names it, when that step
   is asked for).
+* A save that fails for want of space or permission (a full disk, a quota, a
+  read-only filesystem) raises ``mha.write_failures.WriteFailure`` where
+  orbax reports it (the next save's wait, ``verify`` or ``close``), once its
+  temporary folder is removed; the older steps are untouched, and orbax's own
+  log of it is dropped (the run reports it in one line).
+* Readers (``load_checkpoint``, ``eval.py``) never see a step being written
+  (orbax lists only renamed, complete steps) and write nothing, so they work
+  while a run trains; writers hold ``mha.workdir_lock``.
 
 Checkpoints do not depend on the device count: each array is restored into the
 shardings of the mesh at hand (``mha.sharding``), so a run saved on 8 devices
@@ -151,13 +159,16 @@ def restore_config(manager: ocp.CheckpointManager,
 
 
 def _drop_closed_loop_reports() -> None:
-  """Silences the echo of a failed restore, once per process.
+  """Silences the echo of a failed restore or save, once per process.
 
-  When one array of a restore fails, orbax closes its event loop while
-  tensorstore is still finishing the other reads; each of them then reports
-  ``RuntimeError: Event loop is closed`` through ``sys.unraisablehook``
-  (hundreds of tracebacks, burying the one warning that matters). Exactly
-  those reports are dropped; everything else goes to the previous hook.
+  When one array of a restore (or a save: a full disk) fails, orbax's
+  ``asyncio.gather`` raises at once and orbax closes its event loop while
+  tensorstore is still finishing the other reads or writes; each of them
+  then reports ``RuntimeError: Event loop is closed`` through
+  ``sys.unraisablehook`` (hundreds of tracebacks, burying the one line that
+  matters). The cause is inside orbax 0.12.8 (it never awaits the others),
+  so exactly those reports are dropped; everything else goes to the
+  previous hook.
   """
   previous = sys.unraisablehook
   if getattr(previous, "drops_closed_loop_reports", False):

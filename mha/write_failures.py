@@ -1,10 +1,11 @@
 """Writes that fail for want of space or permission, told in one line.
 
 A full disk (ENOSPC), an exceeded quota (EDQUOT), a read-only filesystem
-(EROFS) or a lost permission (EACCES, EPERM) during a checkpoint save or a
-``metrics.jsonl``, event-file or ``config.json`` write stops a training run
-with :class:`WriteFailure`, whose message says what failed, which
-checkpoints are intact and what to do:
+(EROFS), a lost permission (EACCES, EPERM) or a file size limit (EFBIG,
+``ulimit -f``) during a checkpoint save or a ``metrics.jsonl``, event-file
+or ``config.json`` write stops a training run with :class:`WriteFailure`,
+whose message says what failed, which checkpoints are intact and what to
+do:
 
     no space left on device while saving checkpoint 150 in runs/x/checkpoints;
     checkpoints 50, 100 are intact; free space and run the same command to
@@ -36,6 +37,7 @@ REMEDIES = {
     errno.EROFS: "make the filesystem writable",
     errno.EACCES: "restore write permission",
     errno.EPERM: "restore write permission",
+    errno.EFBIG: "raise the file size limit (ulimit -f)",
 }
 
 # Tensorstore's status text names the OS error: [os_error_code='28'] (or
