@@ -312,8 +312,25 @@ class TrainCheckpoints:
     """Verifies the previous save, then saves ``step`` (asynchronously)."""
     self.verify()
     with self._failed_save(step):
+      self._probe(step)
       save(self._manager, step, state, config)
     self._unverified = step
+
+  def _probe(self, step: int) -> None:
+    """Writes (and removes) a small file where ``step`` goes, so that a
+    folder that takes no writes at all (read-only, no permission, no space
+    left) fails here: orbax, whose step folder creation fails in the
+    background, would have its other threads wait 300 s for it first."""
+    if not sharding_lib.is_main_process():
+      return
+    path = f"{self.step_path(step)}.write-probe"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+      os.write(fd, b"\0" * 4096)
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+      os.unlink(path)
 
   def verify(self) -> None:
     """Waits for the last save, reads it back in full and only then deletes

@@ -279,10 +279,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       abstract_state, mesh, shard_params=config.mesh.shard_params)
 
   with contextlib.ExitStack() as cleanup:
-    # Released last, once everything is written; makes the workdir.
-    cleanup.enter_context(workdir_lock.held(workdir))
     cleanup.enter_context(write_failures.reported(
         ckpt_lib.checkpoint_dir(workdir)))
+    # Released once everything is written; makes the workdir.
+    cleanup.enter_context(workdir_lock.held(workdir))
     checkpoints = ckpt_lib.TrainCheckpoints(
         workdir, keep=config.max_checkpoints_to_keep,
         abstract_state=sharding_lib.with_shardings(abstract_state,

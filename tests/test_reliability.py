@@ -531,19 +531,39 @@ def _stop_when(proc, predicate):
 # --------------------------------------------------------------------------
 
 
+def test_prune_heads_locks_its_output_folder(reference, tmp_path,
+                                             subprocess_env):
+  _, workdir, _ = reference
+  out = tmp_path / "out"
+  with workdir_lock.WorkdirLock(out):
+    result = subprocess.run(
+        _command("scripts/prune_heads.py", f"--workdir={workdir}",
+                 f"--out={out}", "--num_seeds=1", "--nospeed"),
+        env=subprocess_env, capture_output=True, text=True)
+  assert result.returncode == 2, result.stderr
+  assert _last_line(result.stderr).startswith(
+      f"prune_heads.py: error: {out} is in use by another run (pid "
+      f"{os.getpid()} on host "), result.stderr
+  _assert_quiet(result.stderr)
+  assert os.listdir(out) == [workdir_lock.LOCK_FILE]  # nothing written
+
+
+def _mount(*args):
+  """Runs ``mount *args``; skips the test where mounting is not allowed."""
+  result = subprocess.run(["mount", *args], capture_output=True, text=True)
+  if result.returncode != 0:
+    pytest.skip("mounting needs root (and a sandbox that lets root mount): "
+                f"{result.stderr.strip()}; test_write_faults_below_orbax "
+                "covers the same paths without")
+
+
 @pytest.fixture
 def small_disk(tmp_path):
   """A folder on a tmpfs of 800 KiB (two checkpoints of the run fit, not
   three), and a function that grows it."""
   disk = tmp_path / "disk"
   disk.mkdir()
-  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=800k",
-                            "tmpfs", str(disk)], capture_output=True,
-                           text=True)
-  if mounted.returncode != 0:
-    pytest.skip("mounting a small tmpfs needs root (and a sandbox that lets "
-                f"root mount): {mounted.stderr.strip()}; "
-                "test_write_faults_below_orbax covers the same paths")
+  _mount("-t", "tmpfs", "-o", "size=800k", "tmpfs", str(disk))
 
   def grow():
     subprocess.run(["mount", "-o", "remount,size=16m", str(disk)],
@@ -629,3 +649,38 @@ def test_write_faults_below_orbax(tmp_path, file_size_limit):
   writer.close()
   steps = [row["step"] for row in _rows(str(tmp_path))]
   assert len(steps) > 2 and steps == list(range(-1, len(steps) - 1))
+
+
+def test_read_only_filesystem_is_one_error_at_once(tmp_path):
+  # A read-only view of a workdir holding checkpoint 1 (a bind mount).
+  state = {"w": np.arange(4.0, dtype=np.float32)}
+  config = ml_collections.ConfigDict({"note": "test"})
+  abstract = jax.eval_shape(lambda: state)
+  checkpoints = ckpt_lib.TrainCheckpoints(tmp_path / "rw", keep=3,
+                                          abstract_state=abstract)
+  checkpoints.save(1, state, config)
+  checkpoints.close()
+  view = tmp_path / "ro"
+  view.mkdir()
+  _mount("--bind", str(tmp_path / "rw"), str(view))
+  try:
+    subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], check=True)
+    directory = ckpt_lib.checkpoint_dir(view)
+    with pytest.raises(write_failures.WriteFailure) as error:
+      with write_failures.reported(directory):
+        metric_writers.MetricWriter(view)
+    assert str(error.value) == (
+        f"read-only file system while writing {view}/metrics.jsonl; "
+        "checkpoint 1 is intact; make the filesystem writable and run the "
+        "same command to resume")
+    # Refused before orbax starts (its threads would wait 300 s for the
+    # step folder that it cannot create).
+    checkpoints = ckpt_lib.TrainCheckpoints(view, keep=3,
+                                            abstract_state=abstract)
+    with pytest.raises(write_failures.WriteFailure,
+                       match=f"^read-only file system while saving "
+                             f"checkpoint 2 in {directory}$"):
+      checkpoints.save(2, state, config)
+    checkpoints.close()
+  finally:
+    subprocess.run(["umount", "--lazy", str(view)], check=True)
