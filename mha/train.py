@@ -9,9 +9,12 @@ steps/s and ETA), TensorBoard event files and ``workdir/metrics.jsonl``.
 A run never loses more than the steps since its last checkpoint and never
 mixes with another: the config is checked before anything is compiled or
 written (``mha.config_validation``), a workdir is only resumed with a config
-that differs in ``RESUMABLE_KEYS``, SIGTERM/SIGINT stop after the current step
-with a checkpoint of it, damaged checkpoints are set aside (``mha.checkpoint``)
-and a non-finite loss, gradient or parameter stops the run before it is saved.
+that differs in ``RESUMABLE_KEYS`` and held by one run at a time
+(``mha.workdir_lock``), SIGTERM/SIGINT stop after the current step with a
+checkpoint of it, damaged checkpoints are set aside (``mha.checkpoint``), a
+non-finite loss, gradient or parameter stops the run before it is saved, and
+a full disk or a read-only one stops it naming the intact checkpoints
+(``mha.write_failures``).
 
 Every device trains (``mha.sharding``): each batch is split along the ``data``
 axis of a mesh over all devices, the train state is replicated (or, with

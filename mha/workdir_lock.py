@@ -7,9 +7,9 @@ ends (kill -9 included), so there is never a stale lock to remove by hand.
 The file itself stays; it records the holder (pid, host, start time, in
 JSON) so that a second run can say who holds it:
 
-    train.py: error: runs/x is in use by another run (pid 4242 on host
-    gpu-3, started 2026-11-21 15:22:07 UTC; lock file runs/x/run.lock); wait
-    for it to end, or stop it
+    train.py: error: /home/me/runs/x is in use by another run (pid 4242 on
+    host gpu-3, started 2026-11-21 15:22:07 UTC); lock file
+    /home/me/runs/x/run.lock; wait for it to end, or stop it
 
 That second run exits 2 and writes nothing. Readers (``eval.py``,
 ``mha.load_checkpoint``) take no lock: they only read, and orbax never lists
