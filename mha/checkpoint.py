@@ -256,6 +256,7 @@ class TrainCheckpoints:
     self._keep = keep
     self._abstract_state = abstract_state
     self._unverified: int | None = None
+    self._manager = make_manager(workdir)
     # Orbax's own log of a write failure, which ``save``, ``verify`` and
     # ``close`` raise as one ``WriteFailure``.
     self._unlogged = contextlib.ExitStack()
@@ -263,7 +264,6 @@ class TrainCheckpoints:
     # A failed write ends orbax's event loop while tensorstore still finishes
     # its other writes (as a failed read does, see _drop_closed_loop_reports).
     _drop_closed_loop_reports()
-    self._manager = make_manager(workdir)
 
   @property
   def directory(self) -> str:
@@ -312,18 +312,18 @@ class TrainCheckpoints:
     """Verifies the previous save, then saves ``step`` (asynchronously)."""
     self.verify()
     with self._failed_save(step):
-      self._probe(step)
+      self._probe()
       save(self._manager, step, state, config)
     self._unverified = step
 
-  def _probe(self, step: int) -> None:
-    """Writes (and removes) a small file where ``step`` goes, so that a
+  def _probe(self) -> None:
+    """Writes (and removes) a small file where the steps go, so that a
     folder that takes no writes at all (read-only, no permission, no space
     left) fails here: orbax, whose step folder creation fails in the
     background, would have its other threads wait 300 s for it first."""
     if not sharding_lib.is_main_process():
       return
-    path = f"{self.step_path(step)}.write-probe"
+    path = os.path.join(self.directory, f".write-probe.{os.getpid()}")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
       os.write(fd, b"\0" * 4096)
