@@ -12,8 +12,10 @@ or with the coordinator given:
     python train.py --workdir /shared/runs/reverse \
         --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=0
 
-Exit codes: 0 done; 2 a bad command line, config or workdir (one line on
-stderr, nothing written); 1 a failed run (e.g. a non-finite loss); 130 / 143
+Exit codes: 0 done; 2 a bad command line, config or workdir, or a workdir
+another run holds (one line on stderr, nothing written); 1 a failed run (a
+non-finite loss; a disk full or read-only: one line naming the intact
+checkpoints); 130 / 143
 stopped by SIGINT / SIGTERM after saving a checkpoint (run the same command
 again to resume). The logic lives in ``mha.train.train_and_evaluate``.
 """
@@ -76,7 +78,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
   # Deferred: --help and a mistyped flag answer without importing orbax and
   # TFDS (``mha.cli`` already brings in JAX and Flax through ``mha``).
-  from mha import checkpoint, sharding, train
+  from mha import checkpoint, sharding, train, write_failures
   distributed = (_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value,
                  _PROCESS_ID.value)
   if _DISTRIBUTED.value or distributed != (None, None, None):
@@ -92,7 +94,8 @@ def main(argv):
     print(f"{e}. Resume with: python {shlex.join(sys.argv)}",
           file=sys.stderr, flush=True)
     sys.exit(128 + e.signum)
-  except (FloatingPointError, checkpoint.DamagedCheckpointError) as e:
+  except (FloatingPointError, checkpoint.DamagedCheckpointError,
+          write_failures.WriteFailure) as e:
     print(f"train.py: error: {cli.one_line(e)}",
           file=sys.stderr, flush=True)
     sys.exit(1)

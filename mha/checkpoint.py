@@ -26,6 +26,14 @@ What survives what (see :class:`TrainCheckpoints`):
   warns, moves it to ``workdir/damaged_checkpoints/`` and resumes from the
   newest intact one; ``load_checkpoint`` skips it (or names it, when that step
   is asked for).
+* A save that fails for want of space or permission (a full disk, a quota, a
+  read-only filesystem) raises ``mha.write_failures.WriteFailure`` where
+  orbax reports it (the next save's wait, ``verify`` or ``close``), once its
+  temporary folder is removed; the older steps are untouched, and orbax's own
+  log of it is dropped (the run reports it in one line).
+* Readers (``load_checkpoint``, ``eval.py``) never see a step being written
+  (orbax lists only renamed, complete steps) and write nothing, so they work
+  while a run trains; writers hold ``mha.workdir_lock``.
 
 Checkpoints do not depend on the device count: each array is restored into the
 shardings of the mesh at hand (``mha.sharding``), so a run saved on 8 devices
@@ -37,9 +45,12 @@ the shared files) and process 0 alone moves a damaged step aside.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Any, Callable, Mapping, TypeVar
@@ -52,6 +63,7 @@ from jax.experimental import multihost_utils
 from configs import default
 from mha import build
 from mha import sharding as sharding_lib
+from mha import write_failures
 from mha.model import Transformer, TransformerConfig
 
 CHECKPOINT_DIR = "checkpoints"
@@ -147,13 +159,16 @@ def restore_config(manager: ocp.CheckpointManager,
 
 
 def _drop_closed_loop_reports() -> None:
-  """Silences the echo of a failed restore, once per process.
+  """Silences the echo of a failed restore or save, once per process.
 
-  When one array of a restore fails, orbax closes its event loop while
-  tensorstore is still finishing the other reads; each of them then reports
-  ``RuntimeError: Event loop is closed`` through ``sys.unraisablehook``
-  (hundreds of tracebacks, burying the one warning that matters). Exactly
-  those reports are dropped; everything else goes to the previous hook.
+  When one array of a restore (or a save: a full disk) fails, orbax's
+  ``asyncio.gather`` raises at once and orbax closes its event loop while
+  tensorstore is still finishing the other reads or writes; each of them
+  then reports ``RuntimeError: Event loop is closed`` through
+  ``sys.unraisablehook`` (hundreds of tracebacks, burying the one line that
+  matters). The cause is inside orbax 0.12.8 (it never awaits the others),
+  so exactly those reports are dropped; everything else goes to the
+  previous hook.
   """
   previous = sys.unraisablehook
   if getattr(previous, "drops_closed_loop_reports", False):
@@ -238,10 +253,17 @@ class TrainCheckpoints:
   def __init__(self, workdir: str | os.PathLike, *, keep: int,
                abstract_state: Any):
     self._workdir = os.path.abspath(os.path.expanduser(workdir))
-    self._manager = make_manager(workdir)
     self._keep = keep
     self._abstract_state = abstract_state
     self._unverified: int | None = None
+    self._manager = make_manager(workdir)
+    # Orbax's own log of a write failure, which ``save``, ``verify`` and
+    # ``close`` raise as one ``WriteFailure``.
+    self._unlogged = contextlib.ExitStack()
+    self._unlogged.enter_context(write_failures.orbax_failures_unlogged())
+    # A failed write ends orbax's event loop while tensorstore still finishes
+    # its other writes (as a failed read does, see _drop_closed_loop_reports).
+    _drop_closed_loop_reports()
 
   @property
   def directory(self) -> str:
@@ -289,8 +311,26 @@ class TrainCheckpoints:
            config: ml_collections.ConfigDict) -> None:
     """Verifies the previous save, then saves ``step`` (asynchronously)."""
     self.verify()
-    save(self._manager, step, state, config)
+    with self._failed_save(step):
+      self._probe()
+      save(self._manager, step, state, config)
     self._unverified = step
+
+  def _probe(self) -> None:
+    """Writes (and removes) a small file where the steps go, so that a
+    folder that takes no writes at all (read-only, no permission, no space
+    left) fails here: orbax, whose step folder creation fails in the
+    background, would have its other threads wait 300 s for it first."""
+    if not sharding_lib.is_main_process():
+      return
+    path = os.path.join(self.directory, f".write-probe.{os.getpid()}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+      os.write(fd, b"\0" * 4096)
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+      os.unlink(path)
 
   def verify(self) -> None:
     """Waits for the last save, reads it back in full and only then deletes
@@ -300,7 +340,8 @@ class TrainCheckpoints:
       DamagedCheckpointError: the last save cannot be read back (nothing is
         deleted).
     """
-    self.wait_until_finished()
+    with self._failed_save(self._unverified):
+      self.wait_until_finished()
     if self._unverified is None:
       return
     step, self._unverified = self._unverified, None
@@ -314,10 +355,38 @@ class TrainCheckpoints:
     """Waits for the last save to be written (not verified)."""
     self._manager.wait_until_finished()
 
+  @contextlib.contextmanager
+  def _failed_save(self, step: int | None):
+    """Turns a write failure of the save of ``step`` into a
+    ``WriteFailure``, once its temporary folder is removed (older steps are
+    untouched); other errors pass."""
+    try:
+      yield
+    except Exception as e:  # orbax and tensorstore raise many kinds.
+      code = write_failures.write_errno(e)
+      if code is None or step is None:
+        raise
+      self._unverified = None
+      if sharding_lib.is_main_process():
+        for tmp in glob.glob(f"{self.step_path(step)}.orbax-checkpoint-tmp*"):
+          shutil.rmtree(tmp, ignore_errors=True)
+      self._manager.reload()
+      raise write_failures.WriteFailure(
+          code, f"saving checkpoint {step} in {self.directory}") from e
+
   def close(self) -> None:
-    """Waits for the last save (unverified if not ``verify``-ed) and closes."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for the last save (unverified if not ``verify``-ed) and closes.
+
+    Raises:
+      WriteFailure: the last save failed for want of space or permission
+        (its temporary folder removed).
+    """
+    try:
+      with self._failed_save(self._unverified):
+        self._manager.wait_until_finished()
+    finally:
+      self._manager.close()
+      self._unlogged.close()
 
 
 def config_to_json(config: ml_collections.ConfigDict) -> str:

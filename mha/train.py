@@ -9,9 +9,12 @@ steps/s and ETA), TensorBoard event files and ``workdir/metrics.jsonl``.
 A run never loses more than the steps since its last checkpoint and never
 mixes with another: the config is checked before anything is compiled or
 written (``mha.config_validation``), a workdir is only resumed with a config
-that differs in ``RESUMABLE_KEYS``, SIGTERM/SIGINT stop after the current step
-with a checkpoint of it, damaged checkpoints are set aside (``mha.checkpoint``)
-and a non-finite loss, gradient or parameter stops the run before it is saved.
+that differs in ``RESUMABLE_KEYS`` and held by one run at a time
+(``mha.workdir_lock``), SIGTERM/SIGINT stop after the current step with a
+checkpoint of it, damaged checkpoints are set aside (``mha.checkpoint``), a
+non-finite loss, gradient or parameter stops the run before it is saved, and
+a full disk or a read-only one stops it naming the intact checkpoints
+(``mha.write_failures``).
 
 Every device trains (``mha.sharding``): each batch is split along the ``data``
 axis of a mesh over all devices, the train state is replicated (or, with
@@ -48,6 +51,8 @@ from mha import config_validation
 from mha import data
 from mha import evaluate as eval_lib
 from mha import sharding as sharding_lib
+from mha import workdir_lock
+from mha import write_failures
 from mha.metric_writers import MetricWriter, format_duration
 from mha.model import Transformer
 
@@ -253,7 +258,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     The final train state.
 
   Raises:
-    ConfigError: a bad config or workdir, or another run's workdir.
+    ConfigError: a bad config or workdir, or another run's workdir
+      (``WorkdirLockedError``: one that another run is training in).
+    WriteFailure: a checkpoint, metrics or event-file write failed for want
+      of space or permission (the message names the intact checkpoints).
     TrainingInterrupted: after SIGTERM or SIGINT (the checkpoint is saved).
     FloatingPointError: a non-finite loss, gradient or parameter; no
       checkpoint of it is written.
@@ -273,12 +281,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   state_shardings = sharding_lib.state_shardings(
       abstract_state, mesh, shard_params=config.mesh.shard_params)
 
-  os.makedirs(workdir, exist_ok=True)
-  checkpoints = ckpt_lib.TrainCheckpoints(
-      workdir, keep=config.max_checkpoints_to_keep,
-      abstract_state=sharding_lib.with_shardings(abstract_state,
-                                                 state_shardings))
   with contextlib.ExitStack() as cleanup:
+    cleanup.enter_context(write_failures.reported(
+        ckpt_lib.checkpoint_dir(workdir)))
+    # Released once everything is written; makes the workdir.
+    cleanup.enter_context(workdir_lock.held(workdir))
+    checkpoints = ckpt_lib.TrainCheckpoints(
+        workdir, keep=config.max_checkpoints_to_keep,
+        abstract_state=sharding_lib.with_shardings(abstract_state,
+                                                   state_shardings))
     cleanup.callback(checkpoints.close)  # Even on errors: finish the saves.
     restored = checkpoints.restore_latest()
     if restored is None:

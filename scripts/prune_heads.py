@@ -15,7 +15,9 @@ order and measures test accuracy with 95% bootstrap intervals
 
 A user's mistake (no checkpoint, a fraction outside [0, 1], a head that
 does not exist, ``--oracle_max_heads`` below 1, a seed directory trained
-with another config) is one line on stderr and exit code 2.
+with another config, an ``--out`` that another study is writing: it is
+locked for the whole study, ``mha.workdir_lock``) is one line on stderr and
+exit code 2.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from mha import cli
 from mha import data
 from mha import evaluate
 from mha import pruning
+from mha import workdir_lock
 from mha.pruning import experiment
 from mha.pruning import export
 
@@ -162,8 +165,16 @@ def main(argv: list[str]) -> None:
     cli.fail(_PROG, str(e).splitlines()[0] if str(e) else type(e).__name__)
 
   start = time.time()
-  print(f"Pruning experiment on {workdir} -> {out}", flush=True)
-  results = experiment.run(workdir, out, options, _STEP.value)
+  lock = workdir_lock.WorkdirLock(out)  # One study per folder at a time.
+  try:
+    lock.acquire()
+  except workdir_lock.WorkdirLockedError as e:
+    cli.fail(_PROG, e)
+  try:
+    print(f"Pruning experiment on {workdir} -> {out}", flush=True)
+    results = experiment.run(workdir, out, options, _STEP.value)
+  finally:
+    lock.release()
   _print_summary(results, out, time.time() - start)
 
 

@@ -2,7 +2,9 @@
 survives SIGTERM/SIGINT, kill -9, damaged checkpoints and non-finite losses."""
 
 import glob
+import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -19,7 +21,10 @@ from conftest import copy_workdir, tiny_config
 import mha
 from mha import checkpoint as ckpt_lib
 from mha import config_validation
+from mha import metric_writers
 from mha import train
+from mha import workdir_lock
+from mha import write_failures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = os.path.join(ROOT, "configs", "default.py")
@@ -80,6 +85,20 @@ def _snapshot(path):
   return {os.path.join(d, f): (os.stat(os.path.join(d, f)).st_size,
                                os.stat(os.path.join(d, f)).st_mtime_ns)
           for d, _, files in os.walk(path) for f in files}
+
+
+# What a quiet exit never prints (orbax's event loops, threads at shutdown).
+NOISE = ("Traceback", "Event loop is closed", "Exception ignored",
+         "sys.meta_path is None")
+
+
+def _assert_quiet(stderr):
+  for noise in NOISE:
+    assert noise not in stderr, stderr[-3000:]
+
+
+def _last_line(stderr):
+  return stderr.strip().splitlines()[-1] if stderr.strip() else ""
 
 
 # --------------------------------------------------------------------------
@@ -298,6 +317,7 @@ def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(
   assert saved < stopped < STEPS, (saved, stopped)
   assert f"Interrupted by SIGTERM at step {stopped}; checkpoint saved" in stderr
   assert "Resume with: python " in stderr and "--workdir=" in stderr
+  _assert_quiet(stderr)
   assert not _tmp_dirs(workdir)  # the first kill's leftovers are gone
 
   # 3. kill -9 once the next checkpoint exists: in a step or a save.
@@ -312,6 +332,7 @@ def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(
                           text=True)
   assert result.returncode == 0, result.stderr
   assert "Resumed from checkpoint" in result.stdout
+  _assert_quiet(result.stderr)
   assert not _tmp_dirs(workdir)
   _assert_params_equal(workdir, final)
 
@@ -429,8 +450,238 @@ def test_non_finite_loss_stops_naming_the_step_without_saving_it(
   assert last.startswith("train.py: error: non-finite training metrics at "
                          "step 3"), result.stderr
   assert f"newest checkpoint: step 2 in {workdir}/checkpoints" in last
-  assert "Traceback" not in result.stderr
+  _assert_quiet(result.stderr)
   assert _steps(workdir) == [1, 2]
   for step in (1, 2):
     params = mha.load_checkpoint(workdir, step=step).params
     assert all(np.isfinite(p).all() for p in jax.tree.leaves(params))
+
+
+# --------------------------------------------------------------------------
+# One run per workdir.
+# --------------------------------------------------------------------------
+
+def test_workdir_lock_names_its_holder_and_is_released(tmp_path):
+  first = workdir_lock.WorkdirLock(tmp_path / "run")
+  first.acquire()
+  holder = workdir_lock.holder(tmp_path / "run")
+  assert holder["pid"] == os.getpid() and holder["host"]
+  with pytest.raises(workdir_lock.WorkdirLockedError) as error:
+    workdir_lock.WorkdirLock(tmp_path / "run").acquire()  # another descriptor
+  assert (f"{tmp_path / 'run'} is in use by another run (pid {os.getpid()} "
+          f"on host {holder['host']}, started {holder['started']})"
+          in str(error.value))
+  assert isinstance(error.value, config_validation.ConfigError)  # exit 2
+  first.release()
+  with workdir_lock.WorkdirLock(tmp_path / "run"):  # free again
+    pass
+
+
+def test_a_second_run_is_refused_and_the_first_ends_as_if_alone(
+    reference, tmp_path, data_dir, subprocess_env):
+  _, _, final = reference
+  workdir = str(tmp_path / "run")
+  command = _train_command(data_dir, workdir)
+  first = subprocess.Popen(command, env=subprocess_env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True)
+  # Frozen while it writes a checkpoint, with an older one complete: what a
+  # second run must neither clean up nor append to.
+  _stop_when(first, lambda: _tmp_dirs(workdir) and _steps(workdir))
+  try:
+    before = _snapshot(workdir)
+    # Readers keep working: the newest complete checkpoint, never the one
+    # being written.
+    assert mha.load_checkpoint(workdir).step == _newest(workdir)
+    second = subprocess.run(command, env=subprocess_env, capture_output=True,
+                            text=True)
+    assert second.returncode == 2, second.stderr
+    assert _last_line(second.stderr).startswith(
+        f"train.py: error: {workdir} is in use by another run (pid "
+        f"{first.pid} on host "), second.stderr
+    _assert_quiet(second.stderr)
+    assert _snapshot(workdir) == before  # nothing written
+  finally:
+    first.send_signal(signal.SIGCONT)
+  _, stderr = first.communicate()
+  assert first.returncode == 0, stderr
+  _assert_quiet(stderr)
+  _assert_params_equal(workdir, final)
+  steps = [row["step"] for row in _rows(workdir) if "loss" in row]
+  assert steps == sorted(set(steps))  # one run's rows, none twice
+
+
+def _rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+def _stop_when(proc, predicate):
+  """SIGSTOP ``proc`` at a moment ``predicate()`` holds."""
+  while True:
+    _wait_for(predicate, proc)
+    proc.send_signal(signal.SIGSTOP)
+    if predicate():
+      return
+    proc.send_signal(signal.SIGCONT)
+
+
+# --------------------------------------------------------------------------
+# Write failures: one line, older checkpoints intact, resumable.
+# --------------------------------------------------------------------------
+
+
+def test_prune_heads_locks_its_output_folder(reference, tmp_path,
+                                             subprocess_env):
+  _, workdir, _ = reference
+  out = tmp_path / "out"
+  with workdir_lock.WorkdirLock(out):
+    result = subprocess.run(
+        _command("scripts/prune_heads.py", f"--workdir={workdir}",
+                 f"--out={out}", "--num_seeds=1", "--nospeed"),
+        env=subprocess_env, capture_output=True, text=True)
+  assert result.returncode == 2, result.stderr
+  assert _last_line(result.stderr).startswith(
+      f"prune_heads.py: error: {out} is in use by another run (pid "
+      f"{os.getpid()} on host "), result.stderr
+  _assert_quiet(result.stderr)
+  assert os.listdir(out) == [workdir_lock.LOCK_FILE]  # nothing written
+
+
+def _mount(*args):
+  """Runs ``mount *args``; skips the test where mounting is not allowed."""
+  result = subprocess.run(["mount", *args], capture_output=True, text=True)
+  if result.returncode != 0:
+    pytest.skip("mounting needs root (and a sandbox that lets root mount): "
+                f"{result.stderr.strip()}; test_write_faults_below_orbax "
+                "covers the same paths without")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A folder on a tmpfs of 800 KiB (two checkpoints of the run fit, not
+  three), and a function that grows it."""
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  _mount("-t", "tmpfs", "-o", "size=800k", "tmpfs", str(disk))
+
+  def grow():
+    subprocess.run(["mount", "-o", "remount,size=16m", str(disk)],
+                   check=True)
+
+  yield disk, grow
+  subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+def test_full_disk_stops_in_one_line_and_the_rerun_resumes(
+    reference, small_disk, data_dir, subprocess_env, capfd):
+  config, _, final = reference
+  disk, grow = small_disk
+  workdir = str(disk / "run")
+  command = _train_command(data_dir, workdir)
+  result = subprocess.run(command, env=subprocess_env, capture_output=True,
+                          text=True)
+  assert result.returncode == 1, result.stderr
+  assert _last_line(result.stderr) == (
+      f"train.py: error: no space left on device while saving checkpoint "
+      f"{3 * EVERY} in {workdir}/checkpoints; checkpoints {EVERY}, "
+      f"{2 * EVERY} are intact; free space and run the same command to "
+      "resume")
+  _assert_quiet(result.stderr)
+  assert not _tmp_dirs(workdir) and _steps(workdir) == [EVERY, 2 * EVERY]
+  assert mha.load_checkpoint(workdir).step == 2 * EVERY
+
+  grow()  # space freed; the same run again (in this process: faster)
+  state = train.train_and_evaluate(config, workdir)
+  assert (f"Resumed from checkpoint at step {2 * EVERY}"
+          in capfd.readouterr().out)
+  _assert_params_equal(workdir, final)
+  for a, b in zip(jax.tree.leaves(state.params),
+                  jax.tree.leaves(final.params)):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture
+def file_size_limit():
+  """``limit(n)``: writes beyond ``n`` bytes of a file fail with EFBIG in
+  this process (the kernel's RLIMIT_FSIZE: a fault below orbax, tensorstore
+  and Python's io, and no root needed); put back afterwards."""
+  previous = resource.getrlimit(resource.RLIMIT_FSIZE)
+  handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not death
+  yield lambda n: resource.setrlimit(resource.RLIMIT_FSIZE,
+                                     (n, previous[1]))
+  resource.setrlimit(resource.RLIMIT_FSIZE, previous)
+  signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_write_faults_below_orbax(tmp_path, file_size_limit):
+  # A checkpoint save: step 1 (zeros, compressed small) fits under the
+  # limit, step 2 (random numbers) does not.
+  zeros = {"w": np.zeros((128, 128), np.float32)}
+  noise = {"w": np.random.default_rng(0).random((128, 128), np.float32)}
+  config = ml_collections.ConfigDict({"note": "test"})
+  checkpoints = ckpt_lib.TrainCheckpoints(
+      tmp_path, keep=3, abstract_state=jax.eval_shape(lambda: zeros))
+  file_size_limit(32 * 1024)
+  with pytest.raises(write_failures.WriteFailure) as error:
+    with write_failures.reported(checkpoints.directory):
+      try:
+        checkpoints.save(1, zeros, config)
+        checkpoints.save(2, noise, config)
+        checkpoints.verify()
+      finally:
+        checkpoints.close()
+  assert str(error.value) == (
+      f"file too large while saving checkpoint 2 in {tmp_path}/checkpoints; "
+      "checkpoint 1 is intact; raise the file size limit (ulimit -f) and run "
+      "the same command to resume")
+  assert not _tmp_dirs(tmp_path) and _steps(tmp_path) == [1]
+
+  # metrics.jsonl (an old run's rows near the limit already): the line that
+  # does not fit is taken back whole.
+  with open(tmp_path / "metrics.jsonl", "w", encoding="utf-8") as f:
+    f.write(json.dumps({"step": -1, "note": "x" * 30_000}) + "\n")
+  writer = metric_writers.MetricWriter(tmp_path)
+  with pytest.raises(write_failures.WriteFailure,
+                     match=f"file too large while writing {tmp_path}/"
+                           "metrics.jsonl$"):
+    for step in range(100):
+      writer.write_scalars(step, {f"metric_{i}": i / 7 for i in range(20)})
+  writer.close()
+  steps = [row["step"] for row in _rows(str(tmp_path))]
+  assert len(steps) > 2 and steps == list(range(-1, len(steps) - 1))
+
+
+def test_read_only_filesystem_is_one_error_at_once(tmp_path):
+  # A read-only view of a workdir holding checkpoint 1 (a bind mount).
+  state = {"w": np.arange(4.0, dtype=np.float32)}
+  config = ml_collections.ConfigDict({"note": "test"})
+  abstract = jax.eval_shape(lambda: state)
+  checkpoints = ckpt_lib.TrainCheckpoints(tmp_path / "rw", keep=3,
+                                          abstract_state=abstract)
+  checkpoints.save(1, state, config)
+  checkpoints.close()
+  view = tmp_path / "ro"
+  view.mkdir()
+  _mount("--bind", str(tmp_path / "rw"), str(view))
+  try:
+    subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], check=True)
+    directory = ckpt_lib.checkpoint_dir(view)
+    with pytest.raises(write_failures.WriteFailure) as error:
+      with write_failures.reported(directory):
+        metric_writers.MetricWriter(view)
+    assert str(error.value) == (
+        f"read-only file system while writing {view}/metrics.jsonl; "
+        "checkpoint 1 is intact; make the filesystem writable and run the "
+        "same command to resume")
+    # Refused before orbax starts (its threads would wait 300 s for the
+    # step folder that it cannot create).
+    checkpoints = ckpt_lib.TrainCheckpoints(view, keep=3,
+                                            abstract_state=abstract)
+    with pytest.raises(write_failures.WriteFailure,
+                       match=f"^read-only file system while saving "
+                             f"checkpoint 2 in {directory}$"):
+      checkpoints.save(2, state, config)
+    checkpoints.close()
+  finally:
+    subprocess.run(["umount", "--lazy", str(view)], check=True)

@@ -25,6 +25,7 @@ from mha import config_validation
 from mha import data
 from mha import sharding
 from mha import train
+from mha import workdir_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = os.path.join(ROOT, "configs", "default.py")
@@ -197,6 +198,7 @@ def test_two_processes_train_as_one(runs, tmp_path, subprocess_env):
   assert "2 cpu devices in 2 processes" in outputs[0][0]
   assert "step 10/10" in outputs[0][0]
   assert "step" not in outputs[1][0]  # process 0 alone logs
+  assert workdir_lock.holder(workdir)["pid"] == procs[0].pid  # and locks
   _assert_same_losses(workdir, runs["w1"])
   _assert_same_params(workdir, runs["w1"])
 
