@@ -4,6 +4,7 @@ Chromium driven over the DevTools protocol."""
 from __future__ import annotations
 
 import base64
+import fcntl
 import io
 import json
 import os
@@ -24,7 +25,6 @@ from mha import checkpoint
 from mha import data
 from mha import explorer
 from mha import head_roles
-from mha.pruning import experiment
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu",
                   "--disable-quic", "--no-first-run",
@@ -50,38 +50,43 @@ class Browser:
                timeout: float = 20.0):
     self.timeout = timeout
     self._profile = tempfile.mkdtemp(prefix="chromium-")
-    to_chrome_r, self._to_chrome = os.pipe()
-    self._from_chrome, from_chrome_w = os.pipe()
-    # Out of the way of fds 3 and 4, which the child is given below.
-    high = [os.dup2(fd, 100 + i) for i, fd in enumerate(
-        (to_chrome_r, from_chrome_w))]
-    for fd in (to_chrome_r, from_chrome_w):
-      os.close(fd)
-
-    def child_fds():
-      os.dup2(high[0], 3)
-      os.dup2(high[1], 4)
-
-    self._process = subprocess.Popen(
-        [executable, *CHROMIUM_FLAGS, f"--user-data-dir={self._profile}",
-         f"--window-size={width},{height}", "about:blank"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, pass_fds=(3, 4), preexec_fn=child_fds)
-    for fd in high:
-      os.close(fd)
+    read_end, self._to_chrome = os.pipe()
+    self._from_chrome, write_end = os.pipe()
+    # Chromium's ends, above 9 (clear of fds 3 and 4); bash makes them fds 3
+    # and 4 of Chromium (no Python runs in the forked child: JAX's threads
+    # make that unsafe).
+    ends = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (read_end,
+                                                          write_end)]
+    os.close(read_end)
+    os.close(write_end)
+    try:
+      self._process = subprocess.Popen(
+          ["/bin/bash", "-c", f'exec "$0" "$@" 3<&{ends[0]} 4>&{ends[1]} '
+           f'{ends[0]}<&- {ends[1]}>&-',
+           executable, *CHROMIUM_FLAGS, f"--user-data-dir={self._profile}",
+           f"--window-size={width},{height}", "about:blank"],
+          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+          stderr=subprocess.DEVNULL, pass_fds=ends)
+    finally:
+      for fd in ends:
+        os.close(fd)
     self._buffer = b""
     self._next_id = 0
     self.events: list[dict[str, Any]] = []
     self.session: str | None = None
-    target = self.send("Target.createTarget", {"url": "about:blank"},
-                       session=False)["targetId"]
-    self.session = self.send("Target.attachToTarget", {
-        "targetId": target, "flatten": True}, session=False)["sessionId"]
-    for domain in ("Page", "Runtime", "Network", "Log"):
-      self.send(f"{domain}.enable")
-    self.send("Emulation.setDeviceMetricsOverride", {
-        "width": width, "height": height, "deviceScaleFactor": 1,
-        "mobile": False})
+    try:
+      target = self.send("Target.createTarget", {"url": "about:blank"},
+                         session=False)["targetId"]
+      self.session = self.send("Target.attachToTarget", {
+          "targetId": target, "flatten": True}, session=False)["sessionId"]
+      for domain in ("Page", "Runtime", "Network", "Log"):
+        self.send(f"{domain}.enable")
+      self.send("Emulation.setDeviceMetricsOverride", {
+          "width": width, "height": height, "deviceScaleFactor": 1,
+          "mobile": False})
+    except BaseException:
+      self.close()
+      raise
 
   def _read_message(self, deadline: float) -> dict[str, Any]:
     while b"\0" not in self._buffer:
@@ -177,101 +182,6 @@ def browser():
     pytest.skip(f"headless Chromium does not start here: {e}")
   yield session
   session.close()
-
-
-# --------------------------------------------------------------------------
-# Head roles.
-# --------------------------------------------------------------------------
-
-
-def _planted_weights(tokens: np.ndarray) -> np.ndarray:
-  """``[B, 6, L, L]`` weights, one head per pattern, in PATTERNS order:
-  previous, next, same position, anti-diagonal, same token, uniform. Where a
-  pattern has no key (the first query of `previous`), the head attends to
-  the query itself."""
-  batch, length = tokens.shape
-  weights = np.zeros((batch, 6, length, length), np.float32)
-  for b in range(batch):
-    n = int(np.sum(tokens[b] != 0))
-    for i in range(n):
-      targets = [[i - 1] if i > 0 else [i], [i + 1] if i < n - 1 else [i],
-                 [i], [n - 1 - i],
-                 [j for j in range(n) if tokens[b, j] == tokens[b, i] and
-                  j != i] or [i],
-                 list(range(n))]
-      for head, keys in enumerate(targets):
-        weights[b, head, i, keys] = 1.0 / len(keys)
-  return weights
-
-
-def test_planted_heads_get_their_role():
-  rng = np.random.default_rng(0)
-  lengths = rng.integers(2, 13, size=32)
-  tokens = np.zeros((32, 12), np.int32)
-  for b, n in enumerate(lengths):
-    tokens[b, :n] = rng.integers(1, 5, size=n)  # few symbols: repeats
-  weights = _planted_weights(tokens)
-  # Two layers: the planted heads, and the same heads in reverse order.
-  roles = head_roles.roles_of_attention([weights, weights[:, ::-1]], tokens)
-  patterns = list(head_roles.PATTERNS)
-  assert head_roles.top_roles(roles) == [patterns, patterns[::-1]]
-  for head, pattern in enumerate(patterns):
-    # Exact by construction (float32 sums of weights 1 / k over the queries).
-    assert roles[pattern][0, head] == pytest.approx(1.0, abs=1e-5), pattern
-    for value in (roles[p][0, head] for p in patterns):
-      assert 0.0 <= value <= 1.0 + 1e-6
-  # A head on one key is not diffuse; previous and next never overlap.
-  assert roles["diffuse"][0, 2] == pytest.approx(0.0, abs=1e-6)
-  assert roles["next_position"][0, 0] == 0.0
-
-
-def _planted_model(max_len: int):
-  """A one-layer model whose attention logits are set by hand: positions
-  one-hot (learned position embeddings = identity, token embeddings 0), and
-  each head's query/key kernels a scaled position map ``M`` (query i ->
-  key f(i)); the LayerNorm before attention only shifts and scales the
-  one-hot rows by the same amount everywhere. Every other parameter is 0
-  (LayerNorm scales 1)."""
-  import jax
-  import jax.numpy as jnp
-  from configs import default
-  config = default.get_config(
-      f"model.num_layers=1,model.num_heads=4,model.d_model={max_len},"
-      f"model.head_dim={max_len},data.max_len={max_len}")
-  model = build.make_model(config)
-  shapes = jax.eval_shape(lambda: model.init(
-      jax.random.key(0), jnp.ones((1, max_len), jnp.int32))["params"])
-  params = jax.tree_util.tree_map_with_path(
-      lambda path, x: np.full(x.shape, 1.0 if path[-1].key == "scale" else
-                              0.0, np.float32), shapes)
-  params["pos_embedding"] = np.eye(max_len, dtype=np.float32)
-  maps = [np.eye(max_len, k=-1), np.eye(max_len, k=1), np.eye(max_len),
-          np.zeros((max_len, max_len))]  # previous, next, same, uniform
-  attention = params["layer_0"]["attention"]
-  for head, m in enumerate(maps):
-    # logits[i, j] = 40 (LN e_i) . (M LN e_j) / sqrt(Dh) ~ 40 M[i, j] / ...
-    attention["query"]["kernel"][:, head, :] = 40.0 * np.eye(max_len)
-    attention["key"]["kernel"][:, head, :] = m.T
-  return model, params
-
-
-def test_planted_model_gets_the_right_top_role():
-  model, params = _planted_model(8)
-  rng = np.random.default_rng(1)
-  inputs = rng.integers(1, 10, size=(40, 8)).astype(np.int32)
-  lengths = rng.integers(2, 9, size=40)
-  inputs[np.arange(8)[None] >= lengths[:, None]] = 0
-  split = data.Split(inputs=inputs, targets=inputs)
-  roles = head_roles.head_roles(model, params, split, batch_size=16)
-  assert head_roles.top_roles(roles) == [[
-      "previous_position", "next_position", "same_position", "diffuse"]]
-  # The LayerNorm leaves a key-dependent shift of 1/8 of the logit gap (the
-  # column sums of M); at a logit gap of 40 / var(one-hot) / sqrt(8) ~ 130
-  # the planted key takes all but ~e^-100 of the weight.
-  for head, name in enumerate(("previous_position", "next_position",
-                               "same_position")):
-    assert roles[name][0, head] > 0.99, name
-  assert roles["diffuse"][0, 3] > 0.99
 
 
 # --------------------------------------------------------------------------
