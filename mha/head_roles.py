@@ -148,7 +148,8 @@ def roles_of_attention(attention: Sequence[Array | np.ndarray],
   """Head roles of given attention weights (one ``[B, H_l, L, L]`` array
   per layer) on the tokens ``[B, L]``: ``pattern -> [L, H]``."""
   attention = [jnp.asarray(a) for a in attention]
-  sums, counts = attention_role_sums(attention, jnp.asarray(tokens_BxL))
+  sums, counts = jax.jit(attention_role_sums)(attention,
+                                              jnp.asarray(tokens_BxL))
   return scores(sums, counts, [a.shape[1] for a in attention])
 
 

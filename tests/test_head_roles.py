@@ -54,6 +54,22 @@ def test_planted_heads_get_their_role():
   assert roles["next_position"][0, 0] == 0.0
 
 
+def test_role_sums_pass_through_jit_and_vmap():  # stacked batches
+  import jax
+  rng = np.random.default_rng(2)
+  tokens = rng.integers(1, 4, size=(2, 8, 6)).astype(np.int32)
+  tokens[:, :, 4:] = 0
+  weights = np.stack([_planted_weights(t) for t in tokens])
+  one = jax.jit(head_roles.role_sums)
+  single = [one(w, t) for w, t in zip(weights, tokens)]
+  sums, counts = jax.jit(jax.vmap(head_roles.role_sums))(weights, tokens)
+  for i, (one_sums, one_counts) in enumerate(single):
+    for p in head_roles.PATTERNS:
+      # Same float32 sums, in another order: a few ulps.
+      np.testing.assert_allclose(sums[p][i], one_sums[p], rtol=1e-6)
+      assert counts[p][i] == one_counts[p]
+
+
 def _planted_model(max_len: int):
   """A one-layer model whose attention logits are set by hand: positions
   one-hot (learned position embeddings = identity, token embeddings 0), and
