@@ -9,8 +9,8 @@ opens in any browser:
 * a **head view**: one layer's heads as lines from each query token to the
   keys it attends to, heads toggled on and off, a colour per head;
 * the example's input tokens, targets and predictions (wrong ones marked),
-  and an example picker over ``num_examples`` examples of every length from
-  the split's shortest to its longest;
+  and an example picker over ``num_examples`` examples, their lengths
+  spread from the split's shortest to its longest;
 * each head's roles (:mod:`mha.head_roles`) and, when the workdir holds a
   pruning study (``pruning/results.json``), its importance scores and the
   effect of removing it alone, on hover; for every example, the prediction
@@ -21,8 +21,10 @@ The page is the template ``explorer.html`` (package data) with one JSON
 payload put in. Attention weights travel as bytes (``round(255 w)``,
 base64): the page shows them to 1/255.
 
-    page = explorer.build_payload(ckpt.model, ckpt.params, split, indices)
-    explorer.write_page(payload, "attention.html")
+    roles = head_roles.head_roles(ckpt.model, ckpt.params, split, 1000)
+    explorer.write_explorer(ckpt.model, ckpt.params, split, "attention.html",
+                            num_examples=8, roles=roles,
+                            study=explorer.load_study("runs/reverse"))
 """
 
 from __future__ import annotations
@@ -167,10 +169,13 @@ def build_payload(model: Transformer, params: Any, split: data.Split,
   indices = np.asarray(indices, np.int64)
   inputs = jnp.asarray(split.inputs[indices])
   predictions, attention = jax.device_get(_predict(model, params, inputs))
-  masks = pruning.leave_one_out_masks(config)
-  ablated = np.asarray(jax.device_get(_ablated_predictions(
-      model, params, inputs, jnp.asarray(masks))))
   heads = list(config.heads_per_layer)
+  if sum(heads):
+    ablated = np.asarray(jax.device_get(_ablated_predictions(
+        model, params, inputs,
+        jnp.asarray(pruning.leave_one_out_masks(config)))))
+  else:  # No head to remove.
+    ablated = np.zeros((0, *inputs.shape), np.int32)
   flat = [(layer, head) for layer, count in enumerate(heads)
           for head in range(count)]
   return {
