@@ -142,15 +142,23 @@ class Browser:
       raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
     return result["result"].get("value")
 
-  def click(self, selector: str) -> None:
-    """A real mouse click (press and release) at the element's centre."""
-    box = self.js(f"""(() => {{ const r = document.querySelector({
+  def _centre(self, selector: str) -> list[float]:
+    return self.js(f"""(() => {{ const r = document.querySelector({
         json.dumps(selector)}).getBoundingClientRect();
         return [r.left + r.width / 2, r.top + r.height / 2]; }})()""")
+
+  def hover(self, selector: str) -> None:
+    """Moves the mouse to the element's centre."""
+    x, y = self._centre(selector)
+    self.send("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": x,
+                                           "y": y})
+
+  def click(self, selector: str) -> None:
+    """A real mouse click (press and release) at the element's centre."""
+    x, y = self._centre(selector)
     for kind in ("mousePressed", "mouseReleased"):
       self.send("Input.dispatchMouseEvent", {
-          "type": kind, "x": box[0], "y": box[1], "button": "left",
-          "clickCount": 1})
+          "type": kind, "x": x, "y": y, "button": "left", "clickCount": 1})
 
   def screenshot(self) -> bytes:
     """A PNG of the whole page."""
@@ -283,6 +291,12 @@ def test_page_in_a_real_browser(page, browser):
   assert browser.js("document.getElementById('example-select').value") == "1"
   assert _tokens(browser) == [str(t) for t in second["inputs"]]
   assert browser.js(pixels) != before
+  # Hovering a head shows its roles and the study's numbers (layer 1,
+  # head 0: 0.2 in every fake measure).
+  browser.hover(thumb)
+  tip = browser.js("document.getElementById('tooltip').textContent")
+  assert tip.startswith("layer 1, head 0") and "anti-diagonal" in tip
+  assert "leave-one-out loss increase0.200" in tip
   # Enlarge a head with a click; hide a head in the head view.
   browser.click(thumb)
   assert browser.js("document.getElementById('enlarged-title').textContent"
