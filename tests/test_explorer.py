@@ -389,6 +389,8 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
       ([f"--workdir={workdir}", "--html", "--examples=65"],
        "eval.py: error: --examples=65 is more than the 64 examples of the "
        "test split"),
+      ([f"--workdir={workdir}", "--examples=3"],
+       "eval.py: error: --examples needs --html"),
       ([f"--workdir={empty}", "--html"],
        f"eval.py: error: no checkpoints in {empty} ({empty}/checkpoints "
        "does not exist)"),
