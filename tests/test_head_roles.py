@@ -121,30 +121,36 @@ def test_planted_model_gets_the_right_top_role():
 
 def _seed(seed: int, anti_diagonal: list[list[float]],
           loo: list[list[float]]) -> dict:
-  """A pruning study's seed entry with the keys ``roles_section`` reads."""
-  roles = {p: [[0.1, 0.1, 0.1], [0.1, 0.1, 0.1]] for p in head_roles.PATTERNS}
+  """A pruning study's seed entry (2 layers x 4 heads) with the keys
+  ``roles_section`` reads."""
+  roles = {p: [[0.1] * 4, [0.1] * 4] for p in head_roles.PATTERNS}
   roles["anti_diagonal"] = anti_diagonal
-  roles["diffuse"] = [[0.9, 0.8, 0.7], [0.2, 0.3, 0.2]]
+  roles["diffuse"] = [[0.9, 0.8, 0.7, 0.65], [0.2, 0.3, 0.2, 0.1]]
   return {"seed": seed, "head_roles": roles,
           "importance": {"leave_one_out": loo,
-                         "shapley_token_accuracy": [[None] * 3] * 2},
-          "single_head_ablation": {"token_accuracy_change": [[-0.1] * 3] * 2}}
+                         "shapley_token_accuracy": [[None] * 4] * 2},
+          "single_head_ablation": {"token_accuracy_change": [[-0.1] * 4] * 2}}
 
 
 def test_pruning_report_sets_roles_beside_importance():
   # Importance ranks exactly as the anti-diagonal score, in both seeds.
-  anti = [[0.2, 0.3, 0.4], [0.7, 0.8, 0.9]]
-  results = {"seeds": [_seed(0, anti, [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]),
-                       _seed(1, anti, [[1.5, 2.5, 3.5], [4.5, 5.5, 6.5]])]}
+  anti = [[0.2, 0.3, 0.4, 0.5], [0.6, 0.7, 0.8, 0.9]]
+  loo = np.arange(8.0).reshape(2, 4)
+  results = {"seeds": [_seed(0, anti, loo.tolist()),
+                       _seed(1, anti, (loo + 0.5).tolist())]}
   text = "\n".join(report.roles_section(results))
-  assert "| 1 | 2 | anti-diagonal (0.90) | 6.000 | n/a | -0.100 |" in text
+  assert "| 1 | 3 | anti-diagonal (0.90) | 7.000 | n/a | -0.100 |" in text
   assert "| 0 | 0 | diffuse (0.90) |" in text
   # rho = 1 in both seeds: Fisher's mean counts it as 1 - 6 / (n (n^2 - 1))
-  # = 0.971 for n = 6 heads. Shapley is all NaN: no correlation.
+  # = 0.988 for n = 8 heads. Shapley is all NaN: no correlation.
   row = next(l for l in text.splitlines() if l.startswith("| anti-diagonal"))
-  assert row.startswith("| anti-diagonal | 0.97 [") and row.endswith(
+  assert row.startswith("| anti-diagonal | 0.99 [") and row.endswith(
       "| n/a |")
   assert "averaged over 2 seeds" in text
   assert "rises (+) or falls (-) with: anti-diagonal (+), diffuse (-)" in text
+  # Within layers, the top role is diffuse in layer 0 (falling with
+  # importance: rho -1) and the anti-diagonal in layer 1 (rho +1): the
+  # mean of the four is 0.
+  assert "Within a layer, ρ = 0.00 [" in text and "includes 0" in text
   # Old results without roles: no section.
   assert report.roles_section({"seeds": [{"seed": 0}]}) == []

@@ -497,16 +497,21 @@ def _role_correlations(seeds: Sequence[Mapping[str, Any]], measure: str
                        ) -> dict[str, dict[str, Any]]:
   """Per pattern (and for the top role's score, ``top``): Spearman's rho
   across heads between the pattern's score and ``measure``, per seed, and
-  its Fisher-z mean over seeds with a 95% interval and p-value."""
+  its Fisher-z mean over seeds with a 95% interval and p-value;
+  ``top_within_layer``: the same for the top role's score within each
+  layer (one rho per seed and layer, layers of at least 4 heads)."""
   out = {}
-  for name in (*head_roles.PATTERNS, "top"):
+  for name in (*head_roles.PATTERNS, "top", "top_within_layer"):
     per_seed = []
     for seed in seeds:
       roles = {p: _grid(seed["head_roles"][p]) for p in head_roles.PATTERNS}
-      score = (np.max(np.stack(list(roles.values())), axis=0)
-               if name == "top" else roles[name])
-      per_seed.append(stats.spearman(score,
-                                     _grid(seed["importance"][measure])))
+      score = (roles[name] if name in roles else
+               np.max(np.stack(list(roles.values())), axis=0))
+      importance = _grid(seed["importance"][measure])
+      if name == "top_within_layer":  # one correlation per layer
+        per_seed += [stats.spearman(a, b) for a, b in zip(score, importance)]
+      else:
+        per_seed.append(stats.spearman(score, importance))
     out[name] = stats.fisher_mean(per_seed)
   return out
 
@@ -551,15 +556,18 @@ def roles_section(results: Mapping[str, Any]) -> list[str]:
               "Δ test token acc. removed alone"], rows)
   correlations = {label: _role_correlations(seeds, key)
                   for key, label in _ROLE_MEASURES.items()}
-  names = {**head_roles.LABELS, "top": "top role's score"}
+  names = {**head_roles.LABELS, "top": "top role's score",
+           "top_within_layer": "top role's score, within each layer"}
   lines += [
       "Spearman's ρ across heads between each role score and importance, "
       + (f"averaged over {len(seeds)} seeds through Fisher's z"
          if len(seeds) > 1 else "one seed") + ", with its 95% interval and "
       "the p-value of no correlation (normal approximation: rough with this "
-      "few heads; seven correlations of the same heads, not corrected for "
+      "few heads; eight correlations of the same heads, not corrected for "
       "multiplicity). Roles and importance both differ by layer, so a "
-      "correlation may only say which layer a head is in:", ""]
+      "correlation across all heads may only say which layer a head is in; "
+      "the last row compares heads of the same layer only (one ρ per seed "
+      "and layer of at least 4 heads, averaged the same way):", ""]
   lines += _table(["role score", *(f"vs {m}" for m in correlations)],
                   [[names[name], *(_role_cell(c[name])
                                    for c in correlations.values())]
@@ -573,6 +581,12 @@ def roles_section(results: Mapping[str, Any]) -> list[str]:
              "No role score's interval against leave-one-out importance "
              "excludes 0: with these heads, importance does not follow "
              "role clearly."), ""]
+  within = loo["top_within_layer"]
+  if _finite(within["rho"]):
+    lines += [f"Within a layer, ρ = {_role_cell(within)} between the top "
+              "role's score and leave-one-out importance: its interval "
+              + ("excludes" if within["ci"][0] > 0 or within["ci"][1] < 0
+                 else "includes") + " 0.", ""]
   return lines
 
 
