@@ -635,8 +635,8 @@ def analyze_seed(model: Transformer, params: Any,
       "timings": timings,
   }
   # What each head attends to, on the split of the importance measures.
-  out["head_roles"] = head_roles.head_roles(model, params, splits[
-      "validation"], options.batch_size)
+  out["head_roles"] = head_roles.head_roles(
+      model, params, splits["validation"], options.batch_size)
   if not m["oracle_ran"]:
     out["oracle_skipped"] = (
         f"{m['num_heads']} heads > --oracle_max_heads="
