@@ -1,10 +1,14 @@
 """Evaluates a trained run and draws what each head attends to.
 
     python eval.py --workdir runs/reverse [--split test] [--step N]
+    python eval.py --workdir runs/reverse --html [--examples 8]
 
 Restores the config and parameters from the workdir (nothing else to pass),
 prints the metrics, writes layers x heads attention heatmaps of a few
-examples to ``workdir/eval/``, and prints a final line of JSON. The metrics
+examples to ``workdir/eval/``, and prints a final line of JSON, with each
+head's roles (``head_roles``, :mod:`mha.head_roles`). With ``--html`` it also
+writes ``workdir/eval/attention.html``, the interactive attention explorer of
+``--examples`` examples (:mod:`mha.explorer`). The metrics
 are computed on every device, each batch split across them, whatever the
 device count of the run that saved the checkpoint.
 """
@@ -26,7 +30,44 @@ _STEP = flags.DEFINE_integer("step", None,
                              "Checkpoint step to load (default: the latest).")
 _NUM_EXAMPLES = flags.DEFINE_integer("num_examples", 4,
                                      "Examples drawn as attention heatmaps.")
+_HTML = flags.DEFINE_bool(
+    "html", False, "Also write the attention explorer, eval/attention.html.")
+_EXAMPLES = flags.DEFINE_integer(
+    "examples", 8, "Examples in the explorer (--html), of lengths from the "
+    "split's shortest to its longest.")
 flags.mark_flags_as_required(["workdir"])
+
+
+def _check_examples(num_examples: int | None) -> None:
+  """Fails (exit 2) on ``--examples`` without ``--html``, or outside
+  ``[1, num_examples]`` (the split's size, once known: the config's, before
+  the data is read)."""
+  value = _EXAMPLES.value
+  if not _HTML.value:
+    if flags.FLAGS["examples"].present:
+      cli.fail("eval.py", "--examples needs --html")
+    return
+  if value < 1:
+    cli.fail("eval.py", f"--examples must be at least 1, got {value}")
+  if num_examples is not None and value > num_examples:
+    cli.fail("eval.py", f"--examples={value} is more than the {num_examples} "
+             f"examples of the {_SPLIT.value} split")
+
+
+def _write_explorer(ckpt, split, workdir: str, roles, result) -> None:
+  """Writes ``workdir/eval/attention.html``."""
+  from mha import explorer
+
+  path = explorer.write_explorer(
+      ckpt.model, ckpt.params, split,
+      os.path.join(workdir, "eval", "attention.html"),
+      num_examples=_EXAMPLES.value, roles=roles,
+      study=explorer.load_study(workdir),
+      meta={"workdir": workdir, "task": ckpt.config.task, "step": ckpt.step,
+            "split": _SPLIT.value,
+            "metrics": {k: result[k] for k in ("loss", "token_accuracy",
+                                               "exact_match")}})
+  print(f"Wrote the attention explorer to {path}", file=sys.stderr)
 
 
 def main(argv):
@@ -34,14 +75,17 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
   # Deferred: --help and a mistyped flag answer without importing orbax and
   # TFDS (``mha.cli`` already brings in JAX and Flax through ``mha``).
-  from mha import build, checkpoint, data, evaluate
+  from mha import build, checkpoint, data, evaluate, head_roles
 
   workdir = cli.existing_dir("eval.py", _WORKDIR.value)
+  _check_examples(None)
   try:
     ckpt = checkpoint.load_checkpoint(workdir, _STEP.value)
   except (FileNotFoundError, checkpoint.DamagedCheckpointError) as e:
     cli.fail("eval.py", e)
   config = ckpt.config
+  _check_examples(config.data.num_train_examples if _SPLIT.value == "train"
+                  else config.data.num_eval_examples)
   splits = data.load_splits(build.data_spec(config), config.data.data_dir)
   split = splits[_SPLIT.value]
   metrics = evaluate.evaluate(ckpt.model, ckpt.params, split,
@@ -51,7 +95,12 @@ def main(argv):
       ckpt.model, ckpt.params, split, out_dir,
       num_examples=_NUM_EXAMPLES.value,
       prefix=f"attention_{_SPLIT.value}_step{ckpt.step}")
-  result = {"step": ckpt.step, "split": _SPLIT.value, **metrics}
+  roles = head_roles.head_roles(ckpt.model, ckpt.params, split,
+                                config.eval_batch_size)
+  result = {"step": ckpt.step, "split": _SPLIT.value, **metrics,
+            "head_roles": head_roles.to_json(roles)}
+  if _HTML.value:
+    _write_explorer(ckpt, split, workdir, roles, result)
   with open(os.path.join(out_dir, f"metrics_{_SPLIT.value}_step{ckpt.step}"
                          ".json"), "w", encoding="utf-8") as f:
     json.dump(result, f, indent=2)

@@ -107,12 +107,15 @@ def evaluate(model: Transformer, params, split: data.Split, batch_size: int,
   return summarize(totals)
 
 
-def pick_examples(split: data.Split, num_examples: int) -> np.ndarray:
+def pick_examples(split: data.Split, num_examples: int, *,
+                  shortest: bool = False) -> np.ndarray:
   """Indices of ``num_examples`` examples with lengths spread from half the
-  longest length to the longest (short sequences make dull heatmaps)."""
+  longest length to the longest (short sequences make dull heatmaps), or
+  with ``shortest`` from the shortest length of the split to the longest."""
   lengths = split.lengths
   longest = int(lengths.max())
-  wanted = np.linspace(max(1, longest // 2), longest, num_examples).round()
+  low = int(lengths.min()) if shortest else max(1, longest // 2)
+  wanted = np.linspace(low, longest, num_examples).round()
   chosen: list[int] = []
   for length in wanted:
     candidates = [i for i in np.flatnonzero(lengths == length)

@@ -363,6 +363,7 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
   pngs = [line.split("(")[1].rstrip(")") for line in report.splitlines()
           if line.startswith("![")]
   assert len(pngs) >= 7
+  assert "## Does importance follow role?" in report  # mha.head_roles
   for png in pngs:
     with open(os.path.join(out, png), "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n", png

@@ -224,7 +224,7 @@ def test_eval_script_prints_json_and_writes_heatmaps(tiny_run, tmp_path,
   workdir = copy_workdir(tiny_run.workdir, tmp_path / "run")  # eval/ goes in
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "eval.py"), f"--workdir={workdir}",
-       "--split=validation", "--num_examples=2"],
+       "--split=validation", "--num_examples=2", "--html", "--examples=3"],
       capture_output=True, text=True, check=True, env=subprocess_env)
   last = json.loads(result.stdout.strip().splitlines()[-1])
   assert last["step"] == 20 and last["split"] == "validation"
@@ -237,6 +237,11 @@ def test_eval_script_prints_json_and_writes_heatmaps(tiny_run, tmp_path,
   with open(os.path.join(workdir, "eval", "metrics_validation_step20.json"),
             encoding="utf-8") as f:
     assert json.load(f) == last
+  # Head roles beside the metrics, [layers][heads] per pattern (tiny: 2 x 2).
+  assert [len(r) for r in last["head_roles"]["anti_diagonal"]] == [2, 2]
+  with open(os.path.join(workdir, "eval", "attention.html"),
+            encoding="utf-8") as f:  # tests/test_explorer.py opens pages
+    assert f.read().count('"index":') == 3  # --examples
   pngs = glob.glob(os.path.join(workdir, "eval", "*.png"))
   assert len(pngs) == 2
   for path in pngs:

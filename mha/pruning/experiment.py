@@ -52,6 +52,7 @@ from mha import build
 from mha import checkpoint as ckpt_lib
 from mha import config_validation
 from mha import data
+from mha import head_roles
 from mha import train
 from mha.model import Transformer
 from mha.pruning import core as pruning
@@ -633,6 +634,9 @@ def analyze_seed(model: Transformer, params: Any,
       **_ablations(config, plan, val, test, m["test_sums"]),
       "timings": timings,
   }
+  # What each head attends to, on the split of the importance measures.
+  out["head_roles"] = head_roles.head_roles(
+      model, params, splits["validation"], options.batch_size)
   if not m["oracle_ran"]:
     out["oracle_skipped"] = (
         f"{m['num_heads']} heads > --oracle_max_heads="

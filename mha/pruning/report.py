@@ -21,7 +21,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from mha import head_roles
 from mha.pruning import plots as pruning_plots
+from mha.pruning import stats
 
 _CURVE_FILES = {"token_accuracy": "curves_token_accuracy.png",
                 "exact_match": "curves_exact_match.png"}
@@ -222,6 +224,7 @@ def report_lines(results: Mapping[str, Any]) -> list[str]:
   lines += _no_layer_emptied_section(results)
   lines += _spearman_section(results)
   lines += _importance_section(results)
+  lines += roles_section(results)
   lines += _ablation_section(results)
   if results.get("speed"):
     lines += _speed_section(results)
@@ -483,6 +486,108 @@ def _importance_section(results: Mapping[str, Any]) -> list[str]:
   lines += _heads_table(_grid(first["importance"]["leave_one_out"]))
   lines += ["Gradient importance E|dL/dξ|:", ""]
   return lines + _heads_table(_grid(first["importance"]["gradient"]), "{:.3g}")
+
+
+#: Importance measures set beside the heads' roles: results key -> label.
+_ROLE_MEASURES = {"leave_one_out": "leave-one-out loss increase",
+                  "shapley_token_accuracy": "Shapley value"}
+
+
+def _role_correlations(seeds: Sequence[Mapping[str, Any]], measure: str
+                       ) -> dict[str, dict[str, Any]]:
+  """Per pattern (and for the top role's score, ``top``): Spearman's rho
+  across heads between the pattern's score and ``measure``, per seed, and
+  its Fisher-z mean over seeds with a 95% interval and p-value;
+  ``top_within_layer``: the same for the top role's score within each
+  layer (one rho per seed and layer, layers of at least 4 heads)."""
+  out = {}
+  for name in (*head_roles.PATTERNS, "top", "top_within_layer"):
+    per_seed = []
+    for seed in seeds:
+      roles = {p: _grid(seed["head_roles"][p]) for p in head_roles.PATTERNS}
+      score = (roles[name] if name in roles else
+               np.max(np.stack(list(roles.values())), axis=0))
+      importance = _grid(seed["importance"][measure])
+      if name == "top_within_layer":  # one correlation per layer
+        per_seed += [stats.spearman(a, b) for a, b in zip(score, importance)]
+      else:
+        per_seed.append(stats.spearman(score, importance))
+    out[name] = stats.fisher_mean(per_seed)
+  return out
+
+
+def _role_cell(v: Mapping[str, Any]) -> str:
+  if not _finite(v["rho"]):
+    return "n/a"
+  return (f"{_fmt(v['rho'], 2)} [" + ", ".join(_fmt(c, 2) for c in v["ci"])
+          + f"], p{_q(v['p'])}")
+
+
+def roles_section(results: Mapping[str, Any]) -> list[str]:
+  """``report.md``'s "Does importance follow role?": each head's top role
+  (:mod:`mha.head_roles`, on validation) beside its importance (first
+  seed), and per pattern the rank correlation between the pattern's score
+  and importance across heads, averaged over seeds (Fisher's z), with its
+  interval and p-value. Empty for results without ``head_roles``."""
+  seeds = [s for s in results["seeds"] if "head_roles" in s]
+  if not seeds:
+    return []
+  first = seeds[0]
+  roles = {p: _grid(first["head_roles"][p]) for p in head_roles.PATTERNS}
+  top = head_roles.top_roles(roles)
+  change = _grid(first["single_head_ablation"]["token_accuracy_change"])
+  measures = {label: _grid(first["importance"][key])
+              for key, label in _ROLE_MEASURES.items()}
+  rows = [[layer, head, f"{head_roles.LABELS[role]} "
+           f"({roles[role][layer, head]:.2f})",
+           *[_fmt(m[layer, head]) for m in measures.values()],
+           f"{change[layer, head]:+.3f}"]
+          for layer, row in enumerate(top) for head, role in enumerate(row)
+          if role is not None]
+  lines = [
+      "## Does importance follow role?", "",
+      "Each head's role scores (`mha.head_roles`, on validation): the "
+      "attention mass on previous / next / same position, the anti-diagonal "
+      "(query i to key n-1-i) and other positions of the same token, and "
+      "diffuse (normalised entropy, 1 = uniform over the valid keys); all "
+      f"in [0, 1]. Seed {first['seed']}, its top role beside its "
+      "importance:", "",
+  ] + _table(["layer", "head", "top role (score)", *measures,
+              "Δ test token acc. removed alone"], rows)
+  correlations = {label: _role_correlations(seeds, key)
+                  for key, label in _ROLE_MEASURES.items()}
+  names = {**head_roles.LABELS, "top": "top role's score",
+           "top_within_layer": "top role's score, within each layer"}
+  lines += [
+      "Spearman's ρ across heads between each role score and importance, "
+      + (f"averaged over {len(seeds)} seeds through Fisher's z"
+         if len(seeds) > 1 else "one seed") + ", with its 95% interval and "
+      "the p-value of no correlation (normal approximation: rough with this "
+      "few heads; eight correlations of the same heads, not corrected for "
+      "multiplicity). Roles and importance both differ by layer, so a "
+      "correlation across all heads may only say which layer a head is in; "
+      "the last row compares heads of the same layer only (one ρ per seed "
+      "and layer of at least 4 heads, averaged the same way):", ""]
+  lines += _table(["role score", *(f"vs {m}" for m in correlations)],
+                  [[names[name], *(_role_cell(c[name])
+                                   for c in correlations.values())]
+                   for name in names])
+  loo = correlations[_ROLE_MEASURES["leave_one_out"]]
+  clear = [f"{names[n]} ({'+' if v['rho'] > 0 else '-'})"
+           for n, v in loo.items()
+           if _finite(v["rho"]) and (v["ci"][0] > 0 or v["ci"][1] < 0)]
+  lines += [("Leave-one-out importance rises (+) or falls (-) with: "
+             + ", ".join(clear) + " (intervals excluding 0)." if clear else
+             "No role score's interval against leave-one-out importance "
+             "excludes 0: with these heads, importance does not follow "
+             "role clearly."), ""]
+  within = loo["top_within_layer"]
+  if _finite(within["rho"]):
+    lines += [f"Within a layer, ρ = {_role_cell(within)} between the top "
+              "role's score and leave-one-out importance: its interval "
+              + ("excludes" if within["ci"][0] > 0 or within["ci"][1] < 0
+                 else "includes") + " 0.", ""]
+  return lines
 
 
 def _ablation_section(results: Mapping[str, Any]) -> list[str]:

@@ -1,0 +1,246 @@
+"""The attention explorer: every head of a model in one self-contained HTML.
+
+``python eval.py --workdir W --html`` writes ``W/eval/attention.html``, a
+single file (script, styles and data inline; no network, no server) that
+opens in any browser:
+
+* a **model view**: layers x heads thumbnails of the selected example's
+  attention; a click enlarges one, its tokens on the axes;
+* a **head view**: one layer's heads as lines from each query token to the
+  keys it attends to, heads toggled on and off, a colour per head;
+* the example's input tokens, targets and predictions (wrong ones marked),
+  and an example picker over ``num_examples`` examples, their lengths
+  spread from the split's shortest to its longest;
+* each head's roles (:mod:`mha.head_roles`) and, when the workdir holds a
+  pruning study (``pruning/results.json``), its importance scores and the
+  effect of removing it alone, on hover; for every example, the prediction
+  with any one head removed (precomputed with head masks,
+  :mod:`mha.pruning.core`).
+
+The page is the template ``explorer.html`` (package data) with one JSON
+payload put in. Attention weights travel as bytes (``round(255 w)``,
+base64): the page shows them to 1/255.
+
+    roles = head_roles.head_roles(ckpt.model, ckpt.params, split, 1000)
+    explorer.write_explorer(ckpt.model, ckpt.params, split, "attention.html",
+                            num_examples=8, roles=roles,
+                            study=explorer.load_study("runs/reverse"))
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import importlib.resources
+import json
+import os
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mha import data
+from mha import evaluate
+from mha import head_roles as roles_lib
+from mha.model import Transformer
+from mha.pruning import core as pruning
+
+Array = jax.Array
+
+#: Where the pruning study writes its results, relative to the workdir.
+STUDY_RESULTS = os.path.join("pruning", "results.json")
+#: Importance measures shown per head: results.json key -> label.
+IMPORTANCE_MEASURES = {
+    "leave_one_out": "leave-one-out loss increase",
+    "leave_one_out_token_accuracy_drop": "leave-one-out token acc. drop",
+    "shapley_token_accuracy": "Shapley value (token acc.)",
+    "gradient": "gradient |dL/dξ|",
+    "gradient_l2": "gradient, L2 per layer",
+    "confidence": "confidence (mean max weight)",
+    "entropy": "entropy (nats)",
+}
+#: Single-head ablation results shown per head: key -> label.
+ABLATION_MEASURES = {
+    "token_accuracy_change": "Δ test token acc. removed alone",
+    "exact_match_change": "Δ test exact match removed alone",
+    "token_accuracy_q": "q-value (BH) of the token acc. change",
+}
+_PLACEHOLDER = "/*__PAYLOAD__*/null"
+
+
+def _colours(cmap: str, count: int) -> list[str]:
+  """``count`` hex colours of a matplotlib colour map."""
+  from matplotlib import colormaps  # Deferred: only the page needs it.
+  rgba = colormaps[cmap](np.linspace(0.0, 1.0, count) if count > 1 else
+                         np.zeros(1))
+  return ["#%02x%02x%02x" % tuple(int(round(255 * c)) for c in row[:3])
+          for row in rgba]
+
+
+def head_colours(num_heads: int) -> list[str]:
+  """One colour per head: tab10 up to 10 heads, evenly spaced hues above."""
+  if num_heads <= 10:
+    from matplotlib import colormaps
+    return ["#%02x%02x%02x" % tuple(int(round(255 * c)) for c in
+                                    colormaps["tab10"](h)[:3])
+            for h in range(num_heads)]
+  return _colours("hsv", num_heads + 1)[:num_heads]
+
+
+@functools.partial(jax.jit, static_argnames="model")
+def _predict(model: Transformer, params: Any, inputs: Array):
+  logits, attention = model.apply({"params": params}, inputs)
+  return jnp.argmax(logits, -1), attention
+
+
+@functools.partial(jax.jit, static_argnames="model")
+def _ablated_predictions(model: Transformer, params: Any, inputs: Array,
+                         masks: Array) -> Array:
+  """``[M, B, L]``: the predictions with each head mask of ``masks``."""
+  predict = lambda m: jnp.argmax(
+      pruning.masked_logits(model, params, inputs, m), -1)
+  return jax.vmap(predict)(masks)
+
+
+def _bytes(weights: np.ndarray) -> str:
+  """Weights in ``[0, 1]`` as base64 of ``round(255 w)`` bytes."""
+  quantised = np.clip(np.rint(np.asarray(weights) * 255.0), 0, 255)
+  return base64.b64encode(quantised.astype(np.uint8).tobytes()).decode()
+
+
+def _grid(value: Any) -> list[list[float | None]]:
+  """An ``[L, H]`` array (or nested lists with None) as JSON-able lists."""
+  rows = np.asarray(value, dtype=object).tolist()
+  return [[None if v is None or not np.isfinite(float(v)) else
+           float(f"{float(v):.4g}") for v in row] for row in rows]
+
+
+def load_study(workdir: str) -> dict[str, Any] | None:
+  """The per-head numbers of the pruning study in ``workdir`` (its first
+  seed, the workdir's model), or None without ``pruning/results.json``."""
+  path = os.path.join(workdir, STUDY_RESULTS)
+  if not os.path.isfile(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    results = json.load(f)
+  seed = results["seeds"][0]
+  importance = {label: _grid(seed["importance"][key])
+                for key, label in IMPORTANCE_MEASURES.items()
+                if key in seed["importance"]}
+  single = seed.get("single_head_ablation", {})
+  ablation = {label: _grid(single[key])
+              for key, label in ABLATION_MEASURES.items() if key in single}
+  return {"step": int(seed["step"]), "seed": int(seed["seed"]),
+          "importance_split": results["splits"]["importance"],
+          "importance": importance, "ablation": ablation}
+
+
+def _example(index: int, split: data.Split, predictions: np.ndarray,
+             attention: Sequence[np.ndarray], ablated: np.ndarray,
+             row: int) -> dict[str, Any]:
+  """One example of the payload, cropped to its valid length ``n``."""
+  n = int(split.lengths[index])
+  heads = np.concatenate([a[row, :, :n, :n] for a in attention], axis=0)
+  targets = split.targets[index, :n]
+  return {
+      "index": int(index), "n": n,
+      "inputs": split.inputs[index, :n].tolist(),
+      "targets": targets.tolist(),
+      "predictions": predictions[row, :n].tolist(),
+      "attention": _bytes(heads),
+      "ablated": ablated[:, row, :n].tolist(),
+      "ablated_correct": np.sum(ablated[:, row, :n] == targets,
+                                axis=-1).tolist(),
+  }
+
+
+def build_payload(model: Transformer, params: Any, split: data.Split,
+                  indices: Sequence[int], *,
+                  roles: Mapping[str, Any] | None = None,
+                  study: Mapping[str, Any] | None = None,
+                  meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+  """The data of the page: the picked examples (``indices`` of ``split``)
+  with their attention, predictions and predictions with each single head
+  removed; the heads' ``roles`` (:func:`mha.head_roles.head_roles`), the
+  pruning ``study`` (:func:`load_study`), and ``meta`` (run facts shown in
+  the header: workdir, step, split, metrics)."""
+  config = model.config
+  indices = np.asarray(indices, np.int64)
+  inputs = jnp.asarray(split.inputs[indices])
+  predictions, attention = jax.device_get(_predict(model, params, inputs))
+  heads = list(config.heads_per_layer)
+  if sum(heads):
+    ablated = np.asarray(jax.device_get(_ablated_predictions(
+        model, params, inputs,
+        jnp.asarray(pruning.leave_one_out_masks(config)))))
+  else:  # No head to remove.
+    ablated = np.zeros((0, *inputs.shape), np.int32)
+  flat = [(layer, head) for layer, count in enumerate(heads)
+          for head in range(count)]
+  return {
+      "meta": dict(meta or {}),
+      "heads": heads,
+      "head_colours": head_colours(max(heads, default=0)),
+      "colormap": _colours("viridis", 256),
+      "token_names": (list(data.token_names(split.task))
+                      if split.task and data.token_names(split.task)
+                      else None),
+      "patterns": list(roles_lib.PATTERNS),
+      "pattern_labels": roles_lib.LABELS,
+      "roles": roles_lib.to_json(roles) if roles is not None else None,
+      "top_roles": roles_lib.top_roles(roles) if roles is not None else None,
+      "ablation_heads": [list(h) for h in flat],
+      "study": dict(study) if study is not None else None,
+      "examples": [_example(int(i), split, np.asarray(predictions),
+                            [np.asarray(a) for a in attention], ablated, row)
+                   for row, i in enumerate(indices)],
+  }
+
+
+def render(payload: Mapping[str, Any]) -> str:
+  """The page: the template with ``payload`` inlined as JSON (``</`` escaped
+  so that no string ends the script element)."""
+  template = importlib.resources.files("mha").joinpath(
+      "explorer.html").read_text(encoding="utf-8")
+  text = json.dumps(payload, separators=(",", ":"), allow_nan=False)
+  text = text.replace("</", "<\\/").replace("<!--", "<\\!--")
+  if template.count(_PLACEHOLDER) != 1:
+    raise RuntimeError("explorer.html must hold the payload placeholder once")
+  return template.replace(_PLACEHOLDER, text)
+
+
+def write_page(payload: Mapping[str, Any], path: str) -> str:
+  """Writes :func:`render` of ``payload`` to ``path`` (atomically: a
+  temporary file renamed); returns the path."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.write(render(payload))
+  os.replace(path + ".tmp", path)
+  return path
+
+
+def write_explorer(model: Transformer, params: Any, split: data.Split,
+                   path: str, *, num_examples: int = 8,
+                   roles: Mapping[str, Any] | None = None,
+                   study: Mapping[str, Any] | None = None,
+                   meta: Mapping[str, Any] | None = None) -> str:
+  """Picks ``num_examples`` examples of ``split`` (lengths spread from its
+  shortest to its longest) and writes their page to ``path``.
+
+  Raises:
+    ValueError: ``num_examples`` below 1 or above the split's size.
+  """
+  if not 1 <= num_examples <= len(split):
+    raise ValueError(f"num_examples must be in [1, {len(split)}], got "
+                     f"{num_examples}")
+  indices = evaluate.pick_examples(split, num_examples, shortest=True)
+  indices = indices[np.argsort(split.lengths[indices], kind="stable")]
+  payload = build_payload(model, params, split, indices, roles=roles,
+                          study=study, meta=meta)
+  return write_page(payload, path)
+
+
+__all__ = ["STUDY_RESULTS", "IMPORTANCE_MEASURES", "ABLATION_MEASURES",
+           "head_colours", "load_study", "build_payload", "render",
+           "write_page", "write_explorer"]

@@ -1,0 +1,407 @@
+"""The attention explorer (mha.explorer, eval.py --html), tested in headless
+Chromium driven over the DevTools protocol."""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import io
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, copy_workdir
+from mha import build
+from mha import checkpoint
+from mha import data
+from mha import explorer
+from mha import head_roles
+
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu",
+                  "--disable-quic", "--no-first-run",
+                  "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync",
+                  "--remote-debugging-pipe")
+
+
+def chromium_path() -> str | None:
+  """The Chromium executable, if installed."""
+  for name in ("chromium", "chromium-browser", "google-chrome"):
+    path = shutil.which(name)
+    if path:
+      return path
+  return None
+
+
+class Browser:
+  """Headless Chromium over the DevTools protocol on a pipe (fd 3 in, fd 4
+  out, each message JSON ended by a NUL byte): no driver to install."""
+
+  def __init__(self, executable: str, width: int = 1400, height: int = 1000,
+               timeout: float = 20.0):
+    self.timeout = timeout
+    self._profile = tempfile.mkdtemp(prefix="chromium-")
+    read_end, self._to_chrome = os.pipe()
+    self._from_chrome, write_end = os.pipe()
+    # Chromium's ends, above 9 (clear of fds 3 and 4); bash makes them fds 3
+    # and 4 of Chromium (no Python runs in the forked child: JAX's threads
+    # make that unsafe).
+    ends = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (read_end,
+                                                          write_end)]
+    os.close(read_end)
+    os.close(write_end)
+    try:
+      self._process = subprocess.Popen(
+          ["/bin/bash", "-c", f'exec "$0" "$@" 3<&{ends[0]} 4>&{ends[1]} '
+           f'{ends[0]}<&- {ends[1]}>&-',
+           executable, *CHROMIUM_FLAGS, f"--user-data-dir={self._profile}",
+           f"--window-size={width},{height}", "about:blank"],
+          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+          stderr=subprocess.DEVNULL, pass_fds=ends)
+    finally:
+      for fd in ends:
+        os.close(fd)
+    self._buffer = b""
+    self._next_id = 0
+    self.events: list[dict[str, Any]] = []
+    self.session: str | None = None
+    try:
+      target = self.send("Target.createTarget", {"url": "about:blank"},
+                         session=False)["targetId"]
+      self.session = self.send("Target.attachToTarget", {
+          "targetId": target, "flatten": True}, session=False)["sessionId"]
+      for domain in ("Page", "Runtime", "Network", "Log"):
+        self.send(f"{domain}.enable")
+      self.send("Emulation.setDeviceMetricsOverride", {
+          "width": width, "height": height, "deviceScaleFactor": 1,
+          "mobile": False})
+    except BaseException:
+      self.close()
+      raise
+
+  def _read_message(self, deadline: float) -> dict[str, Any]:
+    while b"\0" not in self._buffer:
+      left = deadline - time.monotonic()
+      if left <= 0 or not select.select([self._from_chrome], [], [], left)[0]:
+        raise TimeoutError("Chromium did not answer in time")
+      chunk = os.read(self._from_chrome, 1 << 20)
+      if not chunk:
+        raise ConnectionError("Chromium closed the DevTools pipe")
+      self._buffer += chunk
+    message, self._buffer = self._buffer.split(b"\0", 1)
+    return json.loads(message)
+
+  def send(self, method: str, params: dict[str, Any] | None = None, *,
+           session: bool = True) -> dict[str, Any]:
+    """Sends a command and waits for its result (events seen meanwhile are
+    kept in ``events``)."""
+    self._next_id += 1
+    message = {"id": self._next_id, "method": method, "params": params or {}}
+    if session and self.session:
+      message["sessionId"] = self.session
+    os.write(self._to_chrome, json.dumps(message).encode() + b"\0")
+    deadline = time.monotonic() + self.timeout
+    while True:
+      reply = self._read_message(deadline)
+      if reply.get("id") == self._next_id:
+        if "error" in reply:
+          raise RuntimeError(f"{method}: {reply['error']}")
+        return reply["result"]
+      self.events.append(reply)
+
+  def wait_for_event(self, method: str) -> dict[str, Any]:
+    """The first event ``method`` (already seen, or the next one)."""
+    deadline = time.monotonic() + self.timeout
+    seen = [e for e in self.events if e.get("method") == method]
+    while not seen:
+      event = self._read_message(deadline)
+      self.events.append(event)
+      if event.get("method") == method:
+        seen.append(event)
+    return seen[0]
+
+  def open(self, path: str) -> None:
+    """Loads a local file and waits for its load event."""
+    self.send("Page.navigate", {"url": "file://" + os.path.abspath(path)})
+    self.wait_for_event("Page.loadEventFired")
+
+  def js(self, expression: str) -> Any:
+    """The value of a JavaScript expression in the page."""
+    result = self.send("Runtime.evaluate", {"expression": expression,
+                                            "returnByValue": True})
+    if "exceptionDetails" in result:
+      raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
+    return result["result"].get("value")
+
+  def _centre(self, selector: str) -> list[float]:
+    return self.js(f"""(() => {{ const r = document.querySelector({
+        json.dumps(selector)}).getBoundingClientRect();
+        return [r.left + r.width / 2, r.top + r.height / 2]; }})()""")
+
+  def hover(self, selector: str) -> None:
+    """Moves the mouse to the element's centre."""
+    x, y = self._centre(selector)
+    self.send("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": x,
+                                           "y": y})
+
+  def click(self, selector: str) -> None:
+    """A real mouse click (press and release) at the element's centre."""
+    x, y = self._centre(selector)
+    for kind in ("mousePressed", "mouseReleased"):
+      self.send("Input.dispatchMouseEvent", {
+          "type": kind, "x": x, "y": y, "button": "left", "clickCount": 1})
+
+  def screenshot(self) -> bytes:
+    """A PNG of the whole page."""
+    return base64.b64decode(self.send("Page.captureScreenshot", {
+        "format": "png", "captureBeyondViewport": True})["data"])
+
+  def close(self) -> None:
+    try:
+      self.send("Browser.close", session=False)
+      self._process.wait(timeout=10)
+    except (OSError, RuntimeError, TimeoutError, ConnectionError,
+            subprocess.TimeoutExpired):
+      self._process.kill()
+      self._process.wait()
+    for fd in (self._to_chrome, self._from_chrome):
+      os.close(fd)
+    shutil.rmtree(self._profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def browser():
+  """Headless Chromium, or the test skipped with the reason it cannot run."""
+  executable = chromium_path()
+  if executable is None:
+    pytest.skip("no Chromium installed (Debian: apt-get install chromium)")
+  try:
+    session = Browser(executable)
+  except (OSError, RuntimeError, TimeoutError, ConnectionError) as e:
+    pytest.skip(f"headless Chromium does not start here: {e}")
+  yield session
+  session.close()
+
+
+# --------------------------------------------------------------------------
+# The page.
+# --------------------------------------------------------------------------
+
+
+def _fake_study(workdir: str, step: int, grid=None) -> None:
+  """A ``pruning/results.json`` with the keys the explorer reads, as
+  ``mha.pruning.experiment`` writes them (its tests pin them; running the
+  study here would cost seconds): per-head values 0.1 * (layer * 2 + head),
+  None (NaN) for the first head's Shapley value."""
+  grid = grid or [[0.0, 0.1], [0.2, 0.3]]
+  importance = {k: grid for k in (
+      "gradient", "gradient_l2", "leave_one_out", "confidence", "entropy",
+      "leave_one_out_token_accuracy_drop")}
+  importance["shapley_token_accuracy"] = [[None, *grid[0][1:]], *grid[1:]]
+  single = {k: grid for k in ("token_accuracy_change", "token_accuracy_q",
+                              "exact_match_change")}
+  results = {"splits": {"importance": "validation", "accuracy": "test"},
+             "seeds": [{"seed": 0, "step": step, "importance": importance,
+                        "single_head_ablation": single}]}
+  os.makedirs(os.path.join(workdir, "pruning"))
+  with open(os.path.join(workdir, explorer.STUDY_RESULTS), "w",
+            encoding="utf-8") as f:
+    json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def page(tiny_run, tmp_path_factory):
+  """The explorer of the tiny run (4 test examples) with a pruning study:
+  ``(path, workdir)``."""
+  workdir = copy_workdir(tiny_run.workdir,
+                         tmp_path_factory.mktemp("explorer") / "run")
+  _fake_study(workdir, step=20)
+  ckpt = checkpoint.load_checkpoint(workdir)
+  split = data.load_splits(build.data_spec(ckpt.config),
+                           ckpt.config.data.data_dir)["test"]
+  roles = head_roles.head_roles(ckpt.model, ckpt.params, split, 64)
+  path = explorer.write_explorer(
+      ckpt.model, ckpt.params, split,
+      os.path.join(workdir, "eval", "attention.html"), num_examples=4,
+      roles=roles, study=explorer.load_study(workdir),
+      meta={"task": ckpt.config.task, "step": ckpt.step, "split": "test"})
+  return path, workdir
+
+
+def _payload(path: str) -> dict[str, Any]:
+  with open(path, encoding="utf-8") as f:
+    html = f.read()
+  start = html.index('id="payload">') + len('id="payload">')
+  return json.loads(html[start:html.index("</script>", start)])
+
+
+def _is_not_blank(png: bytes) -> None:
+  from matplotlib import image
+  pixels = image.imread(io.BytesIO(png), format="png")[..., :3]
+  colours = np.unique((pixels.reshape(-1, 3) * 255).astype(np.uint8), axis=0)
+  assert len(colours) > 50, "screenshot looks blank"
+  assert pixels.std() > 0.05
+
+
+def _tokens(browser: Browser) -> list[str]:
+  return browser.js("[...document.querySelectorAll('#tokens td.token')]"
+                    ".map(t => t.textContent)")
+
+
+def test_page_in_a_real_browser(page, browser):
+  path, _ = page
+  browser.open(path)
+  assert browser.js("document.body.dataset.ready") == "1"
+  errors = [e for e in browser.events if e.get("method") in (
+      "Runtime.exceptionThrown", "Log.entryAdded") and (
+          e["method"] == "Runtime.exceptionThrown" or
+          e["params"]["entry"]["level"] == "error")]
+  assert not errors, errors
+  # Nothing but the file itself was requested (no network, no CDN).
+  urls = [e["params"]["request"]["url"] for e in browser.events
+          if e.get("method") == "Network.requestWillBeSent"]
+  assert urls and all(u.startswith(("file:", "data:")) for u in urls), urls
+  assert browser.js("document.querySelectorAll('canvas.thumb').length") == 4
+  payload = browser.js("P")  # tiny: 2 layers x 2 heads, above
+  first, second = payload["examples"][:2]
+  assert _tokens(browser) == [str(t) for t in first["inputs"]]
+  wrong = sum(p != t for p, t in zip(first["predictions"], first["targets"]))
+  assert browser.js(
+      "document.querySelectorAll('#tokens td.wrong').length") == wrong
+  assert browser.js(
+      "document.querySelectorAll('#study-table tr').length") == 5
+  assert browser.js(
+      "document.querySelectorAll('#roles-table tr').length") == 5
+  shot_before = browser.screenshot()
+  _is_not_blank(shot_before)
+  # Another example: its tokens, another picture in every thumbnail.
+  thumb = "canvas.thumb[data-layer='1'][data-head='0']"
+  pixels = f"document.querySelector(\"{thumb}\").toDataURL()"
+  before = browser.js(pixels)
+  browser.click("#next-example")
+  assert browser.js("document.getElementById('example-select').value") == "1"
+  assert _tokens(browser) == [str(t) for t in second["inputs"]]
+  assert browser.js(pixels) != before
+  # Hovering a head shows its roles and the study's numbers (layer 1,
+  # head 0: 0.2 in every fake measure).
+  browser.hover(thumb)
+  tip = browser.js("document.getElementById('tooltip').textContent")
+  assert tip.startswith("layer 1, head 0") and "anti-diagonal" in tip
+  assert "leave-one-out loss increase0.200" in tip
+  # Enlarge a head with a click; hide a head in the head view.
+  browser.click(thumb)
+  assert browser.js("document.getElementById('enlarged-title').textContent"
+                    ).startswith("layer 1, head 0")
+  drawn = "[...document.querySelectorAll('line.attn')]"
+  lines = browser.js(f"{drawn}.length")
+  assert lines > 0 and browser.js(
+      f"new Set({drawn}.map(l => l.dataset.head)).size") == 2
+  browser.click(".head-toggle[data-head='0']")
+  assert browser.js(f"{drawn}.every(l => l.dataset.head === '1')")
+  assert 0 < browser.js(f"{drawn}.length") < lines
+  # Remove a head: its predictions appear as a row of their own.
+  browser.js("const s = document.getElementById('ablate-select');"
+             "s.value = '2'; s.dispatchEvent(new Event('change'))")
+  assert browser.js("document.querySelectorAll('#tokens tr.ablated td')"
+                    ".length") == second["n"]
+  shot_after = browser.screenshot()
+  _is_not_blank(shot_after)
+  assert shot_after != shot_before
+  with open(os.environ.get("EXPLORER_SCREENSHOT", os.devnull), "wb") as f:
+    f.write(shot_after)
+
+
+def test_payload_matches_the_model(page, tiny_run):
+  path, workdir = page
+  payload = _payload(path)
+  ckpt = checkpoint.load_checkpoint(workdir)
+  split = data.load_splits(build.data_spec(ckpt.config),
+                           ckpt.config.data.data_dir)["test"]
+  lengths = [e["n"] for e in payload["examples"]]
+  # Short and long: from the split's shortest to its longest, in order.
+  assert len(lengths) == 4 and lengths == sorted(lengths)
+  assert (lengths[0], lengths[-1]) == (split.lengths.min(),
+                                       split.lengths.max())
+  e = payload["examples"][-1]
+  n = e["n"]
+  tokens = split.inputs[e["index"]][None]
+  weights = np.frombuffer(base64.b64decode(e["attention"]), np.uint8)
+  _, attention = ckpt.model.apply({"params": ckpt.params}, tokens)
+  expected = np.concatenate([a[0, :, :n, :n] for a in attention])
+  # Bytes round(255 w): within half a step (and float32 rounding).
+  np.testing.assert_allclose(weights.reshape(4, n, n) / 255.0, expected,
+                             atol=0.5 / 255 + 1e-6)
+  # Removing one head: what the head mask gives.
+  mask = np.ones((2, 2), np.float32)
+  mask[1, 0] = 0.0
+  logits, _ = ckpt.model.apply({"params": ckpt.params}, tokens,
+                               head_mask=mask)
+  assert e["ablated"][payload["ablation_heads"].index([1, 0])] == \
+      np.argmax(logits[0, :n], -1).tolist()
+  study = payload["study"]
+  assert study["step"] == 20 and study["importance"][
+      "Shapley value (token acc.)"] == [[None, 0.1], [0.2, 0.3]]
+  assert payload["top_roles"] == head_roles.top_roles(
+      {p: np.asarray(v, np.float64) for p, v in payload["roles"].items()})
+
+
+def test_page_size_of_the_default_model(tmp_path):
+  """8 examples of the default model (2 layers x 4 heads, length 16) with
+  its roles and a pruning study stay under 2 MB. The page's size depends on
+  shapes only: zero parameters (no compilation to initialise them)."""
+  import jax
+  from configs import default
+  model = build.make_model(default.get_config())
+  params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), jax.eval_shape(
+      lambda: build.init_params(model, jax.random.key(0))))
+  rng = np.random.default_rng(0)
+  inputs = rng.integers(1, 11, size=(8, 16)).astype(np.int32)
+  split = data.Split(inputs=inputs, targets=inputs[:, ::-1].copy(),
+                     task="reverse")
+  grid = np.full((2, 4), 0.123456789)
+  _fake_study(str(tmp_path), step=500, grid=grid.tolist())
+  path = explorer.write_explorer(
+      model, params, split, str(tmp_path / "a.html"), num_examples=8,
+      roles={p: grid for p in head_roles.PATTERNS},
+      study=explorer.load_study(str(tmp_path)))
+  assert os.path.getsize(path) < 2 * 1024 * 1024
+  payload = _payload(path)
+  assert len(payload["examples"]) == 8
+  assert len(payload["study"]["importance"]) == 7
+
+
+def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
+  workdir = copy_workdir(tiny_run.workdir, tmp_path / "run")
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  cases = (
+      ([f"--workdir={workdir}", "--html", "--examples=0"],
+       "eval.py: error: --examples must be at least 1, got 0"),
+      ([f"--workdir={workdir}", "--html", "--examples=65"],
+       "eval.py: error: --examples=65 is more than the 64 examples of the "
+       "test split"),
+      ([f"--workdir={workdir}", "--examples=3"],
+       "eval.py: error: --examples needs --html"),
+      ([f"--workdir={empty}", "--html"],
+       f"eval.py: error: no checkpoints in {empty} ({empty}/checkpoints "
+       "does not exist)"),
+  )
+  procs = [subprocess.Popen(
+      [sys.executable, os.path.join(ROOT, "eval.py"), *args],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env=subprocess_env) for args, _ in cases]
+  for proc, (_, message) in zip(procs, cases):
+    _, stderr = proc.communicate()
+    assert proc.returncode == 2, stderr
+    assert stderr.strip().splitlines() == [message]
+  assert not os.path.exists(os.path.join(workdir, "eval"))
+  assert os.listdir(empty) == []
