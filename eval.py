@@ -34,7 +34,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
   # Deferred: --help and a mistyped flag answer without importing orbax and
   # TFDS (``mha.cli`` already brings in JAX and Flax through ``mha``).
-  from mha import build, checkpoint, data, evaluate
+  from mha import build, checkpoint, compilation_cache, data, evaluate
 
   workdir = cli.existing_dir("eval.py", _WORKDIR.value)
   try:
@@ -42,6 +42,7 @@ def main(argv):
   except (FileNotFoundError, checkpoint.DamagedCheckpointError) as e:
     cli.fail("eval.py", e)
   config = ckpt.config
+  compilation_cache.configure(config.compilation_cache_dir, "eval.py")
   splits = data.load_splits(build.data_spec(config), config.data.data_dir)
   split = splits[_SPLIT.value]
   metrics = evaluate.evaluate(ckpt.model, ckpt.params, split,

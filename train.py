@@ -76,7 +76,9 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
   # Deferred: --help and a mistyped flag answer without importing orbax and
   # TFDS (``mha.cli`` already brings in JAX and Flax through ``mha``).
-  from mha import checkpoint, sharding, train
+  from mha import checkpoint, compilation_cache, sharding, train
+  compilation_cache.configure(flags.FLAGS.config.compilation_cache_dir,
+                              "train.py")
   distributed = (_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value,
                  _PROCESS_ID.value)
   if _DISTRIBUTED.value or distributed != (None, None, None):

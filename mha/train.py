@@ -44,10 +44,12 @@ from jax.sharding import Mesh
 
 from mha import build
 from mha import checkpoint as ckpt_lib
+from mha import compilation_cache
 from mha import config_validation
 from mha import data
 from mha import evaluate as eval_lib
 from mha import sharding as sharding_lib
+from mha import metric_writers
 from mha.metric_writers import MetricWriter, format_duration
 from mha.model import Transformer
 
@@ -66,7 +68,9 @@ def train_step(state: TrainState, batch: Mapping[str, Array], rng: Array, *,
   """One optimizer update; returns the new state and metric sums.
 
   The dropout rng is ``fold_in(rng, step)``, so a resumed run draws the same
-  dropout masks as an uninterrupted one.
+  dropout masks as an uninterrupted one. The metrics are :func:`mha.evaluate.metric_sums`'
+  sums, ``grad_norm``, ``learning_rate`` and ``state_finite`` (whether every
+  float of the new state, optimizer moments included, is finite).
   """
   dropout_rng = jax.random.fold_in(rng, state.step)
 
@@ -78,9 +82,13 @@ def train_step(state: TrainState, batch: Mapping[str, Array], rng: Array, *,
     return sums["loss_sum"] / jnp.maximum(sums["tokens"], 1), sums
 
   grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)
+  new_state = state.apply_gradients(grads=grads)
+  # Checked on the host before any save (``_check_finite``), in this program
+  # rather than a second one to compile.
   metrics = dict(sums, grad_norm=optax.tree.norm(grads),
-                 learning_rate=schedule(state.step))
-  return state.apply_gradients(grads=grads), metrics
+                 learning_rate=schedule(state.step),
+                 state_finite=_all_finite(new_state))
+  return new_state, metrics
 
 
 class _TrainMetrics:
@@ -111,6 +119,8 @@ def _check_finite(step: int, metrics: Mapping[str, np.ndarray]) -> None:
     raise FloatingPointError(
         f"non-finite training metrics at step {step}: loss sum {loss}, "
         f"gradient norm {grad_norm}")
+  if not bool(metrics["state_finite"]):
+    raise FloatingPointError(f"non-finite parameters after step {step}")
 
 
 # --------------------------------------------------------------------------
@@ -180,8 +190,8 @@ class _StopRequest:
       signal.signal(signum, previous)
 
 
-@jax.jit
 def _all_finite(tree: Any) -> Array:
+  """Whether every float in ``tree`` is finite (a bool scalar)."""
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
             if jnp.issubdtype(x.dtype, jnp.inexact)]
   return jnp.all(jnp.stack(leaves))
@@ -216,6 +226,7 @@ class _Run:
   writer: MetricWriter | _NoWriter
   stop: _StopRequest
   start_time: float  # time.time() when train_and_evaluate was called
+  compiles_at_start: compilation_cache.CompileCounts  # before this run's
 
   def log(self, message: str) -> None:
     """Prints ``message`` once: on process 0."""
@@ -260,16 +271,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     DamagedCheckpointError: a save that cannot be read back.
   """
   start_time = time.time()
+  compiles_at_start = compilation_cache.counts()
   workdir = _checked_workdir(config, workdir)
   splits = _load_splits(config)
   model = build.make_model(config)
   mesh = sharding_lib.make_mesh(config.mesh.data)
-  # Made by jit: with several processes, a key must be a global array.
-  init_rng, dropout_rng = jax.jit(
-      lambda: tuple(jax.random.split(jax.random.key(config.seed))),
-      out_shardings=sharding_lib.replicated(mesh))()
   create = functools.partial(build.create_train_state, config, model)
-  abstract_state = jax.eval_shape(create, init_rng)
+  abstract_state = jax.eval_shape(lambda: create(jax.random.key(0)))
   state_shardings = sharding_lib.state_shardings(
       abstract_state, mesh, shard_params=config.mesh.shard_params)
 
@@ -281,11 +289,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   with contextlib.ExitStack() as cleanup:
     cleanup.callback(checkpoints.close)  # Even on errors: finish the saves.
     restored = checkpoints.restore_latest()
-    if restored is None:
-      # Jitted: eager initialisation runs op by op and takes seconds.
-      state = jax.jit(create, out_shardings=state_shardings)(init_rng)
-    else:
-      state = restored[1]
+    state, dropout_rng = _initial_state(config, create, restored, mesh,
+                                        state_shardings)
+    if restored is not None:
       _log(f"Resumed from checkpoint at step {restored[0]} in {workdir}")
     main_process = sharding_lib.is_main_process()
     run = _Run(
@@ -294,7 +300,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
         checkpoints=checkpoints,
         writer=cleanup.enter_context(contextlib.closing(
             MetricWriter(workdir) if main_process else _NoWriter())),
-        stop=cleanup.enter_context(_StopRequest()), start_time=start_time)
+        stop=cleanup.enter_context(_StopRequest()), start_time=start_time,
+        compiles_at_start=compiles_at_start)
     _write_run_header(run, state)
     try:
       state = _train_loop(run, state)
@@ -304,7 +311,35 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
           f"{_describe_latest(checkpoints)})") from e
     run.evaluate(state.params, "test", int(state.step))
     checkpoints.verify()
+    compiles = compilation_cache.counts() - compiles_at_start
+    run.log(f"Compiled in this run: {compiles}")
   return state
+
+
+def _initial_state(config: ml_collections.ConfigDict, create: Any,
+                   restored: tuple[int, TrainState] | None, mesh: Mesh,
+                   state_shardings: Any) -> tuple[TrainState, Array]:
+  """The train state to start from (``create(init_rng)``, or the restored
+  one) and the dropout rng, both from ``config.seed``, in one program.
+
+  Jitted: eager initialisation runs op by op and takes seconds. With several
+  processes a key must be a global array, hence the output shardings.
+  """
+  rngs = lambda: jax.random.split(jax.random.key(config.seed))
+  replicated = sharding_lib.replicated(mesh)
+  if restored is not None:
+    return restored[1], jax.jit(lambda: rngs()[1],
+                                out_shardings=replicated)()
+
+  def initial():
+    init_rng, dropout_rng = rngs()
+    # Built on the structure of ``state_shardings``: a fresh state's optimizer
+    # is another (equal) object, which jit would not match with it.
+    state = jax.tree.unflatten(jax.tree.structure(state_shardings),
+                               jax.tree.leaves(create(init_rng)))
+    return state, dropout_rng
+
+  return jax.jit(initial, out_shardings=(state_shardings, replicated))()
 
 
 def _checked_workdir(config: ml_collections.ConfigDict,
@@ -461,11 +496,14 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
   total = config.num_train_steps
   progress = _Progress(run, int(state.step))
   pending = None  # (step, metrics on device): fetched one step late.
-  for step in range(int(state.step) + 1, total + 1):
+  first_step = int(state.step) + 1
+  for step in range(first_step, total + 1):
     batch = sharding_lib.global_batch(
         process_train_batch(run.splits["train"], config, step - 1, rows),
         batch_sharding, config.batch_size)
     state, metrics = step_fn(state, batch, run.dropout_rng)
+    if step == first_step:
+      _report_startup(run, step, metrics)
     if pending is not None:
       progress.record(*pending)
     pending = (step, metrics)
@@ -485,15 +523,32 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
   return state
 
 
+def _report_startup(run: _Run, step: int, metrics: Mapping[str, Array]
+                    ) -> None:
+  """Once the first step of this call is done: how long that took, from the
+  process's start and from the call, and what was compiled on the way
+  (``startup/*`` scalars at ``step``, and a line)."""
+  jax.block_until_ready(metrics)
+  now = time.time()
+  since_process = now - metric_writers.process_start_time()
+  compiles = compilation_cache.counts() - run.compiles_at_start
+  run.writer.write_scalars(step, {
+      "startup/seconds_since_process_start": since_process,
+      "startup/seconds_since_call": now - run.start_time,
+      "startup/programs_compiled": compiles.programs,
+      "startup/programs_from_cache": compiles.cache_hits})
+  run.log(f"First step done {since_process:.1f}s after the process started, "
+          f"{now - run.start_time:.1f}s after train_and_evaluate was called; "
+          f"compiled so far: {compiles}")
+
+
 def _evaluate_and_save(run: _Run, state: TrainState, step: int, do_eval: bool,
                        do_save: bool, signum: int | None) -> None:
   """What happens after step ``step`` besides training: validation, a
   checkpoint, and stopping on a signal (``TrainingInterrupted``)."""
   if do_eval and signum is None:
     run.evaluate(state.params, "validation", step)
-  if do_save:
-    if not bool(_all_finite(state)):
-      raise FloatingPointError(f"non-finite parameters after step {step}")
+  if do_save:  # The step's metrics, its state's finiteness too, are checked.
     run.checkpoints.save(step, state, run.config)
   if signum is not None:
     run.checkpoints.verify()
