@@ -4,6 +4,9 @@
         --config.model.num_heads=8
 
 Running it again on the same workdir resumes from the newest checkpoint.
+Compiled programs are kept in ``config.compilation_cache_dir`` (default
+``~/.cache/mha/jax``; ``""`` turns that off), so a second run of the same
+config compiles nothing.
 It trains on every device; launched as several processes (one a host), each
 joins the run through ``jax.distributed`` with ``--distributed`` (coordinator
 detected from the cluster: Cloud TPU, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS)

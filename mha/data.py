@@ -22,6 +22,9 @@ must hold the longest spelling (``MAX_WORD_LEN * max_digits``).
 The data is generated deterministically from ``DataSpec.seed`` with numpy,
 written to disk by ``tfds`` in the ``array_record`` format and read back with
 ``builder.as_data_source()`` (random access, no TensorFlow needed or imported).
+Each example is one feature, ``tokens`` ``[2, max_len]`` (inputs, targets) as
+raw int32 bytes, so a split is read as raw records and decoded at once (the
+default 22,000 examples in well under a second).
 """
 
 from __future__ import annotations

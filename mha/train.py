@@ -4,7 +4,11 @@ One jitted, buffer-donating train step; batches a pure function of
 ``(seed, step)``; orbax checkpoints of the whole train state, so a run
 resumed from its workdir ends with bitwise the parameters of an
 uninterrupted one (on CPU). Metrics go to the console (a progress line with
-steps/s and ETA), TensorBoard event files and ``workdir/metrics.jsonl``.
+steps/s and ETA), TensorBoard event files and ``workdir/metrics.jsonl``; at
+the end of the first step, a line and ``startup/*`` scalars say how long
+start-up took and how many programs were compiled (or loaded from the
+persistent compilation cache, ``mha.compilation_cache``). A run compiles
+three programs: the initial state, the train step, the evaluation step.
 
 A run never loses more than the steps since its last checkpoint and never
 mixes with another: the config is checked before anything is compiled or
