@@ -226,6 +226,7 @@ class _Run:
   mesh: Mesh
   state_shardings: Any  # of the train state, leaf by leaf
   dropout_rng: Array
+  step: _StepFunction  # the jitted train step
   checkpoints: ckpt_lib.TrainCheckpoints
   writer: MetricWriter | _NoWriter
   stop: _StopRequest
@@ -277,13 +278,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   start_time = time.time()
   compiles_at_start = compilation_cache.counts()
   workdir = _checked_workdir(config, workdir)
-  splits = _load_splits(config)
   model = build.make_model(config)
   mesh = sharding_lib.make_mesh(config.mesh.data)
   create = functools.partial(build.create_train_state, config, model)
   abstract_state = jax.eval_shape(lambda: create(jax.random.key(0)))
   state_shardings = sharding_lib.state_shardings(
       abstract_state, mesh, shard_params=config.mesh.shard_params)
+  step = _StepFunction(config, model, mesh, state_shardings, abstract_state)
+  splits = _load_splits(config)  # While the train step compiles.
 
   os.makedirs(workdir, exist_ok=True)
   checkpoints = ckpt_lib.TrainCheckpoints(
@@ -301,6 +303,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     run = _Run(
         config=config, workdir=workdir, model=model, splits=splits,
         mesh=mesh, state_shardings=state_shardings, dropout_rng=dropout_rng,
+        step=step,
         checkpoints=checkpoints,
         writer=cleanup.enter_context(contextlib.closing(
             MetricWriter(workdir) if main_process else _NoWriter())),
@@ -478,23 +481,57 @@ class _Progress:
       self.restart(step)
 
 
-def _compile_step(run: _Run):
-  """The train step, jitted once for the run's shardings, state donated."""
-  replicated = sharding_lib.replicated(run.mesh)
-  return jax.jit(
-      functools.partial(train_step, model=run.model,
-                        schedule=build.learning_rate_schedule(run.config)),
-      in_shardings=(run.state_shardings,
-                    sharding_lib.batch_sharding(run.mesh), replicated),
-      out_shardings=(run.state_shardings, replicated),
-      donate_argnums=0)
+class _StepFunction:
+  """The train step, jitted once for the run's shardings, state donated, and
+  compiled on a background thread from the moment it is made.
+
+  XLA compiles without holding the GIL, so on a machine with a second core
+  the compilation overlaps with what the run does meanwhile (loading the
+  data, compiling and running the initial state); the first call waits for
+  it, then finds the program compiled (or loaded from the persistent cache).
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, model: Transformer,
+               mesh: Mesh, state_shardings: Any, abstract_state: Any):
+    replicated = sharding_lib.replicated(mesh)
+    self._jitted = jax.jit(
+        functools.partial(train_step, model=model,
+                          schedule=build.learning_rate_schedule(config)),
+        in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh),
+                      replicated),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0)
+    # The arguments' types as the calls will see them, shardings included.
+    laid_out = lambda x, sharding: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
+    tokens = laid_out(jax.ShapeDtypeStruct(
+        (config.batch_size, config.data.max_len), jnp.int32),
+                      sharding_lib.batch_sharding(mesh))
+    args = (jax.tree.map(laid_out, abstract_state, state_shardings),
+            {"inputs": tokens, "targets": tokens},
+            laid_out(jax.eval_shape(lambda: jax.random.key(0)), replicated))
+    self._compiling = threading.Thread(
+        target=self._compile, args=args, name="mha-compile-train-step",
+        daemon=True)
+    self._compiling.start()
+
+  def _compile(self, *args) -> None:
+    try:
+      self._jitted.lower(*args).compile()
+    except Exception:  # pylint: disable=broad-except
+      pass  # The first call compiles again and raises it where it belongs.
+
+  def __call__(self, state: TrainState, batch: Mapping[str, Array],
+               rng: Array) -> tuple[TrainState, dict[str, Array]]:
+    self._compiling.join()
+    return self._jitted(state, batch, rng)
 
 
 def _train_loop(run: _Run, state: TrainState) -> TrainState:
   """Steps from ``state.step`` to ``num_train_steps``, evaluating, logging and
   saving on the way; returns the final state (its checkpoint saved)."""
   config = run.config
-  step_fn = _compile_step(run)
+  step_fn = run.step
   batch_sharding = sharding_lib.batch_sharding(run.mesh)
   rows = sharding_lib.process_rows(batch_sharding, config.batch_size)
   total = config.num_train_steps
