@@ -52,8 +52,8 @@ from mha import compilation_cache
 from mha import config_validation
 from mha import data
 from mha import evaluate as eval_lib
-from mha import sharding as sharding_lib
 from mha import metric_writers
+from mha import sharding as sharding_lib
 from mha.metric_writers import MetricWriter, format_duration
 from mha.model import Transformer
 
@@ -72,9 +72,10 @@ def train_step(state: TrainState, batch: Mapping[str, Array], rng: Array, *,
   """One optimizer update; returns the new state and metric sums.
 
   The dropout rng is ``fold_in(rng, step)``, so a resumed run draws the same
-  dropout masks as an uninterrupted one. The metrics are :func:`mha.evaluate.metric_sums`'
-  sums, ``grad_norm``, ``learning_rate`` and ``state_finite`` (whether every
-  float of the new state, optimizer moments included, is finite).
+  dropout masks as an uninterrupted one. The metrics are the sums of
+  :func:`mha.evaluate.metric_sums`, ``grad_norm``, ``learning_rate`` and
+  ``state_finite`` (whether every float of the new state, optimizer moments
+  included, is finite).
   """
   dropout_rng = jax.random.fold_in(rng, state.step)
 
@@ -278,14 +279,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   start_time = time.time()
   compiles_at_start = compilation_cache.counts()
   workdir = _checked_workdir(config, workdir)
+  splits = _load_splits(config)
   model = build.make_model(config)
   mesh = sharding_lib.make_mesh(config.mesh.data)
   create = functools.partial(build.create_train_state, config, model)
   abstract_state = jax.eval_shape(lambda: create(jax.random.key(0)))
   state_shardings = sharding_lib.state_shardings(
       abstract_state, mesh, shard_params=config.mesh.shard_params)
-  step = _StepFunction(config, model, mesh, state_shardings, abstract_state)
-  splits = _load_splits(config)  # While the train step compiles.
 
   os.makedirs(workdir, exist_ok=True)
   checkpoints = ckpt_lib.TrainCheckpoints(
@@ -295,6 +295,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   with contextlib.ExitStack() as cleanup:
     cleanup.callback(checkpoints.close)  # Even on errors: finish the saves.
     restored = checkpoints.restore_latest()
+    # Compiles while the initial state is compiled and made.
+    step = _StepFunction(config, model, mesh, state_shardings,
+                         abstract_state if restored is None else restored[1])
+    cleanup.callback(step.wait)  # No compiling left behind, even on errors.
     state, dropout_rng = _initial_state(config, create, restored, mesh,
                                         state_shardings)
     if restored is not None:
@@ -486,13 +490,15 @@ class _StepFunction:
   compiled on a background thread from the moment it is made.
 
   XLA compiles without holding the GIL, so on a machine with a second core
-  the compilation overlaps with what the run does meanwhile (loading the
-  data, compiling and running the initial state); the first call waits for
-  it, then finds the program compiled (or loaded from the persistent cache).
+  the compilation overlaps with what the run does meanwhile (opening the
+  checkpoints, compiling and running the initial state); the first call waits
+  for it, then finds the program compiled (or loaded from the persistent
+  cache).
   """
 
   def __init__(self, config: ml_collections.ConfigDict, model: Transformer,
-               mesh: Mesh, state_shardings: Any, abstract_state: Any):
+               mesh: Mesh, state_shardings: Any, state: Any):
+    """``state``: the state of the first call, or its ``jax.eval_shape``."""
     replicated = sharding_lib.replicated(mesh)
     self._jitted = jax.jit(
         functools.partial(train_step, model=model,
@@ -507,7 +513,8 @@ class _StepFunction:
     tokens = laid_out(jax.ShapeDtypeStruct(
         (config.batch_size, config.data.max_len), jnp.int32),
                       sharding_lib.batch_sharding(mesh))
-    args = (jax.tree.map(laid_out, abstract_state, state_shardings),
+    args = (jax.tree.unflatten(jax.tree.structure(state), map(
+        laid_out, jax.tree.leaves(state), jax.tree.leaves(state_shardings))),
             {"inputs": tokens, "targets": tokens},
             laid_out(jax.eval_shape(lambda: jax.random.key(0)), replicated))
     self._compiling = threading.Thread(
@@ -521,9 +528,13 @@ class _StepFunction:
     except Exception:  # pylint: disable=broad-except
       pass  # The first call compiles again and raises it where it belongs.
 
+  def wait(self) -> None:
+    """Returns once the background compilation is over."""
+    self._compiling.join()
+
   def __call__(self, state: TrainState, batch: Mapping[str, Array],
                rng: Array) -> tuple[TrainState, dict[str, Array]]:
-    self._compiling.join()
+    self.wait()
     return self._jitted(state, batch, rng)
 
 
