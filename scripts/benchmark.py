@@ -824,7 +824,8 @@ def format_end_to_end(results: Mapping[str, Any]) -> str:
       f"{e2e['config_arg']}`, data prepared; medians of {e2e['rounds']} "
       f"rounds, seconds from process start. Trained = the first validation "
       f"with exact match >= {EXACT_MATCH_GOAL}.", "",
-      "| process | to end of first step | to trained | to exit | runs |",
+      "| process | to end of first step | to trained | to exit | each run "
+      "(to trained; floor: to exit) |",
       "| --- | ---: | ---: | ---: | --- |"]
   labels = {"floor": "import floor (`import jax, flax, optax, "
                      "orbax.checkpoint`)",
