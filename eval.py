@@ -75,7 +75,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
   # Deferred: --help and a mistyped flag answer without importing orbax and
   # TFDS (``mha.cli`` already brings in JAX and Flax through ``mha``).
-  from mha import build, checkpoint, data, evaluate, head_roles
+  from mha import (build, checkpoint, compilation_cache, data, evaluate,
+                   head_roles)
 
   workdir = cli.existing_dir("eval.py", _WORKDIR.value)
   _check_examples(None)
@@ -86,6 +87,7 @@ def main(argv):
   config = ckpt.config
   _check_examples(config.data.num_train_examples if _SPLIT.value == "train"
                   else config.data.num_eval_examples)
+  compilation_cache.configure(config.compilation_cache_dir, "eval.py")
   splits = data.load_splits(build.data_spec(config), config.data.data_dir)
   split = splits[_SPLIT.value]
   metrics = evaluate.evaluate(ckpt.model, ckpt.params, split,

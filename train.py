@@ -4,6 +4,9 @@
         --config.model.num_heads=8
 
 Running it again on the same workdir resumes from the newest checkpoint.
+Compiled programs are kept in ``config.compilation_cache_dir`` (default
+``~/.cache/mha/jax``; ``""`` turns that off), so a second run of the same
+config compiles nothing.
 It trains on every device; launched as several processes (one a host), each
 joins the run through ``jax.distributed`` with ``--distributed`` (coordinator
 detected from the cluster: Cloud TPU, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS)
@@ -78,7 +81,9 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
   # Deferred: --help and a mistyped flag answer without importing orbax and
   # TFDS (``mha.cli`` already brings in JAX and Flax through ``mha``).
-  from mha import checkpoint, sharding, train, write_failures
+  from mha import checkpoint, compilation_cache, sharding, train, write_failures
+  compilation_cache.configure(flags.FLAGS.config.compilation_cache_dir,
+                              "train.py")
   distributed = (_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value,
                  _PROCESS_ID.value)
   if _DISTRIBUTED.value or distributed != (None, None, None):

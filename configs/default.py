@@ -51,6 +51,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval_every_steps = 50  # Evaluate on validation this often.
   config.checkpoint_every_steps = 250  # Save a checkpoint this often.
   config.max_checkpoints_to_keep = 3  # Older checkpoints are deleted.
+  # JAX's persistent compilation cache: a later run loads the programs an
+  # earlier one compiled. "" turns it off; left at this default,
+  # $JAX_COMPILATION_CACHE_DIR replaces it when set (mha/compilation_cache.py).
+  config.compilation_cache_dir = "~/.cache/mha/jax"
 
   config.model = ml_collections.ConfigDict()
   config.model.num_layers = 2  # Encoder blocks.

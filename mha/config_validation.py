@@ -39,6 +39,7 @@ RESUMABLE_KEYS: frozenset[str] = frozenset({
     "max_checkpoints_to_keep",
     "eval_batch_size",
     "data.data_dir",
+    "compilation_cache_dir",
 })
 
 _AT_LEAST_ONE = (

@@ -22,6 +22,9 @@ must hold the longest spelling (``MAX_WORD_LEN * max_digits``).
 The data is generated deterministically from ``DataSpec.seed`` with numpy,
 written to disk by ``tfds`` in the ``array_record`` format and read back with
 ``builder.as_data_source()`` (random access, no TensorFlow needed or imported).
+Each example is one feature, ``tokens`` ``[2, max_len]`` (inputs, targets) as
+raw int32 bytes, so a split is read as raw records and decoded at once (the
+default 22,000 examples in well under a second).
 """
 
 from __future__ import annotations
@@ -35,14 +38,14 @@ from typing import Iterator
 
 import numpy as np
 import tensorflow_datasets as tfds
+from tensorflow_datasets.proto import tf_example_pb2
 
 TASKS: tuple[str, ...] = ("reverse", "sort", "histogram", "spell")
 
 # Bump when the generation code changes so that stale prepared data on disk is
 # never silently reused (the version is part of the on-disk path).
-_VERSION = "1.1.0"
+_VERSION = "1.2.0"
 _SPLITS: tuple[str, ...] = ("train", "validation", "test")
-_READ_CHUNK = 4096  # records per `__getitems__` call when reading a split.
 
 
 # --------------------------------------------------------------------------
@@ -322,6 +325,8 @@ class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   RELEASE_NOTES = {
       "1.0.0": "Initial release.",
       "1.1.0": "No stored `length` feature (it is `inputs != 0`).",
+      "1.2.0": "One feature, `tokens` [2, max_len]: inputs and targets as "
+               "raw int32 bytes, so that a split decodes at once.",
   }
   # spell has none: its DataSpec defaults (max_len 16) cannot hold 4 digits.
   BUILDER_CONFIGS = [
@@ -337,15 +342,13 @@ class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
             "Toy per-position seq2seq tasks for encoder-only Transformers. "
             "Symbols 1..num_symbols, 0 = padding."
         ),
+        # One fixed-length raw-bytes value per example (inputs, then
+        # targets), which `_read_split` decodes for a whole split at once.
         features=tfds.features.FeaturesDict({
-            "inputs": tfds.features.Tensor(
-                shape=(spec.max_len,), dtype=np.int32
-            ),
-            "targets": tfds.features.Tensor(
-                shape=(spec.max_len,), dtype=np.int32
-            ),
+            "tokens": tfds.features.Tensor(
+                shape=(2, spec.max_len), dtype=np.int32,
+                encoding=tfds.features.Encoding.BYTES),
         }),
-        supervised_keys=("inputs", "targets"),
         disable_shuffling=True,  # keep the generation order on disk.
     )
 
@@ -355,11 +358,9 @@ class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     return {split: self._generate_examples(arrays[split]) for split in _SPLITS}
 
   def _generate_examples(self, arrays: dict[str, np.ndarray]):
-    for i in range(len(arrays["inputs"])):
-      yield i, {
-          "inputs": arrays["inputs"][i],
-          "targets": arrays["targets"][i],
-      }
+    tokens = np.stack([arrays["inputs"], arrays["targets"]], axis=1)
+    for i, example in enumerate(tokens):
+      yield i, {"tokens": example}
 
 
 def _identity(spec: DataSpec) -> dict[str, object]:
@@ -426,18 +427,44 @@ class Split:
 
 
 def _read_split(source, max_len: int, task: str) -> Split:
-  """Reads a whole data source into memory, `_READ_CHUNK` records per call."""
-  n = len(source)
-  inputs = np.zeros((n, max_len), np.int32)
-  targets = np.zeros((n, max_len), np.int32)
-  for start in range(0, n, _READ_CHUNK):
-    idx = list(range(start, min(n, start + _READ_CHUNK)))
-    records = source.__getitems__(idx)
-    inputs[start : start + len(idx)] = np.stack([r["inputs"] for r in records])
-    targets[start : start + len(idx)] = np.stack([r["targets"] for r in records])
+  """Reads a whole data source (raw records) into memory at once."""
+  records = source.__getitems__(range(len(source)))
+  tokens = _decode_tokens(records, max_len)
+  inputs, targets = (np.ascontiguousarray(tokens[:, i]) for i in (0, 1))
   inputs.setflags(write=False)
   targets.setflags(write=False)
   return Split(inputs=inputs, targets=targets, task=task)
+
+
+def _decode_tokens(records: list[bytes], max_len: int) -> np.ndarray:
+  """The ``tokens`` [N, 2, max_len] of serialized ``tf.train.Example``
+  records, decoded at once.
+
+  Every record holds one feature of the same byte length, so records of
+  equal length share their layout: the bytes before the value (the proto's
+  tags and lengths and the feature's name) are the same in all of them and
+  the value is the last ``8 * max_len`` bytes. Checked (equal lengths, equal
+  heads, the first record parsed as a proto); if a check fails, each record
+  is parsed as a proto instead (slower, same result).
+  """
+  size = 2 * max_len * np.dtype(np.int32).itemsize
+  width = len(records[0]) if records else 0
+  if records and all(len(r) == width for r in records):
+    table = np.frombuffer(b"".join(records), np.uint8).reshape(-1, width)
+    head = width - size
+    if (head >= 0 and np.array_equal(table[0, head:].tobytes(),
+                                     _parse_value(records[0]))
+        and (table[:, :head] == table[0, :head]).all()):
+      values = np.ascontiguousarray(table[:, head:])
+      return values.view(np.int32).reshape(-1, 2, max_len)
+  joined = b"".join(_parse_value(r) for r in records)
+  return np.frombuffer(joined, np.int32).reshape(-1, 2, max_len)
+
+
+def _parse_value(record: bytes) -> bytes:
+  """The ``tokens`` bytes of one serialized ``tf.train.Example``."""
+  example = tf_example_pb2.Example.FromString(record)
+  return example.features.feature["tokens"].bytes_list.value[0]
 
 
 def load_splits(spec: DataSpec, data_dir: str) -> dict[str, Split]:
@@ -447,7 +474,7 @@ def load_splits(spec: DataSpec, data_dir: str) -> dict[str, Split]:
 
   Preparation uses ``download_and_prepare(file_format='array_record')``;
   reading goes through ``builder.as_data_source()`` (random access via
-  ArrayRecord, no TensorFlow), in chunks of ``__getitems__``.
+  ArrayRecord, no TensorFlow), each split read and decoded at once.
 
   Returns:
     {'train': Split, 'validation': Split, 'test': Split}.
@@ -464,7 +491,8 @@ def load_splits(spec: DataSpec, data_dir: str) -> dict[str, Split]:
       builder.download_and_prepare(file_format="array_record")
     finally:
       tfds.enable_progress_bar()
-  sources = builder.as_data_source()
+  sources = builder.as_data_source(
+      deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)
   return {
       split: _read_split(sources[split], spec.max_len, spec.task)
       for split in _SPLITS

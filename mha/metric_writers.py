@@ -1,6 +1,7 @@
 """Metrics to the console, TensorBoard event files and ``metrics.jsonl``.
 
-TensorFlow-free: event files are written by tensorboardX.
+TensorFlow-free: event files are written by tensorboardX, imported when the
+first writer is made (importing ``mha.train`` does not import it).
 """
 
 from __future__ import annotations
@@ -9,15 +10,43 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import time
 from typing import Any, Mapping
 
 import numpy as np
-from tensorboardX import summary as tb_summary
-from tensorboardX.proto import event_pb2
-from tensorboardX.record_writer import RecordWriter
 
 from mha import write_failures
+
+
+def _import_tensorboardx():
+  """tensorboardX, without the optional integrations it tries at import.
+
+  tensorboardX imports torch (for ``torch.Tensor`` type checks) and boto3
+  (for ``s3://`` logdirs) when they are installed: a second or more of start-
+  up for nothing, as we write numpy scalars to local files. Both are hidden
+  while it is imported (``None`` in ``sys.modules`` makes an import fail);
+  one already imported stays as it is.
+  """
+  if "tensorboardX" in sys.modules:
+    return sys.modules["tensorboardX"]
+  hidden = [name for name in ("torch", "boto3") if name not in sys.modules]
+  with contextlib.ExitStack() as restore:
+    for name in hidden:
+      sys.modules[name] = None
+      restore.callback(sys.modules.pop, name, None)
+    import tensorboardX  # pylint: disable=g-import-not-at-top
+  return tensorboardX
+
+
+def _tensorboardx_parts():
+  """tensorboardX's ``summary``, ``event_pb2`` and ``RecordWriter``."""
+  _import_tensorboardx()
+  # pylint: disable=g-import-not-at-top
+  from tensorboardX import summary
+  from tensorboardX.proto import event_pb2
+  from tensorboardX.record_writer import RecordWriter
+  return summary, event_pb2, RecordWriter
 
 
 class MetricWriter:
@@ -45,8 +74,10 @@ class MetricWriter:
       # Unbuffered: each line is written whole, or taken back.
       self._jsonl = open(self._jsonl_path, "ab", buffering=0)
     self._events = None
+    summary, event_pb2, record_writer = _tensorboardx_parts()
+    self._summary, self._event_pb2 = summary, event_pb2
     with self._writing(self._events_path):
-      self._events = RecordWriter(self._events_path)
+      self._events = record_writer(self._events_path)
     self._write_event(event_pb2.Event(wall_time=time.time(),
                                       file_version="brain.Event:2"))
 
@@ -65,14 +96,15 @@ class MetricWriter:
           os.ftruncate(self._jsonl.fileno(), start)
         raise
     self._write_event(*(
-        event_pb2.Event(wall_time=time.time(), step=int(step),
-                        summary=tb_summary.scalar(key, value))
+        self._event_pb2.Event(wall_time=time.time(), step=int(step),
+                              summary=self._summary.scalar(key, value))
         for key, value in values.items()))
 
   def write_text(self, step: int, tag: str, text: str) -> None:
     """Writes a text summary (the config, at step 0) to TensorBoard."""
-    self._write_event(event_pb2.Event(wall_time=time.time(), step=int(step),
-                                      summary=tb_summary.text(tag, text)))
+    self._write_event(self._event_pb2.Event(
+        wall_time=time.time(), step=int(step),
+        summary=self._summary.text(tag, text)))
 
   def _write_event(self, *events: Any) -> None:
     with self._writing(self._events_path):
@@ -114,3 +146,25 @@ def format_duration(seconds: float) -> str:
   if hours:
     return f"{hours}h{minutes:02d}m"
   return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def process_start_time() -> float:
+  """When this process started, in Unix seconds (``time.time()``'s clock).
+
+  From ``/proc`` on Linux (10 ms resolution); elsewhere the time
+  ``mha.metric_writers`` was first imported, which misses the interpreter's
+  own start-up (tens of milliseconds) and the imports before it.
+  """
+  try:
+    with open("/proc/self/stat", encoding="ascii") as f:
+      # Field 22, after the parenthesised name (which may hold spaces).
+      start_ticks = int(f.read().rpartition(")")[2].split()[19])
+    with open("/proc/uptime", encoding="ascii") as f:
+      uptime = float(f.read().split()[0])
+    age = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - max(age, 0.0)
+  except (OSError, ValueError, IndexError):
+    return _IMPORT_TIME
+
+
+_IMPORT_TIME = time.time()

@@ -4,7 +4,11 @@ One jitted, buffer-donating train step; batches a pure function of
 ``(seed, step)``; orbax checkpoints of the whole train state, so a run
 resumed from its workdir ends with bitwise the parameters of an
 uninterrupted one (on CPU). Metrics go to the console (a progress line with
-steps/s and ETA), TensorBoard event files and ``workdir/metrics.jsonl``.
+steps/s and ETA), TensorBoard event files and ``workdir/metrics.jsonl``; at
+the end of the first step, a line and ``startup/*`` scalars say how long
+start-up took and how many programs were compiled (or loaded from the
+persistent compilation cache, ``mha.compilation_cache``). A run compiles
+three programs: the initial state, the train step, the evaluation step.
 
 A run never loses more than the steps since its last checkpoint and never
 mixes with another: the config is checked before anything is compiled or
@@ -47,9 +51,11 @@ from jax.sharding import Mesh
 
 from mha import build
 from mha import checkpoint as ckpt_lib
+from mha import compilation_cache
 from mha import config_validation
 from mha import data
 from mha import evaluate as eval_lib
+from mha import metric_writers
 from mha import sharding as sharding_lib
 from mha import workdir_lock
 from mha import write_failures
@@ -71,7 +77,10 @@ def train_step(state: TrainState, batch: Mapping[str, Array], rng: Array, *,
   """One optimizer update; returns the new state and metric sums.
 
   The dropout rng is ``fold_in(rng, step)``, so a resumed run draws the same
-  dropout masks as an uninterrupted one.
+  dropout masks as an uninterrupted one. The metrics are the sums of
+  :func:`mha.evaluate.metric_sums`, ``grad_norm``, ``learning_rate`` and
+  ``state_finite`` (whether every float of the new state, optimizer moments
+  included, is finite).
   """
   dropout_rng = jax.random.fold_in(rng, state.step)
 
@@ -83,9 +92,13 @@ def train_step(state: TrainState, batch: Mapping[str, Array], rng: Array, *,
     return sums["loss_sum"] / jnp.maximum(sums["tokens"], 1), sums
 
   grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)
+  new_state = state.apply_gradients(grads=grads)
+  # Checked on the host before any save (``_check_finite``), in this program
+  # rather than a second one to compile.
   metrics = dict(sums, grad_norm=optax.tree.norm(grads),
-                 learning_rate=schedule(state.step))
-  return state.apply_gradients(grads=grads), metrics
+                 learning_rate=schedule(state.step),
+                 state_finite=_all_finite(new_state))
+  return new_state, metrics
 
 
 class _TrainMetrics:
@@ -116,6 +129,8 @@ def _check_finite(step: int, metrics: Mapping[str, np.ndarray]) -> None:
     raise FloatingPointError(
         f"non-finite training metrics at step {step}: loss sum {loss}, "
         f"gradient norm {grad_norm}")
+  if not bool(metrics["state_finite"]):
+    raise FloatingPointError(f"non-finite parameters after step {step}")
 
 
 # --------------------------------------------------------------------------
@@ -185,8 +200,8 @@ class _StopRequest:
       signal.signal(signum, previous)
 
 
-@jax.jit
 def _all_finite(tree: Any) -> Array:
+  """Whether every float in ``tree`` is finite (a bool scalar)."""
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
             if jnp.issubdtype(x.dtype, jnp.inexact)]
   return jnp.all(jnp.stack(leaves))
@@ -217,10 +232,12 @@ class _Run:
   mesh: Mesh
   state_shardings: Any  # of the train state, leaf by leaf
   dropout_rng: Array
+  step: _StepFunction  # the jitted train step
   checkpoints: ckpt_lib.TrainCheckpoints
   writer: MetricWriter | _NoWriter
   stop: _StopRequest
   start_time: float  # time.time() when train_and_evaluate was called
+  compiles_at_start: compilation_cache.CompileCounts  # before this run's
 
   def log(self, message: str) -> None:
     """Prints ``message`` once: on process 0."""
@@ -268,16 +285,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     DamagedCheckpointError: a save that cannot be read back.
   """
   start_time = time.time()
+  compiles_at_start = compilation_cache.counts()
   workdir = _checked_workdir(config, workdir)
   splits = _load_splits(config)
   model = build.make_model(config)
   mesh = sharding_lib.make_mesh(config.mesh.data)
-  # Made by jit: with several processes, a key must be a global array.
-  init_rng, dropout_rng = jax.jit(
-      lambda: tuple(jax.random.split(jax.random.key(config.seed))),
-      out_shardings=sharding_lib.replicated(mesh))()
   create = functools.partial(build.create_train_state, config, model)
-  abstract_state = jax.eval_shape(create, init_rng)
+  abstract_state = jax.eval_shape(lambda: create(jax.random.key(0)))
   state_shardings = sharding_lib.state_shardings(
       abstract_state, mesh, shard_params=config.mesh.shard_params)
 
@@ -292,20 +306,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                                                    state_shardings))
     cleanup.callback(checkpoints.close)  # Even on errors: finish the saves.
     restored = checkpoints.restore_latest()
-    if restored is None:
-      # Jitted: eager initialisation runs op by op and takes seconds.
-      state = jax.jit(create, out_shardings=state_shardings)(init_rng)
-    else:
-      state = restored[1]
+    # Compiles while the initial state is compiled and made.
+    step = _StepFunction(config, model, mesh, state_shardings,
+                         abstract_state if restored is None else restored[1])
+    cleanup.callback(step.wait)  # No compiling left behind, even on errors.
+    state, dropout_rng = _initial_state(config, create, restored, mesh,
+                                        state_shardings)
+    if restored is not None:
       _log(f"Resumed from checkpoint at step {restored[0]} in {workdir}")
     main_process = sharding_lib.is_main_process()
     run = _Run(
         config=config, workdir=workdir, model=model, splits=splits,
         mesh=mesh, state_shardings=state_shardings, dropout_rng=dropout_rng,
+        step=step,
         checkpoints=checkpoints,
         writer=cleanup.enter_context(contextlib.closing(
             MetricWriter(workdir) if main_process else _NoWriter())),
-        stop=cleanup.enter_context(_StopRequest()), start_time=start_time)
+        stop=cleanup.enter_context(_StopRequest()), start_time=start_time,
+        compiles_at_start=compiles_at_start)
     _write_run_header(run, state)
     try:
       state = _train_loop(run, state)
@@ -315,7 +333,35 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
           f"{_describe_latest(checkpoints)})") from e
     run.evaluate(state.params, "test", int(state.step))
     checkpoints.verify()
+    compiles = compilation_cache.counts() - compiles_at_start
+    run.log(f"Compiled in this run: {compiles}")
   return state
+
+
+def _initial_state(config: ml_collections.ConfigDict, create: Any,
+                   restored: tuple[int, TrainState] | None, mesh: Mesh,
+                   state_shardings: Any) -> tuple[TrainState, Array]:
+  """The train state to start from (``create(init_rng)``, or the restored
+  one) and the dropout rng, both from ``config.seed``, in one program.
+
+  Jitted: eager initialisation runs op by op and takes seconds. With several
+  processes a key must be a global array, hence the output shardings.
+  """
+  rngs = lambda: jax.random.split(jax.random.key(config.seed))
+  replicated = sharding_lib.replicated(mesh)
+  if restored is not None:
+    return restored[1], jax.jit(lambda: rngs()[1],
+                                out_shardings=replicated)()
+
+  def initial():
+    init_rng, dropout_rng = rngs()
+    # Built on the structure of ``state_shardings``: a fresh state's optimizer
+    # is another (equal) object, which jit would not match with it.
+    state = jax.tree.unflatten(jax.tree.structure(state_shardings),
+                               jax.tree.leaves(create(init_rng)))
+    return state, dropout_rng
+
+  return jax.jit(initial, out_shardings=(state_shardings, replicated))()
 
 
 def _checked_workdir(config: ml_collections.ConfigDict,
@@ -450,33 +496,77 @@ class _Progress:
       self.restart(step)
 
 
-def _compile_step(run: _Run):
-  """The train step, jitted once for the run's shardings, state donated."""
-  replicated = sharding_lib.replicated(run.mesh)
-  return jax.jit(
-      functools.partial(train_step, model=run.model,
-                        schedule=build.learning_rate_schedule(run.config)),
-      in_shardings=(run.state_shardings,
-                    sharding_lib.batch_sharding(run.mesh), replicated),
-      out_shardings=(run.state_shardings, replicated),
-      donate_argnums=0)
+class _StepFunction:
+  """The train step, jitted once for the run's shardings, state donated, and
+  compiled on a background thread from the moment it is made.
+
+  XLA compiles without holding the GIL, so on a machine with a second core
+  the compilation overlaps with what the run does meanwhile (opening the
+  checkpoints, compiling and running the initial state); the first call waits
+  for it, then finds the program compiled (or loaded from the persistent
+  cache).
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, model: Transformer,
+               mesh: Mesh, state_shardings: Any, state: Any):
+    """``state``: the state of the first call, or its ``jax.eval_shape``."""
+    replicated = sharding_lib.replicated(mesh)
+    self._jitted = jax.jit(
+        functools.partial(train_step, model=model,
+                          schedule=build.learning_rate_schedule(config)),
+        in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh),
+                      replicated),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0)
+    # The arguments' types as the calls will see them, shardings included.
+    laid_out = lambda x, sharding: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
+    tokens = laid_out(jax.ShapeDtypeStruct(
+        (config.batch_size, config.data.max_len), jnp.int32),
+                      sharding_lib.batch_sharding(mesh))
+    args = (jax.tree.unflatten(jax.tree.structure(state), map(
+        laid_out, jax.tree.leaves(state), jax.tree.leaves(state_shardings))),
+            {"inputs": tokens, "targets": tokens},
+            laid_out(jax.eval_shape(lambda: jax.random.key(0)), replicated))
+    self._compiling = threading.Thread(
+        target=self._compile, args=args, name="mha-compile-train-step",
+        daemon=True)
+    self._compiling.start()
+
+  def _compile(self, *args) -> None:
+    try:
+      self._jitted.lower(*args).compile()
+    except Exception:  # pylint: disable=broad-except
+      pass  # The first call compiles again and raises it where it belongs.
+
+  def wait(self) -> None:
+    """Returns once the background compilation is over."""
+    self._compiling.join()
+
+  def __call__(self, state: TrainState, batch: Mapping[str, Array],
+               rng: Array) -> tuple[TrainState, dict[str, Array]]:
+    self.wait()
+    return self._jitted(state, batch, rng)
 
 
 def _train_loop(run: _Run, state: TrainState) -> TrainState:
   """Steps from ``state.step`` to ``num_train_steps``, evaluating, logging and
   saving on the way; returns the final state (its checkpoint saved)."""
   config = run.config
-  step_fn = _compile_step(run)
+  step_fn = run.step
   batch_sharding = sharding_lib.batch_sharding(run.mesh)
   rows = sharding_lib.process_rows(batch_sharding, config.batch_size)
   total = config.num_train_steps
   progress = _Progress(run, int(state.step))
   pending = None  # (step, metrics on device): fetched one step late.
-  for step in range(int(state.step) + 1, total + 1):
+  first_step = int(state.step) + 1
+  for step in range(first_step, total + 1):
     batch = sharding_lib.global_batch(
         process_train_batch(run.splits["train"], config, step - 1, rows),
         batch_sharding, config.batch_size)
     state, metrics = step_fn(state, batch, run.dropout_rng)
+    if step == first_step:
+      _report_startup(run, step, metrics)
     if pending is not None:
       progress.record(*pending)
     pending = (step, metrics)
@@ -496,15 +586,32 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
   return state
 
 
+def _report_startup(run: _Run, step: int, metrics: Mapping[str, Array]
+                    ) -> None:
+  """Once the first step of this call is done: how long that took, from the
+  process's start and from the call, and what was compiled on the way
+  (``startup/*`` scalars at ``step``, and a line)."""
+  jax.block_until_ready(metrics)
+  now = time.time()
+  since_process = now - metric_writers.process_start_time()
+  compiles = compilation_cache.counts() - run.compiles_at_start
+  run.writer.write_scalars(step, {
+      "startup/seconds_since_process_start": since_process,
+      "startup/seconds_since_call": now - run.start_time,
+      "startup/programs_compiled": compiles.programs,
+      "startup/programs_from_cache": compiles.cache_hits})
+  run.log(f"First step done {since_process:.1f}s after the process started, "
+          f"{now - run.start_time:.1f}s after train_and_evaluate was called; "
+          f"compiled so far: {compiles}")
+
+
 def _evaluate_and_save(run: _Run, state: TrainState, step: int, do_eval: bool,
                        do_save: bool, signum: int | None) -> None:
   """What happens after step ``step`` besides training: validation, a
   checkpoint, and stopping on a signal (``TrainingInterrupted``)."""
   if do_eval and signum is None:
     run.evaluate(state.params, "validation", step)
-  if do_save:
-    if not bool(_all_finite(state)):
-      raise FloatingPointError(f"non-finite parameters after step {step}")
+  if do_save:  # The step's metrics, its state's finiteness too, are checked.
     run.checkpoints.save(step, state, run.config)
   if signum is not None:
     run.checkpoints.verify()

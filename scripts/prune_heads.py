@@ -33,6 +33,7 @@ from absl import logging
 from mha import build
 from mha import checkpoint as ckpt_lib
 from mha import cli
+from mha import compilation_cache
 from mha import data
 from mha import evaluate
 from mha import pruning
@@ -145,6 +146,7 @@ def main(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
   workdir = cli.existing_dir(_PROG, _WORKDIR.value)
+  _configure_compilation_cache(workdir)
   if (_SAVE_PRUNED.value is not None or _PRUNE_FRACTION.value is not None
       or _ORDER.value is not None):
     _save_pruned(workdir)
@@ -176,6 +178,14 @@ def main(argv: list[str]) -> None:
   finally:
     lock.release()
   _print_summary(results, out, time.time() - start)
+
+
+def _configure_compilation_cache(workdir: str) -> None:
+  """The persistent compilation cache of the workdir's run config (its
+  ``compilation_cache_dir``), before anything is compiled."""
+  saved = ckpt_lib.saved_config(workdir) or {}
+  compilation_cache.configure(
+      ckpt_lib.complete_config(saved).compilation_cache_dir, _PROG)
 
 
 def _save_pruned(workdir: str) -> None:

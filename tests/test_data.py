@@ -185,15 +185,18 @@ def test_config_names_and_no_collisions(tmp_path):
       s1["train"].inputs, data._generate_arrays(specs[1])["train"]["inputs"])
 
 
-def test_stored_features_are_inputs_and_targets(prepared, data_dir):
+def test_stored_feature_is_inputs_and_targets_as_bytes(prepared, data_dir):
   del prepared  # prepared in data_dir
   builder = data.make_builder(tiny("sort"), data_dir)
   assert builder.is_prepared()
-  assert set(builder.info.features.keys()) == {"inputs", "targets"}
-  # A new version: data prepared by older code (with a `length` feature) is
-  # in another folder, never read as this version.
-  assert str(builder.info.version) == "1.1.0"
-  assert os.path.basename(os.fspath(builder.data_dir)) == "1.1.0"
+  (name, feature), = builder.info.features.items()
+  assert name == "tokens"  # [inputs, targets], raw int32 bytes
+  assert feature.shape == (2, tiny().max_len) and feature.np_dtype == np.int32
+  # A new version: data prepared by older code (a `length` feature in 1.0.0,
+  # separate int64-encoded `inputs` and `targets` in 1.1.0) is in another
+  # folder, never read as this version.
+  assert str(builder.info.version) == "1.2.0"
+  assert os.path.basename(os.fspath(builder.data_dir)) == "1.2.0"
 
 
 def test_no_tensorflow_import(tmp_path):
