@@ -65,7 +65,10 @@ from mha import train
 from mha.attention import MultiHeadAttention
 from mha.pruning import core as pruning
 from mha.pruning import oracle
-from scripts import accelerator_benchmark as accelerator
+try:
+  from scripts import accelerator_benchmark as accelerator
+except ImportError:  # Run as a file: this folder is sys.path[0], not its parent.
+  import accelerator_benchmark as accelerator  # pylint: disable=g-import-not-at-top
 
 _QUICK = flags.DEFINE_bool(
     "quick", False, "Tiny shapes, few repeats and XLA optimizations off: a "
