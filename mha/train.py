@@ -47,6 +47,7 @@ from mha import checkpoint as ckpt_lib
 from mha import config_validation
 from mha import data
 from mha import evaluate as eval_lib
+from mha import finetune
 from mha import sharding as sharding_lib
 from mha.metric_writers import MetricWriter, format_duration
 from mha.model import Transformer
@@ -260,6 +261,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     DamagedCheckpointError: a save that cannot be read back.
   """
   start_time = time.time()
+  config = finetune.resolve_config(config, workdir)  # init_from's model
   workdir = _checked_workdir(config, workdir)
   splits = _load_splits(config)
   model = build.make_model(config)
@@ -281,7 +283,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   with contextlib.ExitStack() as cleanup:
     cleanup.callback(checkpoints.close)  # Even on errors: finish the saves.
     restored = checkpoints.restore_latest()
-    if restored is None:
+    if restored is None and config.init_from is not None:
+      state = finetune.initial_state(config, create, init_rng,
+                                     state_shardings)
+    elif restored is None:
       # Jitted: eager initialisation runs op by op and takes seconds.
       state = jax.jit(create, out_shardings=state_shardings)(init_rng)
     else:
