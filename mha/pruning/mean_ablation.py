@@ -146,7 +146,8 @@ def mean_ablated_logits(model: Transformer, params: Params, means: np.ndarray,
     gated = args[0]  # [..., T, H_l, Dh], removed heads already zero
     mean = (1.0 - mask[layer, :count])[:, None] * jnp.asarray(
         means[layer, :count])
-    return next_fun(gated + mean, *args[1:], **kwargs)
+    return next_fun(gated + jnp.broadcast_to(mean, gated.shape), *args[1:],
+                    **kwargs)
 
   with nn.intercept_methods(replace):
     logits, _ = model.apply({"params": params}, inputs,
