@@ -74,8 +74,8 @@ def write_plots(results: Mapping[str, Any], out_dir: str,
     paths.append(curve_plot(
         results, group, np.asarray(group["fractions"], np.float64),
         "token_accuracy", os.path.join(out_dir, MEAN_ABLATION_PNG),
-        f"{results['task']}: mean ablation (removed heads output their "
-        f"validation mean), {runs} seed{'s' * (runs > 1)}"))
+        f"{results['task']}: test token accuracy, mean ablation, {runs} "
+        f"seed{'s' * (runs > 1)}"))
   retraining = results.get("retraining")
   if retraining:
     fractions = retraining["fractions"]
