@@ -13,6 +13,12 @@ order and measures test accuracy with 95% bootstrap intervals
 ``results.json``, ``report.md`` and PNG plots to ``--out`` (default
 ``<workdir>/pruning``). See mha/pruning/experiment.py.
 
+Beyond ranking heads (off by default; ``--full`` = all three):
+``--gates`` learns hard-concrete head gates for each ``--gate_lambdas``
+strength, ``--retrain`` fine-tunes pruned models for ``--retrain_steps``
+against the same architectures from scratch, ``--mean_ablation`` redraws
+every curve with removed heads outputting their mean (mha/pruning/beyond.py).
+
 A user's mistake (no checkpoint, a fraction outside [0, 1], a head that
 does not exist, ``--oracle_max_heads`` below 1, a seed directory trained
 with another config) is one line on stderr and exit code 2.
@@ -21,6 +27,7 @@ with another config) is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -289,9 +296,10 @@ def _print_beyond(results) -> None:
   for g in results.get("gates", {}).get("all", []):
     gap = g["minus_oracle_token_accuracy"]
     ci = g["minus_oracle_token_accuracy_ci"]
+    versus = (f"minus the oracle {gap:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]"
+              if gap is not None and math.isfinite(gap) else "no oracle")
     print(f"  gates lambda {g['lambda']:g}: {g['heads_removed']:.1f} heads "
-          f"removed, test tok.acc {g['test_token_accuracy']:.3f}, minus the "
-          f"oracle {gap:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]")
+          f"removed, test tok.acc {g['test_token_accuracy']:.3f}, {versus}")
   retraining = results.get("retraining", {}).get("orderings", {})
   for name, by_fraction in retraining.items():
     for fraction, e in by_fraction.items():
