@@ -166,6 +166,7 @@ def test_full_study_writes_the_contract(tiny_run, tmp_path):
   assert {"kept", "heads_removed", "validation", "test"} <= set(seed)
   assert set(seed["test"]) == {"loss", "token_accuracy", "exact_match"}
   assert len(rows[0]["test_token_accuracy_ci"]) == 2
+  assert "lowest_loss_minus_oracle_token_accuracy_ci" in rows[0]
   retrained = results["retraining"]["orderings"]
   assert set(retrained) == {"gradient", "oracle", "gates", "random"}
   for entry in retrained["oracle"].values():

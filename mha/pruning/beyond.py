@@ -178,11 +178,32 @@ def _oracle_row(seed: SeedInputs, variant: str, removed: int) -> int | None:
   return _find(seed.result["examples"], core.mask_without(config, flat))
 
 
+def _lowest_loss(seed: SeedInputs, masks: np.ndarray,
+                 by_loss: Sequence[Sequence[np.ndarray]] | None
+                 ) -> tuple[np.ndarray | None, np.ndarray | None]:
+  """For each mask, the subset of lowest validation loss with as many heads
+  removed (what the gates' objective prefers; None without the oracle) and
+  its test token accuracy ``[1 + R, S]``."""
+  if by_loss is None:
+    return None, None
+  config = seed.model.config
+  n = oracle.num_heads(config)
+  removed = [n - int(m.sum()) for m in masks]
+  best = np.stack([core.mask_without(config, by_loss[k][0])
+                   for k in removed])
+  sums = core.evaluate_masks(seed.model, seed.params, seed.splits["test"],
+                             best, per_example=True)
+  return best, _metric_rows(sums, seed.test_weights)
+
+
 def _gate_variant(seed: SeedInputs, log_alpha: np.ndarray,
-                  strengths: Sequence[float], variant: str
+                  strengths: Sequence[float], variant: str,
+                  by_loss: Sequence[Sequence[np.ndarray]] | None = None
                   ) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
   """One variant's per-strength entries and its statistics ``[S, 1 + R]``:
-  test token accuracy of the gates' subset, and minus the oracle's."""
+  test token accuracy of the gates' subset, minus the oracle's, and the
+  lowest-loss subset's (``by_loss``: per ``k`` the removals ranked by
+  validation loss) minus the oracle's."""
   model, config = seed.model, seed.model.config
   masks = np.stack([gates_lib.kept_mask(la, config, no_layer_emptied=(
       variant == "no_layer_emptied")) for la in log_alpha])
@@ -190,8 +211,10 @@ def _gate_variant(seed: SeedInputs, log_alpha: np.ndarray,
                                     masks, per_example=True)
           for name in ("validation", "test")}
   test_rows = _metric_rows(sums["test"], seed.test_weights)  # [1+R, S]
+  loss_masks, loss_rows = _lowest_loss(seed, masks, by_loss)
   examples = seed.result["examples"]
   entries, gap = [], np.full(test_rows.shape, np.nan)
+  criterion = np.full(test_rows.shape, np.nan)
   n = oracle.num_heads(config)
   for i, (lam, mask) in enumerate(zip(strengths, masks)):
     removed = n - int(mask.sum())
@@ -210,8 +233,15 @@ def _gate_variant(seed: SeedInputs, log_alpha: np.ndarray,
       entry["oracle_test_token_accuracy"] = float(oracle_test[0])
       entry["minus_oracle_token_accuracy"] = float(gap[0, i])
       entry["minus_oracle_token_accuracy_ci"] = stats.interval(gap[1:, i])
+      criterion[:, i] = loss_rows[:, i] - oracle_test
+      entry["lowest_loss_subset"] = {
+          "removed": _pairs(config, loss_masks[i]),
+          "test_token_accuracy": float(loss_rows[0, i])}
+      entry["is_lowest_loss_subset"] = bool(np.array_equal(loss_masks[i],
+                                                           mask))
     entries.append(entry)
-  return entries, {"test_token_accuracy": test_rows.T, "minus_oracle": gap.T}
+  return entries, {"test_token_accuracy": test_rows.T, "minus_oracle": gap.T,
+                   "lowest_loss_minus_oracle": criterion.T}
 
 
 def gates_seed(seed: SeedInputs, options: Any, log: Log
@@ -227,10 +257,19 @@ def gates_seed(seed: SeedInputs, options: Any, log: Log
       f"{options.gate_steps} steps trained in {trained['seconds']:.2f} s")
   entry: dict[str, Any] = {"log_alpha": trained["log_alpha"],
                            "train_seconds": trained["seconds"]}
+  by_loss = {}
+  if seed.result["oracle"]:  # Every subset's validation loss: the gates'
+    loss = oracle.evaluate_subsets(  # criterion, beside the oracle's.
+        seed.model, seed.params, seed.splits["validation"],
+        batch_size=options.batch_size)["loss"]
+    by_loss = {v: oracle.ranked_removals(
+        -loss, seed.model.config, no_layer_emptied=v == "no_layer_emptied")
+        for v in ("all", "no_layer_emptied")}
   statistics = {}
   for variant in ("all", "no_layer_emptied"):
     entry[variant], statistics[variant] = _gate_variant(
-        seed, trained["log_alpha"], options.gate_lambdas, variant)
+        seed, trained["log_alpha"], options.gate_lambdas, variant,
+        by_loss.get(variant))
   return entry, statistics
 
 
@@ -268,12 +307,16 @@ def aggregate_gates(per_seed: Sequence[Mapping[str, Any]],
       entry["heads_removed"] = float(np.mean(removed))
       entry["fraction_removed"] = float(np.mean(
           [s[variant][i]["fraction_removed"] for s in per_seed]))
-      for key in ("test_token_accuracy", "minus_oracle"):
+      for key in ("test_token_accuracy", "minus_oracle",
+                  "lowest_loss_minus_oracle"):
         value, ci = _combine([st[variant][key][i] for st in statistics],
                              seed_weights)
-        name = ("test_token_accuracy" if key == "test_token_accuracy"
-                else "minus_oracle_token_accuracy")
+        name = (key if key == "test_token_accuracy"
+                else f"{key}_token_accuracy")
         entry[name], entry[f"{name}_ci"] = value, ci
+      same = [s[variant][i].get("is_lowest_loss_subset") for s in per_seed]
+      if None not in same:
+        entry["share_lowest_loss_subset"] = float(np.mean(same))
       rows.append(entry)
     out[variant] = rows
   return out
