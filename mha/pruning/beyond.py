@@ -447,6 +447,10 @@ def aggregate_retraining(per_seed: Sequence[Mapping[str, Any]],
             [s[key][stat] for s in per_seed_stats], seed_weights)
         entry[f"{name}_per_seed"] = [float(s[key][stat][0])
                                      for s in per_seed_stats]
+    emptied = [[0 in h for (o, f, _, _), h in zip(s["subsets"],
+                                                  s["heads_per_layer"])
+                if (o, f) == key] for s in per_seed]
+    entry["share_emptying_a_layer"] = float(np.mean(sum(emptied, [])))
     orderings.setdefault(ordering, {})[f"{fraction:g}"] = entry
   return {
       "steps": options.retrain_steps, "fractions": list(

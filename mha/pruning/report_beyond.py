@@ -180,7 +180,8 @@ def _matters(entries: Mapping[str, Mapping[str, Any]], key: str) -> str:
     ci = e.get(f"{key}_ci")
     if ci is None or not all(c is not None and np.isfinite(c) for c in ci):
       continue
-    verdict = ("above" if ci[0] > 0 else "below" if ci[1] < 0 else
+    # Below 1e-9: the same accuracy up to float rounding.
+    verdict = ("above" if ci[0] > 1e-9 else "below" if ci[1] < -1e-9 else
                "not distinguishable from")
     out.append(f"{_RETRAIN_LABELS.get(name, name)} {verdict} random "
                f"({_ci(e, key, sign=True)})")
@@ -209,19 +210,24 @@ def _retraining_section(results: Mapping[str, Any]) -> list[str]:
         + ". Before fine-tuning: " + _matters(entries, "before_minus_random")
         + ". Accuracy that comes back: " + "; ".join(
             f"{_RETRAIN_LABELS.get(n, n)} {_ci(e, 'recovered', sign=True)}"
-            for n, e in entries.items()) + "."]
+            for n, e in entries.items()) + ". Subsets that empty a layer: "
+        + "; ".join(f"{_RETRAIN_LABELS.get(n, n)} "
+                    f"{_fmt(e.get('share_emptying_a_layer'), 2)}"
+                    for n, e in entries.items()) + "."]
   lines.append("")
   rows = [[f"{float(f):.0%}", _RETRAIN_LABELS.get(name, name),
            _ci(e, "before"), _ci(e, "after"), _ci(e, "from_scratch"),
            _ci(e, "recovered", sign=True),
            _ci(e, "after_minus_from_scratch", sign=True),
-           _ci(e, "after_minus_random", sign=True)]
+           _ci(e, "after_minus_random", sign=True),
+           _fmt(e.get("share_emptying_a_layer"), 2)]
           for f in [f"{x:g}" for x in r["fractions"]]
           for name, by in r["orderings"].items() if f in by
           for e in [by[f]]]
   return lines + _table(
       ["removed", "subset", "before", "after fine-tuning", "from scratch",
-       "recovered", "after − scratch", "after − random"], rows)
+       "recovered", "after − scratch", "after − random",
+       "share of subsets emptying a layer"], rows)
 
 
 def _mean_ablation_section(results: Mapping[str, Any]) -> list[str]:
