@@ -53,8 +53,8 @@ def test_gates_keep_the_planted_head_at_every_strength():
       CONFIG, [flat])[None])["loss"][0]
   strengths = (0.01, 0.1, 0.5)
   assert drop > 5 * max(strengths)  # the head is worth more than any penalty
-  trained = gates.train_gates(model, params, split, strengths, steps=150,
-                              batch_size=64, learning_rate=0.1)
+  trained = gates.train_gates(model, params, split, strengths, steps=60,
+                              batch_size=64, learning_rate=0.2)
   for log_alpha in trained["log_alpha"]:
     mask = gates.kept_mask(log_alpha, CONFIG)
     assert mask[PLANTED] == 1.0
@@ -154,9 +154,10 @@ def test_wide_variant():
 def test_full_study_writes_the_contract(tiny_run, tmp_path):
   out = str(tmp_path / "study")
   options = experiment.Options(
-      num_seeds=1, num_bootstrap=20, num_random_orders=5, speed=False,
+      num_seeds=1, num_bootstrap=10, num_random_orders=2, speed=False,
       reestimate=False, gates=True, retrain=True, mean_ablation=True,
-      gate_steps=5, gate_lambdas=(0.01, 1.0), retrain_steps=2, batch_size=64)
+      gate_steps=2, gate_lambdas=(0.01, 1.0), retrain_steps=2,
+      retrain_random=1, batch_size=64)
   experiment.run(tiny_run.workdir, out, options, log=lambda _: None)
   with open(os.path.join(out, "results.json"), encoding="utf-8") as f:
     results = json.load(f)
