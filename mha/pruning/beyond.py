@@ -296,7 +296,8 @@ def aggregate_gates(per_seed: Sequence[Mapping[str, Any]],
       "strengths": list(options.gate_lambdas), "steps": options.gate_steps,
       "learning_rate": options.gate_learning_rate,
       "trained_on": "train split; model parameters frozen",
-      "train_seconds_per_seed": [s["train_seconds"] for s in per_seed]}
+      "train_seconds_per_seed": [s["train_seconds"] for s in per_seed],
+      "log_alpha_per_seed": [s["log_alpha"] for s in per_seed]}
   for variant in ("all", "no_layer_emptied"):
     rows = []
     for i, lam in enumerate(options.gate_lambdas):
