@@ -259,9 +259,9 @@ def gates_seed(seed: SeedInputs, options: Any, log: Log
                            "train_seconds": trained["seconds"]}
   by_loss = {}
   if seed.result["oracle"]:  # Every subset's validation loss: the gates'
-    loss = oracle.evaluate_subsets(  # criterion, beside the oracle's.
-        seed.model, seed.params, seed.splits["validation"],
-        batch_size=options.batch_size)["loss"]
+    loss = core.summarize_examples(oracle.evaluate_subsets(  # criterion
+        seed.model, seed.params, seed.splits["validation"],  # (the study's
+        batch_size=options.batch_size, per_example=True))["loss"]  # program)
     by_loss = {v: oracle.ranked_removals(
         -loss, seed.model.config, no_layer_emptied=v == "no_layer_emptied")
         for v in ("all", "no_layer_emptied")}
@@ -389,8 +389,11 @@ def retrain_seed(seed: SeedInputs, options: Any, log_alpha: np.ndarray | None,
   test = seed.splits["test"]
   after = retrain.example_sums(model, trained, all_masks, test,
                                batch_size=options.batch_size)
-  before = retrain.example_sums(model, params, masks, test,
-                                batch_size=options.batch_size)
+  # The stack of ``after``'s size: one compilation serves both.
+  before = retrain.example_sums(
+      model, retrain.stack(seed.params, len(all_masks)), all_masks, test,
+      batch_size=options.batch_size)
+  before = {k: v[:len(masks)] for k, v in before.items()}
   rows = lambda sums: _metric_rows(sums, seed.test_weights).T  # [M, 1+R]
   after_rows = rows(after)
   return {"subsets": [(o, f, i, _pairs(config, m)) for (o, f, i, _), m in

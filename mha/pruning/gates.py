@@ -36,6 +36,7 @@ import optax
 
 from mha import data
 from mha import evaluate as eval_lib
+from mha import sharding as sharding_lib
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
 
@@ -111,7 +112,11 @@ def train_gates(model: Transformer, params: Params, train: data.Split,
   log_alpha = jnp.full((len(strengths),) + core.existing_heads(config).shape,
                        INIT_LOG_ALPHA, jnp.float32)
   optimizer = optax.adam(learning_rate)
-  opt_state = optimizer.init(log_alpha)
+  # Laid out as the step's outputs will be (replicated), so that the second
+  # step does not compile again for committed inputs.
+  log_alpha = jax.device_put(
+      log_alpha, sharding_lib.replicated(sharding_lib.make_mesh()))
+  opt_state = jax.device_put(optimizer.init(log_alpha), log_alpha.sharding)
   rng = jax.random.key(seed)
   start = time.perf_counter()
   expected = jnp.zeros(len(strengths))

@@ -35,6 +35,7 @@ import optax
 from mha import build
 from mha import data
 from mha import evaluate as eval_lib
+from mha import sharding as sharding_lib
 from mha.model import Transformer
 from mha.pruning import core
 
@@ -87,8 +88,11 @@ def finetune_masked(model: Transformer, params: Params, masks: np.ndarray,
   """
   run_config = retrain_config(config, steps)
   optimizer = build.make_optimizer(run_config)
-  opt_state = jax.vmap(optimizer.init)(params)
-  masks = jnp.asarray(masks, jnp.float32)
+  # Laid out as the step's outputs will be (replicated): one compilation.
+  replicated = sharding_lib.replicated(sharding_lib.make_mesh())
+  params = jax.device_put(params, replicated)
+  opt_state = jax.device_put(jax.vmap(optimizer.init)(params), replicated)
+  masks = jax.device_put(jnp.asarray(masks, jnp.float32), replicated)
   rng = jax.random.key(config.seed)
   start = time.perf_counter()
   loss = None
