@@ -198,7 +198,8 @@ def write(results: Mapping[str, Any], out_dir: str) -> list[str]:
       results, agg["no_layer_emptied"],
       np.asarray(seeds[0]["no_layer_emptied"]["fractions"], np.float64),
       "token_accuracy", os.path.join(out_dir, _NO_LAYER_EMPTIED_PNG),
-      f"{results['task']}: never emptying a layer, {runs}"))
+      f"{results['task']}: never emptying a layer, {runs}",
+      report_beyond.gate_points(results, "no_layer_emptied")))
   paths += [_importance_plot(seeds[0], out_dir),
             _ablation_plot(seeds[0], out_dir),
             _scatter_plot(results, out_dir)]

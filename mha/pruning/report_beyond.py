@@ -50,11 +50,12 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
 # --------------------------------------------------------------------------
 
 
-def gate_points(results: Mapping[str, Any]) -> dict[str, tuple] | None:
-  """The gates' subsets as points of the token-accuracy curves: per
-  strength, the mean fraction removed and test token accuracy over seeds
-  with its interval."""
-  rows = results.get("gates", {}).get("all")
+def gate_points(results: Mapping[str, Any],
+                variant: str = "all") -> dict[str, tuple] | None:
+  """The gates' subsets (``variant``: ``all`` or ``no_layer_emptied``) as
+  points of the token-accuracy curves: per strength, the mean fraction
+  removed and test token accuracy over seeds with its interval."""
+  rows = results.get("gates", {}).get(variant)
   if not rows:
     return None
   x = [r["fraction_removed"] for r in rows]
