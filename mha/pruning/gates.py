@@ -44,8 +44,13 @@ Array = jax.Array
 Params = Any
 
 BETA, GAMMA, ZETA = 2.0 / 3.0, -0.1, 1.1
-#: Initial ``log_alpha``: every gate open (test-time gate 1, P(z != 0) 0.99).
-INIT_LOG_ALPHA = 3.0
+#: Initial ``log_alpha``: every gate partly open (test-time gate 0.65,
+#: P(z != 0) 0.89). Chosen on validation in a pilot on 3 seeds of the
+#: default model (strengths 1-6, 200 steps): the mean validation token
+#: accuracy gap to the oracle at the same count was -0.016 from 0.5, -0.027
+#: from 0 (Louizos et al.'s drop rate 0.5) and -0.085 from 3 (gates fully
+#: open, which settle in worse subsets).
+INIT_LOG_ALPHA = 0.5
 
 
 def sample(log_alpha: Array, rng: Array) -> Array:
