@@ -6,15 +6,15 @@ Train it (about 15 s on 2 CPU cores to >= 99% exact match on test):
 
 Variants come from the argument after the colon, comma-separated: a task name
 (`reverse`, `sort`, `histogram`, `spell`: the last one also sets its
-`data.max_len` and training steps), `tiny` (a seconds-long smoke-test model),
-or `key=value` pairs; any field can also be overridden with a flag:
+`data.max_len` and training steps), `wide` (8 heads per layer), `tiny` (a
+seconds-long smoke-test model), or `key=value` pairs; any field can also be
+overridden with a flag:
 
     python train.py --config configs/default.py:sort --workdir runs/sort
     python train.py --config configs/default.py:spell --workdir runs/spell
     python train.py --config configs/default.py:tiny,num_train_steps=50 \
         --workdir /tmp/tiny
-    python train.py --workdir runs/wide --config.model.d_model=128 \
-        --config.model.num_heads=8
+    python train.py --config configs/default.py:wide --workdir runs/wide
 
 Training uses every device (``config.mesh``; see "Scaling out" in the README):
 ``batch_size`` is the global batch, split across them.
@@ -55,6 +55,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # earlier one compiled. "" turns it off; left at this default,
   # $JAX_COMPILATION_CACHE_DIR replaces it when set (mha/compilation_cache.py).
   config.compilation_cache_dir = "~/.cache/mha/jax"
+  # A workdir whose newest checkpoint's parameters start this run (fresh
+  # optimizer, step 0; its model config, e.g. a pruned model's); None: init.
+  config.init_from = config_dict.placeholder(str)
 
   config.model = ml_collections.ConfigDict()
   config.model.num_layers = 2  # Encoder blocks.
@@ -103,6 +106,12 @@ def _apply_variant(config: ml_collections.ConfigDict, part: str) -> None:
     config.num_train_steps = 2000  # About 20 s on 2 CPU cores to 100% test.
   elif part in TASKS:
     config.task = part
+  elif part == "wide":
+    # 8 heads per layer of width 8 (16 heads in all): the model of the
+    # README's wide example, whose pruning study is then two commands.
+    config.model.num_heads = 8
+    config.model.d_model = 64
+    config.learning_rate = 5e-3
   elif part == "tiny":
     # A model that compiles and trains in seconds: for tests and smoke runs.
     config.batch_size = 32
@@ -139,5 +148,5 @@ def _apply_variant(config: ml_collections.ConfigDict, part: str) -> None:
                        f"{kind.__name__}, not {value.strip()!r}") from e
   else:
     raise ValueError(
-        f"unknown config variant {part!r}: expected one of {TASKS}, 'tiny', "
-        "or key=value")
+        f"unknown config variant {part!r}: expected one of {TASKS}, 'wide', "
+        "'tiny', or key=value")

@@ -55,6 +55,7 @@ from mha import compilation_cache
 from mha import config_validation
 from mha import data
 from mha import evaluate as eval_lib
+from mha import finetune
 from mha import metric_writers
 from mha import sharding as sharding_lib
 from mha import workdir_lock
@@ -286,6 +287,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   """
   start_time = time.time()
   compiles_at_start = compilation_cache.counts()
+  config = finetune.resolve_config(config, workdir)  # init_from's model
   workdir = _checked_workdir(config, workdir)
   splits = _load_splits(config)
   model = build.make_model(config)
@@ -312,7 +314,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     cleanup.callback(step.wait)  # No compiling left behind, even on errors.
     state, dropout_rng = _initial_state(config, create, restored, mesh,
                                         state_shardings)
-    if restored is not None:
+    if restored is None and config.init_from is not None:
+      state = finetune.initial_state(config, state, state_shardings)
+    elif restored is not None:
       _log(f"Resumed from checkpoint at step {restored[0]} in {workdir}")
     main_process = sharding_lib.is_main_process()
     run = _Run(

@@ -13,6 +13,12 @@ order and measures test accuracy with 95% bootstrap intervals
 ``results.json``, ``report.md`` and PNG plots to ``--out`` (default
 ``<workdir>/pruning``). See mha/pruning/experiment.py.
 
+Beyond ranking heads (off by default; ``--full`` = all three):
+``--gates`` learns hard-concrete head gates for each ``--gate_lambdas``
+strength, ``--retrain`` fine-tunes pruned models for ``--retrain_steps``
+against the same architectures from scratch, ``--mean_ablation`` redraws
+every curve with removed heads outputting their mean (mha/pruning/beyond.py).
+
 A user's mistake (no checkpoint, a fraction outside [0, 1], a head that
 does not exist, ``--oracle_max_heads`` below 1, a seed directory trained
 with another config, an ``--out`` that another study is writing: it is
@@ -23,6 +29,7 @@ exit code 2.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -92,6 +99,32 @@ _SPEED_REPEATS = flags.DEFINE_integer(
 _SPEED_ORDER = flags.DEFINE_string(
     "speed_order", _DEFAULTS.speed_order, "Ordering pruned for the speed table.")
 _SPEED = flags.DEFINE_bool("speed", _DEFAULTS.speed, "Run the speed table.")
+_GATES = flags.DEFINE_bool(
+    "gates", _DEFAULTS.gates,
+    "Learn hard-concrete head gates (Voita et al.) for each --gate_lambdas "
+    "strength and evaluate their kept heads like every other subset.")
+_GATE_LAMBDAS = flags.DEFINE_list(
+    "gate_lambdas", [f"{x:g}" for x in _DEFAULTS.gate_lambdas],
+    "Strengths of the expected-L0 penalty of the gates (per head kept).")
+_GATE_STEPS = flags.DEFINE_integer("gate_steps", _DEFAULTS.gate_steps,
+                                   "Training steps of the gates.")
+_RETRAIN = flags.DEFINE_bool(
+    "retrain", _DEFAULTS.retrain,
+    "Fine-tune pruned models (gradient order, oracle, gates, random) for "
+    "--retrain_steps against the same architectures from scratch (trains "
+    "the gates too).")
+_RETRAIN_STEPS = flags.DEFINE_integer(
+    "retrain_steps", _DEFAULTS.retrain_steps,
+    "Steps of each fine-tuning and from-scratch run.")
+_RETRAIN_RANDOM = flags.DEFINE_integer(
+    "retrain_random", _DEFAULTS.retrain_random,
+    "Random subsets retrained per fraction and seed.")
+_MEAN_ABLATION = flags.DEFINE_bool(
+    "mean_ablation", _DEFAULTS.mean_ablation,
+    "Also every curve with removed heads outputting their mean over "
+    "validation instead of zero.")
+_FULL = flags.DEFINE_bool(
+    "full", False, "All of the above: --gates --retrain --mean_ablation.")
 _REMOVE_HEADS = flags.DEFINE_string(
     "remove_heads", "", "Also prune exactly these heads and report test "
     "accuracy, e.g. 0:1,1:3 (LAYER:HEAD, 0-based).")
@@ -134,6 +167,13 @@ def _options() -> experiment.Options:
       remove_heads=heads,
       batch_size=_BATCH_SIZE.value,
       seed=_SEED.value,
+      gates=_GATES.value or _FULL.value,
+      gate_lambdas=cli.numbers("gate_lambdas", _GATE_LAMBDAS.value, float),
+      gate_steps=_GATE_STEPS.value,
+      retrain=_RETRAIN.value or _FULL.value,
+      retrain_steps=_RETRAIN_STEPS.value,
+      retrain_random=_RETRAIN_RANDOM.value,
+      mean_ablation=_MEAN_ABLATION.value or _FULL.value,
   )
   try:
     options.validate()
@@ -264,11 +304,35 @@ def _print_summary(results, out: str, seconds: float) -> None:
                         for b, s in e["speedup"].items())
       print(f"  {e['fraction']:.0%} heads pruned: {rates} "
             f"(FLOP ratio {list(e['flop_ratio'].values())[-1]:.2f})")
+  _print_beyond(results)
   print(f"First seed incl. speed table: "
         f"{results['timings']['first_seed_with_speed_s']:.1f} s; total "
         f"{seconds:.1f} s")
   print(f"Wrote {os.path.join(out, 'results.json')}, "
         f"{os.path.join(out, 'report.md')} and plots.", flush=True)
+
+
+def _print_beyond(results) -> None:
+  """One line per gate strength and per retrained ordering and fraction."""
+  for g in results.get("gates", {}).get("all", []):
+    gap = g["minus_oracle_token_accuracy"]
+    ci = g["minus_oracle_token_accuracy_ci"]
+    versus = (f"minus the oracle {gap:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]"
+              if gap is not None and math.isfinite(gap) else "no oracle")
+    print(f"  gates lambda {g['lambda']:g}: {g['heads_removed']:.1f} heads "
+          f"removed, test tok.acc {g['test_token_accuracy']:.3f}, {versus}")
+  retraining = results.get("retraining", {}).get("orderings", {})
+  for name, by_fraction in retraining.items():
+    for fraction, e in by_fraction.items():
+      print(f"  retrain {name:<9} {float(fraction):.0%} removed: before "
+            f"{e['before']:.3f}, after {e['after']:.3f} "
+            f"[{e['after_ci'][0]:.3f}, {e['after_ci'][1]:.3f}], from scratch "
+            f"{e['from_scratch']:.3f}")
+  mean = results.get("mean_ablation", {}).get("curve_summary", {})
+  if "oracle" in mean:
+    m = mean["oracle"]
+    print(f"  mean ablation: oracle AUC {m['auc_token_accuracy']:.3f}, "
+          f"minus zero ablation {m['auc_token_accuracy_mean_minus_zero']:+.3f}")
 
 
 if __name__ == "__main__":

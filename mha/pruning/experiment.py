@@ -55,6 +55,7 @@ from mha import data
 from mha import head_roles
 from mha import train
 from mha.model import Transformer
+from mha.pruning import beyond
 from mha.pruning import core as pruning
 from mha.pruning import oracle
 from mha.pruning import speed
@@ -121,6 +122,15 @@ class Options:
     batch_size: examples per evaluation call.
     seed: seed of the random orders.
     speed: whether to run the speed table.
+    gates: train hard-concrete head gates (:mod:`mha.pruning.gates`), one
+      per strength of ``gate_lambdas``, for ``gate_steps`` steps at
+      ``gate_learning_rate``, and evaluate their subsets.
+    retrain: fine-tune pruned models for ``retrain_steps`` steps at each of
+      ``retrain_fractions`` (gradient order, oracle, gates and
+      ``retrain_random`` random orders) against the same architectures
+      trained from scratch (trains the gates too).
+    mean_ablation: every curve again with removed heads outputting their
+      mean (:mod:`mha.pruning.mean_ablation`).
   """
 
   num_seeds: int = 5
@@ -139,6 +149,15 @@ class Options:
   batch_size: int = 1000
   seed: int = 0
   speed: bool = True
+  gates: bool = False
+  gate_lambdas: tuple[float, ...] = (0.1, 0.3, 1.0, 2.0, 3.0, 4.0, 6.0)
+  gate_steps: int = 200
+  gate_learning_rate: float = 0.1
+  retrain: bool = False
+  retrain_steps: int = 100
+  retrain_fractions: tuple[float, ...] = (0.25, 0.5, 0.75)
+  retrain_random: int = 5
+  mean_ablation: bool = False
 
   def validate(self) -> None:
     """Raises ValueError naming the first bad setting."""
@@ -166,6 +185,29 @@ class Options:
           f"--speed_order {self.speed_order!r} is not one of: {valid}")
     if self.speed_order == "gradient_iterative" and not self.reestimate:
       raise ValueError("--speed_order=gradient_iterative needs --reestimate")
+    self._validate_beyond()
+
+  def _validate_beyond(self) -> None:
+    for name in ("gate_steps", "retrain_steps", "retrain_random"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+    if not self.gate_lambdas or any(
+        not (math.isfinite(x) and x >= 0) for x in self.gate_lambdas):
+      raise ValueError("--gate_lambdas must be numbers >= 0, got "
+                       f"{list(self.gate_lambdas)}")
+    if not (math.isfinite(self.gate_learning_rate)
+            and self.gate_learning_rate > 0):
+      raise ValueError("--gate_learning_rate must be > 0, got "
+                       f"{self.gate_learning_rate}")
+    if not self.retrain_fractions or any(
+        not 0.0 < f < 1.0 for f in self.retrain_fractions):
+      raise ValueError("--retrain_fractions must be in (0, 1), got "
+                       f"{list(self.retrain_fractions)}")
+
+  @property
+  def beyond(self) -> bool:
+    """Whether any of the gates, retraining or mean ablation runs."""
+    return self.gates or self.retrain or self.mean_ablation
 
 
 Log = Callable[[str], None]
@@ -855,7 +897,7 @@ def _analyze_all(checkpoints, splits, options, log):
   rng = np.random.default_rng(options.seed)
   resamples = Resamples.draw(splits, len(checkpoints), options.num_bootstrap,
                              np.random.default_rng([options.seed, 1]))
-  seeds, statistics = [], []
+  seeds, statistics, extras = [], [], []
   for ckpt in checkpoints:
     log(f"Seed {ckpt.config.seed} (step {ckpt.step}, "
         f"{pruning.count_params(ckpt.params):,} parameters):")
@@ -866,9 +908,16 @@ def _analyze_all(checkpoints, splits, options, log):
     result["step"] = int(ckpt.step)
     result["config"] = ckpt.config.to_dict()
     result["timings"]["total_s"] = time.perf_counter() - seed_start
+    if options.beyond:
+      extras.append(beyond.analyze_seed(ckpt, result, splits, options,
+                                        resamples, log))
+      result["timings"]["beyond_s"] = (time.perf_counter() - seed_start
+                                       - result["timings"]["total_s"])
     seeds.append(result)
     statistics.append(stat)
-  return seeds, aggregate(seeds, statistics, resamples.seeds)
+  extra = (beyond.aggregate(extras, statistics, seeds, resamples.seeds,
+                            options) if extras else {})
+  return seeds, aggregate(seeds, statistics, resamples.seeds), extra
 
 
 def _header(workdir, first, options, splits) -> dict[str, Any]:
@@ -923,8 +972,8 @@ def run(workdir: str, out_dir: str, options: Options,
   config = first.config
   splits = data.load_splits(build.data_spec(config), config.data.data_dir)
   experiment_start = time.perf_counter()
-  seeds, agg = _analyze_all(checkpoints, splits, options, log)
-  results = _header(workdir, first, options, splits) | {
+  seeds, agg, extra = _analyze_all(checkpoints, splits, options, log)
+  results = _header(workdir, first, options, splits) | extra | {
       "seeds": seeds, "aggregate": agg,
       "jax": {"version": jax.__version__, "backend": jax.default_backend(),
               "devices": [str(d) for d in jax.devices()]}}

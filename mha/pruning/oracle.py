@@ -100,11 +100,21 @@ def _embed(model: Transformer, params: Params, tokens: Array) -> Array:
 
 
 def _block(model: Transformer, params: Params, layer: int, x: Array,
-           attention_mask: Array, layer_mask: Array) -> Array:
-  """Block ``layer`` of the model under its ``[H_l]`` head mask."""
+           attention_mask: Array, layer_mask: Array,
+           shift: Array | None = None) -> Array:
+  """Block ``layer`` of the model under its ``[H_l]`` head mask; with
+  ``shift`` ``[H, D]`` (mean ablation), each removed head's row is added to
+  the output bias."""
   cfg = model.config
-  block = EncoderBlock(cfg, cfg.heads_per_layer[layer])
-  y, _ = block.apply({"params": params[f"layer_{layer}"]}, x, attention_mask,
+  count = cfg.heads_per_layer[layer]
+  block = EncoderBlock(cfg, count)
+  block_params = params[f"layer_{layer}"]
+  if shift is not None and count:
+    out = block_params["attention"]["out"]
+    out = dict(out, bias=out["bias"] + (1.0 - layer_mask) @ shift[:count])
+    block_params = dict(block_params, attention=dict(
+        block_params["attention"], out=out))
+  y, _ = block.apply({"params": block_params}, x, attention_mask,
                      layer_mask, deterministic=True, return_weights=False)
   return y
 
@@ -115,11 +125,14 @@ def _readout(model: Transformer, params: Params, x: Array) -> Array:
 
 
 def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
-                       targets: Array) -> dict[str, Array]:
+                       targets: Array,
+                       bias_shifts: Array | None = None) -> dict[str, Array]:
   """Per-example :func:`eval_lib.example_metric_sums` under every subset.
 
   Pure (``jit``, ``vmap`` over stacked parameters). Layer ``l`` runs once
   per distinct mask of the layers below it (see the module docstring).
+  ``bias_shifts`` ``[L, H, D]``: mean ablation
+  (:func:`mha.pruning.mean_ablation.bias_shifts`) instead of zero ablation.
 
   Returns:
     ``loss_sum``, ``correct``, ``exact``: ``[2**N, B]``; ``tokens``,
@@ -130,8 +143,9 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
   xs = _embed(model, params, inputs)[None]  # [prefixes, B, T, D]
   for layer, count in enumerate(cfg.heads_per_layer):
     codes = jnp.asarray(_bits(count))
-    run = functools.partial(_block, model, params, layer,
-                            attention_mask=attention_mask)
+    run = functools.partial(
+        _block, model, params, layer, attention_mask=attention_mask,
+        shift=None if bias_shifts is None else bias_shifts[layer])
     per_prefix = lambda x, run=run, codes=codes: jax.vmap(
         lambda m: run(x=x, layer_mask=m))(codes)
     xs = jax.vmap(per_prefix)(xs).reshape((-1,) + xs.shape[1:])
@@ -156,8 +170,9 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
 
 
 @functools.partial(jax.jit, static_argnames=("model", "per_example"))
-def _subset_sums(model, params, inputs, targets, per_example):
-  sums = subset_metric_sums(model, params, inputs, targets)
+def _subset_sums(model, params, inputs, targets, per_example,
+                 bias_shifts=None):
+  sums = subset_metric_sums(model, params, inputs, targets, bias_shifts)
   if per_example:
     return sums
   return {k: jnp.sum(v.astype(jnp.float32), axis=-1) for k, v in sums.items()}
@@ -170,8 +185,11 @@ def _subset_sums(model, params, inputs, targets, per_example):
 
 def evaluate_subsets(model: Transformer, params: Params, split: data.Split, *,
                      batch_size: int = 1000,
-                     per_example: bool = False) -> dict[str, np.ndarray]:
-  """Metrics of every subset of heads on ``split``.
+                     per_example: bool = False,
+                     bias_shifts: Array | None = None
+                     ) -> dict[str, np.ndarray]:
+  """Metrics of every subset of heads on ``split`` (mean-ablated with
+  ``bias_shifts``, see :func:`subset_metric_sums`).
 
   Args:
     model, params: the model.
@@ -192,7 +210,7 @@ def evaluate_subsets(model: Transformer, params: Params, split: data.Split, *,
   parts: dict[str, list[np.ndarray]] = {}
   for inputs, targets in core.batches(split, examples):
     out = jax.device_get(_subset_sums(model, params, inputs, targets,
-                                      per_example))
+                                      per_example, bias_shifts))
     for key, value in out.items():
       parts.setdefault(key, []).append(np.asarray(value))
   if not per_example:

@@ -45,6 +45,8 @@ __all__ = [
     "plot_importance_scatter",
     "speed_figure",
     "plot_speed",
+    "retraining_figure",
+    "plot_retraining",
 ]
 
 #: Resolution of the written PNGs.
@@ -176,6 +178,7 @@ def pruning_curves_figure(
     title: str | None = None,
     bands: Collection[str] | None = None,
     intervals: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    points: Mapping[str, Sequence[np.ndarray]] | None = None,
 ) -> Figure:
   """Builds (but does not save) the figure of :func:`plot_pruning_curves`."""
   fractions, curves = _check_curves(fractions, curves)
@@ -233,6 +236,13 @@ def pruning_curves_figure(
     )
     handles[label] = (band_patch, line) if band_patch is not None else line
 
+  for offset, (name, (x, y, low, high)) in enumerate((points or {}).items()):
+    x, y, low, high = (np.asarray(v, np.float64) for v in (x, y, low, high))
+    handles[f"{name} (95% CI)"] = ax.errorbar(
+        x, y, yerr=np.stack([y - low, high - y]), fmt="*", markersize=11,
+        color=("gold", "#E4007C", "#00CED1")[offset % 3],
+        markeredgecolor="black", markeredgewidth=0.6, capsize=3, zorder=6)
+
   if baseline is not None:
     handles["unpruned \u2212 1 pt"] = ax.axhline(baseline - 0.01,
                                                   color="0.25",
@@ -281,6 +291,7 @@ def plot_pruning_curves(
     title: str | None = None,
     bands: Collection[str] | None = None,
     intervals: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    points: Mapping[str, Sequence[np.ndarray]] | None = None,
 ) -> str:
   """Writes a PNG of the metric vs the fraction of heads removed.
 
@@ -308,6 +319,8 @@ def plot_pruning_curves(
     intervals: ordering name -> ``(low [P], high [P])``, e.g. 95% bootstrap
       intervals; when given, these are the only bands drawn (and the legend
       says so).
+    points: name -> ``(x, y, low, high)``: single points with a vertical
+      interval drawn over the curves (e.g. the subsets of learned gates).
 
   Returns:
     ``path``.
@@ -323,7 +336,8 @@ def plot_pruning_curves(
                             baseline=baseline,
                             title=title,
                             bands=bands,
-                            intervals=intervals), path)
+                            intervals=intervals,
+                            points=points), path)
 
 
 # --------------------------------------------------------------------------
@@ -951,3 +965,73 @@ def plot_speed(
                    title=title,
                    speedup=speedup,
                    speedup_ci=speedup_ci), path)
+
+
+# --------------------------------------------------------------------------
+# Retraining after pruning.
+
+#: Marker and offset of each stage of a retrained pruned model.
+_STAGES = {"before": ("o", -0.22, "pruned, before fine-tuning"),
+           "after": ("s", 0.0, "after fine-tuning"),
+           "scratch": ("X", 0.22, "same architecture from scratch")}
+
+
+def retraining_figure(fractions: Sequence[float],
+                      rows: Mapping[str, Mapping[str, Sequence[Any]]], *,
+                      steps: int, title: str | None = None) -> Figure:
+  """Builds the figure of :func:`plot_retraining`."""
+  if not rows or not len(fractions):
+    raise ValueError("retraining_figure needs fractions and rows")
+  fig = _new_figure(3.4 * len(fractions) + 2.6, 3.9)
+  axes = fig.subplots(1, len(fractions), sharey=True, squeeze=False)[0]
+  names = list(rows)
+  styles = _ordering_styles(names)
+  for f, (ax, fraction) in enumerate(zip(axes, fractions)):
+    for x, name in enumerate(names):
+      for stage, (marker, offset, _) in _STAGES.items():
+        value, ci = rows[name][stage]
+        v, (lo, hi) = float(value[f]), (float(c) for c in ci[f])
+        ax.errorbar(x + offset, v, yerr=[[v - lo], [hi - v]], fmt=marker,
+                    color=styles[name]["color"], markersize=6, capsize=2,
+                    markerfacecolor="white" if stage == "before" else
+                    styles[name]["color"])
+    ax.set_xticks(range(len(names)), names, rotation=35, ha="right",
+                  fontsize=_TICK_SIZE)
+    ax.set_title(f"{fraction:.0%} of heads removed", fontsize=_LABEL_SIZE)
+    ax.grid(True, axis="y", color="0.9")
+    ax.set_axisbelow(True)
+    ax.set_xlim(-0.6, len(names) - 0.4)
+  axes[0].set_ylabel("test token accuracy", fontsize=_LABEL_SIZE)
+  axes[0].set_ylim(-0.02, 1.02)
+  handles = [Line2D([], [], marker=m, linestyle="", color="0.3",
+                    markerfacecolor="white" if s == "before" else "0.3",
+                    label=label.replace("fine-tuning", f"{steps} steps")
+                    if s == "after" else label)
+             for s, (m, _, label) in _STAGES.items()]
+  fig.legend(handles=handles, loc="outside right upper", fontsize=8.5,
+             frameon=False, title="mean over seeds, 95% CI",
+             title_fontsize=8.5)
+  if title:
+    fig.suptitle(title, fontsize=11)
+  return fig
+
+
+def plot_retraining(fractions: Sequence[float],
+                    rows: Mapping[str, Mapping[str, Sequence[Any]]],
+                    path: str, *, steps: int, title: str | None = None) -> str:
+  """Writes a PNG of test accuracy before and after fine-tuning pruned
+  models, and of the same architectures trained from scratch.
+
+  Args:
+    fractions: ``[F]`` fractions of heads removed (one panel each).
+    rows: ordering -> ``{"before", "after", "scratch"}`` -> ``(values [F],
+      intervals [F, 2])``.
+    path: where to write the PNG.
+    steps: the fine-tuning steps (for the legend).
+    title: optional figure title.
+
+  Returns:
+    ``path``.
+  """
+  return _save(retraining_figure(fractions, rows, steps=steps, title=title),
+               path)

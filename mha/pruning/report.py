@@ -24,6 +24,7 @@ import numpy as np
 from mha import head_roles
 from mha.pruning import plots as pruning_plots
 from mha.pruning import stats
+from mha.pruning import report_beyond
 
 _CURVE_FILES = {"token_accuracy": "curves_token_accuracy.png",
                 "exact_match": "curves_exact_match.png"}
@@ -91,7 +92,7 @@ def _labels(results: Mapping[str, Any]) -> dict[str, str]:
 
 def _curve_plot(results: Mapping[str, Any], group: Mapping[str, Any],
                 fractions: np.ndarray, metric: str, path: str,
-                title: str) -> str:
+                title: str, points: Mapping[str, Any] | None = None) -> str:
   """One figure of ``group`` (an aggregate variant): the mean over seeds of
   each curve and, for a few, its 95% interval."""
   labels = _labels(results)
@@ -108,7 +109,7 @@ def _curve_plot(results: Mapping[str, Any], group: Mapping[str, Any],
   base = float(np.mean([s["test"][metric] for s in seeds]))
   return pruning_plots.plot_pruning_curves(
       fractions, curves, path, metric=_METRIC_LABELS[metric], baseline=base,
-      intervals=intervals, title=title)
+      intervals=intervals, title=title, points=points)
 
 
 def _importance_plot(first: Mapping[str, Any], out_dir: str) -> str:
@@ -192,17 +193,21 @@ def write(results: Mapping[str, Any], out_dir: str) -> list[str]:
     paths.append(_curve_plot(
         results, agg, np.asarray(seeds[0]["fractions"], np.float64), metric,
         os.path.join(out_dir, name),
-        f"{results['task']}: test {_METRIC_LABELS[metric]}, {runs}"))
+        f"{results['task']}: test {_METRIC_LABELS[metric]}, {runs}",
+        report_beyond.gate_points(results) if metric == "token_accuracy"
+        else None))
   paths.append(_curve_plot(
       results, agg["no_layer_emptied"],
       np.asarray(seeds[0]["no_layer_emptied"]["fractions"], np.float64),
       "token_accuracy", os.path.join(out_dir, _NO_LAYER_EMPTIED_PNG),
-      f"{results['task']}: never emptying a layer, {runs}"))
+      f"{results['task']}: never emptying a layer, {runs}",
+      report_beyond.gate_points(results, "no_layer_emptied")))
   paths += [_importance_plot(seeds[0], out_dir),
             _ablation_plot(seeds[0], out_dir),
             _scatter_plot(results, out_dir)]
   if results.get("speed"):
     paths.append(_speed_plot(results, out_dir))
+  paths += report_beyond.write_plots(results, out_dir, _curve_plot)
   report = os.path.join(out_dir, "report.md")
   with open(report, "w", encoding="utf-8") as f:
     f.write("\n".join(report_lines(results)))
@@ -228,6 +233,7 @@ def report_lines(results: Mapping[str, Any]) -> list[str]:
   lines += _ablation_section(results)
   if results.get("speed"):
     lines += _speed_section(results)
+  lines += report_beyond.report_lines(results)
   if "custom_pruning" in results:
     c = results["custom_pruning"]
     lines += ["## Requested pruning", "",

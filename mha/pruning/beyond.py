@@ -1,0 +1,535 @@
+"""Beyond ranking heads: learned gates, retraining after pruning, mean
+ablation, on the study's seeds and with its intervals.
+
+Run by :func:`mha.pruning.experiment.run` after each seed's analysis when
+``Options.gates``, ``retrain`` or ``mean_ablation`` is set (``--full``: all
+three). Every statistic is computed under the study's bootstrap resamples
+(:class:`mha.pruning.experiment.Resamples`), so it pairs with the orderings'
+and the oracle's numbers and combines over seeds in the same two-level way.
+
+* **Mean ablation** (:mod:`mha.pruning.mean_ablation`): every curve of the
+  study again (the same orders, the oracle chosen again on the mean-ablated
+  validation split), each removed head outputting its mean over validation.
+* **Gates** (:mod:`mha.pruning.gates`): one gate vector per strength, trained
+  on the train split from the converged model; its kept heads (plain, and
+  never emptying a layer) evaluated as masks on validation and test, and
+  compared with the oracle's subset with as many heads removed.
+* **Retraining** (:mod:`mha.pruning.retrain`): at each fraction of heads
+  removed, the subsets of the gradient order, the oracle, the gates (the
+  strength whose count is nearest, its lowest gates) and ``retrain_random``
+  random orders, fine-tuned for ``retrain_steps``; the control trains each
+  pruned architecture (heads per layer) from scratch for as many steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from mha import data
+from mha.model import Transformer
+from mha.pruning import core
+from mha.pruning import gates as gates_lib
+from mha.pruning import mean_ablation
+from mha.pruning import oracle
+from mha.pruning import retrain
+from mha.pruning import stats
+from mha.pruning import summary
+
+Log = Callable[[str], None]
+Stat = np.ndarray  # [1 + R]: the full sample, then the resamples
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedInputs:
+  """What the extensions need of one analysed seed."""
+
+  model: Transformer
+  params: Any
+  config: Any  # the run config (ml_collections)
+  splits: Mapping[str, data.Split]
+  result: Mapping[str, Any]  # experiment.analyze_seed's result
+  val_weights: np.ndarray  # [R, n] resample counts
+  test_weights: np.ndarray
+
+
+def _metric_rows(sums: Mapping[str, np.ndarray], weights: np.ndarray,
+                 metric: str = "token_accuracy") -> np.ndarray:
+  """``[1 + R, M]`` metric of per-example sums ``[M, n]`` per replicate."""
+  return stats.resampled_metrics(sums, summary.with_full_sample(weights))[
+      metric]
+
+
+def _find(examples: Mapping[str, Any], mask: np.ndarray) -> int:
+  """The row of ``mask`` among the seed's evaluated masks."""
+  hits = np.flatnonzero(np.all(np.asarray(examples["masks"]) == mask,
+                               axis=(1, 2)))
+  if not len(hits):
+    raise KeyError("mask not evaluated by the study")
+  return int(hits[0])
+
+
+def _take(sums: Mapping[str, np.ndarray], rows: Sequence[int]
+          ) -> dict[str, np.ndarray]:
+  return {k: np.asarray(v)[list(rows)] for k, v in sums.items()}
+
+
+def _pairs(config: Any, mask: np.ndarray) -> list[list[int]]:
+  removed = np.flatnonzero((mask.reshape(-1) == 0)
+                           & core.existing_heads(config).reshape(-1))
+  return [list(p) for p in core.flat_to_pairs(config, removed)]
+
+
+# --------------------------------------------------------------------------
+# Mean ablation.
+# --------------------------------------------------------------------------
+
+
+def mean_ablation_seed(seed: SeedInputs, options: Any, log: Log
+                       ) -> dict[summary.Key, np.ndarray]:
+  """Every curve of the study under mean ablation: its bootstrap statistics
+  (:func:`mha.pruning.summary.seed_statistics`)."""
+  from mha.pruning import experiment  # The study imports this module.
+
+  model, params, config = seed.model, seed.params, seed.model.config
+  val, test = seed.splits["validation"], seed.splits["test"]
+  start = time.perf_counter()
+  means = mean_ablation.head_means(model, params, val,
+                                   batch_size=options.batch_size)
+  shifts = mean_ablation.bias_shifts(params, config, means)
+  tables, removals = {}, {}
+  if experiment.oracle_applies(config, options):
+    for name, split in (("validation", val), ("test", test)):
+      tables[name] = oracle.evaluate_subsets(
+          model, params, split, per_example=True, bias_shifts=shifts,
+          batch_size=options.batch_size)
+    values = experiment.subset_values(
+        core.summarize_examples(tables["validation"]))
+    removals = {v: oracle.ranked_removals(
+        values, config, no_layer_emptied=v == "no_layer_emptied",
+        top=experiment.ORACLE_CANDIDATES) for v in ("all", "no_layer_emptied")}
+  orders = dict(seed.result["orders"])
+  random_orders = np.asarray(orders.pop("random"))
+  n = oracle.num_heads(config)
+  plan = experiment.plan_masks(
+      config, {k: np.asarray(v) for k, v in orders.items()}, random_orders,
+      removals, core.pruning_counts(n, options.step_fraction))
+  masks = np.stack(plan.masks)
+  sums = {}
+  for name, split in (("validation", val), ("test", test)):
+    if name in tables:
+      sums[name] = _take(tables[name], oracle.subset_index(config, masks))
+    else:
+      sums[name] = mean_ablation.evaluate_masks(
+          model, params, shifts, split, masks, batch_size=options.batch_size)
+  log(f"  mean ablation: {len(masks)} masks on validation and test"
+      f"{' (every subset)' if tables else ''}: "
+      f"{time.perf_counter() - start:.2f} s")
+  return summary.seed_statistics(
+      plan.curves, plan.counts, n, sums["validation"], sums["test"],
+      seed.val_weights, seed.test_weights, options.tolerance)
+
+
+def aggregate_mean_ablation(per_seed: Sequence[Mapping[summary.Key, Any]],
+                            zero: Sequence[Mapping[summary.Key, Any]],
+                            seed_weights: np.ndarray,
+                            results: Mapping[str, Any]) -> dict[str, Any]:
+  """``results.json``'s ``mean_ablation``: curves and curve summaries like
+  the study's (``curves``, ``curve_summary``, ``validation_curves``,
+  ``no_layer_emptied``), and per curve the AUC change from zero to mean
+  ablation (``auc_<metric>_mean_minus_zero``, paired)."""
+  nested = summary.aggregate_statistics(per_seed, seed_weights)
+  out = {"ablation": "each removed head outputs its mean context over the "
+                     "validation split (folded into the output bias)",
+         "counts": results["seeds"][0]["counts"],
+         "fractions": results["seeds"][0]["fractions"],
+         **nested["all"], "no_layer_emptied": nested["no_layer_emptied"]}
+  for (variant, name, stat) in per_seed[0]:
+    if variant != "all" or stat not in ("auc_token_accuracy",
+                                         "auc_exact_match"):
+      continue
+    key = (variant, name, stat)
+    diff = np.stack([m[key] - z[key] for m, z in zip(per_seed, zero)])
+    entry = out["curve_summary"][name]
+    entry[f"{stat}_mean_minus_zero"] = float(diff[:, 0].mean())
+    entry[f"{stat}_mean_minus_zero_ci"] = stats.interval(
+        stats.two_level(diff[:, 1:], seed_weights))
+  return out
+
+
+# --------------------------------------------------------------------------
+# Gates.
+# --------------------------------------------------------------------------
+
+
+def _oracle_row(seed: SeedInputs, variant: str, removed: int) -> int | None:
+  """The study's row of the oracle's subset with ``removed`` heads removed
+  (None when the oracle did not run or has no such subset)."""
+  entries = (seed.result["oracle"] if variant == "all" else
+             seed.result["no_layer_emptied"]["oracle"])
+  if removed >= len(entries):
+    return None
+  config = seed.model.config
+  flat = [l * config.max_heads + h for l, h in entries[removed]["removed"]]
+  return _find(seed.result["examples"], core.mask_without(config, flat))
+
+
+def _lowest_loss(seed: SeedInputs, masks: np.ndarray,
+                 by_loss: Sequence[Sequence[np.ndarray]] | None
+                 ) -> tuple[np.ndarray | None, np.ndarray | None]:
+  """For each mask, the subset of lowest validation loss with as many heads
+  removed (what the gates' objective prefers; None without the oracle) and
+  its test token accuracy ``[1 + R, S]``."""
+  if by_loss is None:
+    return None, None
+  config = seed.model.config
+  n = oracle.num_heads(config)
+  removed = [n - int(m.sum()) for m in masks]
+  best = np.stack([core.mask_without(config, by_loss[k][0])
+                   for k in removed])
+  sums = core.evaluate_masks(seed.model, seed.params, seed.splits["test"],
+                             best, per_example=True)
+  return best, _metric_rows(sums, seed.test_weights)
+
+
+def _gate_variant(seed: SeedInputs, log_alpha: np.ndarray,
+                  strengths: Sequence[float], variant: str,
+                  by_loss: Sequence[Sequence[np.ndarray]] | None = None
+                  ) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+  """One variant's per-strength entries and its statistics ``[S, 1 + R]``:
+  test token accuracy of the gates' subset, minus the oracle's, and the
+  lowest-loss subset's (``by_loss``: per ``k`` the removals ranked by
+  validation loss) minus the oracle's."""
+  model, config = seed.model, seed.model.config
+  masks = np.stack([gates_lib.kept_mask(la, config, no_layer_emptied=(
+      variant == "no_layer_emptied")) for la in log_alpha])
+  sums = {name: core.evaluate_masks(model, seed.params, seed.splits[name],
+                                    masks, per_example=True)
+          for name in ("validation", "test")}
+  test_rows = _metric_rows(sums["test"], seed.test_weights)  # [1+R, S]
+  loss_masks, loss_rows = _lowest_loss(seed, masks, by_loss)
+  examples = seed.result["examples"]
+  entries, gap = [], np.full(test_rows.shape, np.nan)
+  criterion = np.full(test_rows.shape, np.nan)
+  n = oracle.num_heads(config)
+  for i, (lam, mask) in enumerate(zip(strengths, masks)):
+    removed = n - int(mask.sum())
+    row = _oracle_row(seed, variant, removed)
+    entry = {"lambda": float(lam), "heads_removed": removed,
+             "fraction_removed": removed / max(n, 1),
+             "kept": [list(p) for p in core.flat_to_pairs(
+                 config, np.flatnonzero(mask.reshape(-1) > 0))],
+             **{name: {k: float(v[i]) for k, v in
+                       core.summarize_examples(s).items()}
+                for name, s in sums.items()}}
+    if row is not None:
+      oracle_test = _metric_rows(_take(examples["test"], [row]),
+                                 seed.test_weights)[:, 0]
+      gap[:, i] = test_rows[:, i] - oracle_test
+      entry["oracle_test_token_accuracy"] = float(oracle_test[0])
+      entry["minus_oracle_token_accuracy"] = float(gap[0, i])
+      entry["minus_oracle_token_accuracy_ci"] = stats.interval(gap[1:, i])
+      criterion[:, i] = loss_rows[:, i] - oracle_test
+      entry["lowest_loss_subset"] = {
+          "removed": _pairs(config, loss_masks[i]),
+          "test_token_accuracy": float(loss_rows[0, i])}
+      entry["is_lowest_loss_subset"] = bool(np.array_equal(loss_masks[i],
+                                                           mask))
+    entries.append(entry)
+  return entries, {"test_token_accuracy": test_rows.T, "minus_oracle": gap.T,
+                   "lowest_loss_minus_oracle": criterion.T}
+
+
+def gates_seed(seed: SeedInputs, options: Any, log: Log
+               ) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Trains the gates of every strength and evaluates their subsets:
+  ``(result entry, statistics per variant)``."""
+  trained = gates_lib.train_gates(
+      seed.model, seed.params, seed.splits["train"], options.gate_lambdas,
+      steps=options.gate_steps, batch_size=seed.config.batch_size,
+      learning_rate=options.gate_learning_rate, seed=int(seed.config.seed),
+      log=log)
+  log(f"  gates: {len(options.gate_lambdas)} strengths x "
+      f"{options.gate_steps} steps trained in {trained['seconds']:.2f} s")
+  entry: dict[str, Any] = {"log_alpha": trained["log_alpha"],
+                           "train_seconds": trained["seconds"]}
+  by_loss = {}
+  if seed.result["oracle"]:  # Every subset's validation loss: the gates'
+    loss = core.summarize_examples(oracle.evaluate_subsets(  # criterion
+        seed.model, seed.params, seed.splits["validation"],  # (the study's
+        batch_size=options.batch_size, per_example=True))["loss"]  # program)
+    by_loss = {v: oracle.ranked_removals(
+        -loss, seed.model.config, no_layer_emptied=v == "no_layer_emptied")
+        for v in ("all", "no_layer_emptied")}
+  statistics = {}
+  for variant in ("all", "no_layer_emptied"):
+    entry[variant], statistics[variant] = _gate_variant(
+        seed, trained["log_alpha"], options.gate_lambdas, variant,
+        by_loss.get(variant))
+  return entry, statistics
+
+
+def _combine(rows: Sequence[np.ndarray], seed_weights: np.ndarray
+             ) -> tuple[float, list[float]]:
+  """Mean over seeds of per-seed ``[1 + R]`` statistics, with its two-level
+  interval (NaN when any seed lacks it)."""
+  stacked = np.stack(rows)
+  if not np.all(np.isfinite(stacked)):
+    return float("nan"), [float("nan")] * 2
+  return (float(stacked[:, 0].mean()),
+          stats.interval(stats.two_level(stacked[:, 1:], seed_weights)))
+
+
+def aggregate_gates(per_seed: Sequence[Mapping[str, Any]],
+                    statistics: Sequence[Mapping[str, Any]],
+                    seed_weights: np.ndarray, options: Any,
+                    seeds: Sequence[int]) -> dict[str, Any]:
+  """``results.json``'s ``gates``: per strength, the kept heads and the
+  validation and test metrics of every seed, and the means over seeds with
+  intervals (test token accuracy, its gap to the oracle with as many heads
+  removed); the training cost."""
+  out: dict[str, Any] = {
+      "strengths": list(options.gate_lambdas), "steps": options.gate_steps,
+      "learning_rate": options.gate_learning_rate,
+      "trained_on": "train split; model parameters frozen",
+      "train_seconds_per_seed": [s["train_seconds"] for s in per_seed],
+      "log_alpha_per_seed": [s["log_alpha"] for s in per_seed]}
+  for variant in ("all", "no_layer_emptied"):
+    rows = []
+    for i, lam in enumerate(options.gate_lambdas):
+      entry: dict[str, Any] = {"lambda": float(lam), "per_seed": [
+          dict(s[variant][i], seed=int(seed))
+          for s, seed in zip(per_seed, seeds)]}
+      removed = [s[variant][i]["heads_removed"] for s in per_seed]
+      entry["heads_removed"] = float(np.mean(removed))
+      entry["fraction_removed"] = float(np.mean(
+          [s[variant][i]["fraction_removed"] for s in per_seed]))
+      for key in ("test_token_accuracy", "minus_oracle",
+                  "lowest_loss_minus_oracle"):
+        value, ci = _combine([st[variant][key][i] for st in statistics],
+                             seed_weights)
+        name = (key if key == "test_token_accuracy"
+                else f"{key}_token_accuracy")
+        entry[name], entry[f"{name}_ci"] = value, ci
+      same = [s[variant][i].get("is_lowest_loss_subset") for s in per_seed]
+      if None not in same:
+        entry["share_lowest_loss_subset"] = float(np.mean(same))
+      rows.append(entry)
+    out[variant] = rows
+  return out
+
+
+# --------------------------------------------------------------------------
+# Retraining after pruning.
+# --------------------------------------------------------------------------
+
+
+def _subsets(seed: SeedInputs, options: Any, log_alpha: np.ndarray | None
+             ) -> list[tuple[str, float, int, np.ndarray]]:
+  """``(ordering, fraction, index, removed flat heads)`` of every pruned
+  model to retrain."""
+  config = seed.model.config
+  n = oracle.num_heads(config)
+  orders, oracle_entries = seed.result["orders"], seed.result["oracle"]
+  out = []
+  for fraction in options.retrain_fractions:
+    k = int(round(fraction * n))
+    out.append(("gradient", fraction, 0, np.asarray(orders["gradient"])[:k]))
+    if k < len(oracle_entries):
+      out.append(("oracle", fraction, 0, np.asarray(
+          [l * config.max_heads + h for l, h in oracle_entries[k]["removed"]],
+          np.int64)))
+    if log_alpha is not None:
+      removed = [int(np.sum(gates_lib.kept_mask(la, config) == 0)
+                     - np.sum(~core.existing_heads(config)))
+                 for la in log_alpha]
+      nearest = int(np.argmin([abs(r - k) for r in removed]))
+      out.append(("gates", fraction, 0,
+                  gates_lib.removal_of_size(log_alpha[nearest], config, k)))
+    for i, order in enumerate(np.asarray(orders["random"])[
+        :options.retrain_random]):
+      out.append(("random", fraction, i, order[:k]))
+  return out
+
+
+def _architectures(config: Any, masks: np.ndarray) -> tuple[np.ndarray,
+                                                            np.ndarray]:
+  """The distinct heads-per-layer of ``masks`` (one mask each, the first
+  with it) and, per mask, the index of its architecture."""
+  counts = [tuple(int(c) for c in m.sum(axis=1)) for m in masks]
+  distinct = list(dict.fromkeys(counts))
+  first = np.asarray([counts.index(c) for c in distinct])
+  return masks[first], np.asarray([distinct.index(c) for c in counts])
+
+
+def retrain_seed(seed: SeedInputs, options: Any, log_alpha: np.ndarray | None,
+                 log: Log) -> dict[str, Any]:
+  """Fine-tunes every pruned model of :func:`_subsets` and trains each
+  architecture from scratch; per-example test sums before, after and from
+  scratch."""
+  model, config = seed.model, seed.model.config
+  subsets = _subsets(seed, options, log_alpha)
+  masks = np.stack([core.mask_without(config, r) for *_, r in subsets])
+  arch_masks, arch_of = _architectures(config, masks)
+  all_masks = np.concatenate([masks, arch_masks])
+  params = retrain.stack(seed.params, len(masks))
+  fresh = retrain.fresh_params(
+      model, 1000 * (int(seed.config.seed) + 1) + np.arange(len(arch_masks)))
+  both = jax.tree.map(lambda a, b: np.concatenate([a, b]), params, fresh)
+  log(f"  retraining: {len(masks)} pruned models fine-tuned and "
+      f"{len(arch_masks)} architectures from scratch, "
+      f"{options.retrain_steps} steps")
+  trained, info = retrain.finetune_masked(
+      model, both, all_masks, seed.splits["train"], seed.config,
+      steps=options.retrain_steps, log=log)
+  test = seed.splits["test"]
+  after = retrain.example_sums(model, trained, all_masks, test,
+                               batch_size=options.batch_size)
+  # The stack of ``after``'s size: one compilation serves both.
+  before = retrain.example_sums(
+      model, retrain.stack(seed.params, len(all_masks)), all_masks, test,
+      batch_size=options.batch_size)
+  before = {k: v[:len(masks)] for k, v in before.items()}
+  rows = lambda sums: _metric_rows(sums, seed.test_weights).T  # [M, 1+R]
+  after_rows = rows(after)
+  return {"subsets": [(o, f, i, _pairs(config, m)) for (o, f, i, _), m in
+                      zip(subsets, masks)],
+          "before": rows(before), "after": after_rows[:len(masks)],
+          "scratch": after_rows[len(masks):][arch_of],
+          "seconds": info["seconds"],
+          "heads_per_layer": [list(map(int, m.sum(axis=1))) for m in masks]}
+
+
+def _retrain_statistics(seed_run: Mapping[str, Any]
+                        ) -> dict[tuple[str, float], dict[str, Stat]]:
+  """Per (ordering, fraction): before, after, from scratch and their
+  differences, ``[1 + R]`` (random: the mean over its subsets)."""
+  groups: dict[tuple[str, float], list[int]] = {}
+  for row, (ordering, fraction, _, _) in enumerate(seed_run["subsets"]):
+    groups.setdefault((ordering, fraction), []).append(row)
+  out = {}
+  for key, rows in groups.items():
+    values = {name: seed_run[name][rows].mean(axis=0)
+              for name in ("before", "after", "scratch")}
+    values["recovered"] = values["after"] - values["before"]
+    values["after_minus_from_scratch"] = values["after"] - values["scratch"]
+    out[key] = values
+  for (ordering, fraction), values in out.items():
+    random = out.get(("random", fraction))
+    if random is not None and ordering != "random":
+      values["after_minus_random"] = values["after"] - random["after"]
+      values["before_minus_random"] = values["before"] - random["before"]
+  return out
+
+
+def aggregate_retraining(per_seed: Sequence[Mapping[str, Any]],
+                         seed_weights: np.ndarray, options: Any,
+                         seeds: Sequence[int]) -> dict[str, Any]:
+  """``results.json``'s ``retraining``: per ordering and fraction, test
+  token accuracy before, after fine-tuning and from scratch, the recovery
+  and the differences against from-scratch and random subsets, each a mean
+  over seeds with its 95% interval, and the per-seed values."""
+  per_seed_stats = [_retrain_statistics(s) for s in per_seed]
+  names = {"before": "before", "after": "after", "scratch": "from_scratch",
+           "recovered": "recovered",
+           "after_minus_from_scratch": "after_minus_from_scratch",
+           "after_minus_random": "after_minus_random",
+           "before_minus_random": "before_minus_random"}
+  orderings: dict[str, dict[str, Any]] = {}
+  for key in per_seed_stats[0]:
+    if not all(key in s for s in per_seed_stats):
+      continue
+    ordering, fraction = key
+    entry: dict[str, Any] = {"fraction": fraction}
+    for stat, name in names.items():
+      if stat in per_seed_stats[0][key]:
+        entry[name], entry[f"{name}_ci"] = _combine(
+            [s[key][stat] for s in per_seed_stats], seed_weights)
+        entry[f"{name}_per_seed"] = [float(s[key][stat][0])
+                                     for s in per_seed_stats]
+    emptied = [[0 in h for (o, f, _, _), h in zip(s["subsets"],
+                                                  s["heads_per_layer"])
+                if (o, f) == key] for s in per_seed]
+    entry["share_emptying_a_layer"] = float(np.mean(sum(emptied, [])))
+    orderings.setdefault(ordering, {})[f"{fraction:g}"] = entry
+  return {
+      "steps": options.retrain_steps, "fractions": list(
+          options.retrain_fractions),
+      "random_subsets": options.retrain_random, "metric": "test token accuracy",
+      "schedule": "the run's optimizer (AdamW, warmup then cosine decay) over "
+                  "retrain_steps, warmup the same share of them; a fresh "
+                  "optimizer per model; the same batches for all",
+      "from_scratch": "each pruned architecture (heads per layer) from fresh "
+                      "parameters, the same steps and schedule",
+      "orderings": orderings,
+      "subsets": [{"seed": int(seed), "subsets": [
+          {"ordering": o, "fraction": f, "index": i, "removed": r,
+           "heads_per_layer": h}
+          for (o, f, i, r), h in zip(s["subsets"], s["heads_per_layer"])]}
+          for s, seed in zip(per_seed, seeds)],
+      "train_seconds_per_seed": [s["seconds"] for s in per_seed],
+  }
+
+
+__all__ = ["SeedInputs", "mean_ablation_seed", "aggregate_mean_ablation",
+           "gates_seed", "aggregate_gates", "retrain_seed",
+           "aggregate_retraining"]
+
+
+# --------------------------------------------------------------------------
+# Per seed and across seeds, for the study.
+# --------------------------------------------------------------------------
+
+
+def analyze_seed(ckpt: Any, result: dict[str, Any],
+                 splits: Mapping[str, data.Split], options: Any,
+                 resamples: Any, log: Log) -> dict[str, Any]:
+  """The extensions ``options`` asks for on one analysed seed (``result``
+  of ``experiment.analyze_seed``); their timings go to
+  ``result["timings"]``."""
+  seed = SeedInputs(ckpt.model, ckpt.params, ckpt.config, splits, result,
+                    resamples.validation, resamples.test)
+  timings = result["timings"]
+  out: dict[str, Any] = {}
+  if options.mean_ablation:
+    start = time.perf_counter()
+    out["mean_ablation"] = mean_ablation_seed(seed, options, log)
+    timings["mean_ablation_s"] = time.perf_counter() - start
+  log_alpha = None
+  if options.gates or options.retrain:
+    start = time.perf_counter()
+    out["gates"], out["gate_statistics"] = gates_seed(seed, options, log)
+    log_alpha = out["gates"]["log_alpha"]
+    timings["gates_s"] = time.perf_counter() - start
+  if options.retrain:
+    start = time.perf_counter()
+    out["retraining"] = retrain_seed(seed, options, log_alpha, log)
+    timings["retrain_s"] = time.perf_counter() - start
+  return out
+
+
+def aggregate(per_seed: Sequence[Mapping[str, Any]],
+              zero_statistics: Sequence[Mapping[summary.Key, Any]],
+              seed_results: Sequence[Mapping[str, Any]],
+              seed_weights: np.ndarray, options: Any) -> dict[str, Any]:
+  """The ``gates``, ``retraining`` and ``mean_ablation`` entries of
+  ``results.json`` (those that ran)."""
+  seeds = [int(r["seed"]) for r in seed_results]
+  out: dict[str, Any] = {}
+  if "mean_ablation" in per_seed[0]:
+    out["mean_ablation"] = aggregate_mean_ablation(
+        [s["mean_ablation"] for s in per_seed], zero_statistics, seed_weights,
+        {"seeds": seed_results})
+  if "gates" in per_seed[0]:
+    out["gates"] = aggregate_gates(
+        [s["gates"] for s in per_seed],
+        [s["gate_statistics"] for s in per_seed], seed_weights, options,
+        seeds)
+  if "retraining" in per_seed[0]:
+    out["retraining"] = aggregate_retraining(
+        [s["retraining"] for s in per_seed], seed_weights, options, seeds)
+  return out

@@ -1,0 +1,259 @@
+"""The report's sections and plots of learned gates, retraining after
+pruning and mean ablation (:mod:`mha.pruning.beyond`), for ``report.md``.
+
+:mod:`mha.pruning.report` calls :func:`write_plots`, :func:`gate_points`
+and :func:`report_lines`; each returns nothing for a part that did not run.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from mha.pruning import plots as pruning_plots
+
+MEAN_ABLATION_PNG = "curves_mean_ablation.png"
+RETRAINING_PNG = "retraining.png"
+#: How close to the oracle the gates should come (the issue's goal).
+GOAL = 0.01
+_RETRAIN_LABELS = {"gradient": "gradient", "oracle": "oracle",
+                   "gates": "learned gates", "random": "random"}
+
+
+def _fmt(value: Any, digits: int = 3, sign: bool = False) -> str:
+  if value is None or not np.isfinite(value):
+    return "n/a"
+  return f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
+
+
+def _ci(entry: Mapping[str, Any], key: str, digits: int = 3,
+        sign: bool = False) -> str:
+  text = _fmt(entry.get(key), digits, sign)
+  ci = entry.get(f"{key}_ci")
+  if text != "n/a" and ci is not None and all(
+      c is not None and np.isfinite(c) for c in ci):
+    text += " [" + ", ".join(_fmt(c, digits, sign) for c in ci) + "]"
+  return text
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+  return (["| " + " | ".join(header) + " |",
+           "|" + "|".join("---" for _ in header) + "|"]
+          + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+          + [""])
+
+
+# --------------------------------------------------------------------------
+# Plots.
+# --------------------------------------------------------------------------
+
+
+def gate_points(results: Mapping[str, Any],
+                variant: str = "all") -> dict[str, tuple] | None:
+  """The gates' subsets (``variant``: ``all`` or ``no_layer_emptied``) as
+  points of the token-accuracy curves: per strength, the mean fraction
+  removed and test token accuracy over seeds with its interval."""
+  rows = results.get("gates", {}).get(variant)
+  if not rows:
+    return None
+  x = [r["fraction_removed"] for r in rows]
+  y = [r["test_token_accuracy"] for r in rows]
+  ci = np.asarray([r["test_token_accuracy_ci"] for r in rows], np.float64)
+  return {"learned gates (one per λ)": (x, y, ci[:, 0], ci[:, 1])}
+
+
+def write_plots(results: Mapping[str, Any], out_dir: str,
+                curve_plot: Any) -> list[str]:
+  """``curves_mean_ablation.png`` and ``retraining.png`` when they ran;
+  ``curve_plot`` is the report's curve plotter (same styles and bands)."""
+  paths = []
+  runs = len(results["seeds"])
+  if "mean_ablation" in results:
+    group = results["mean_ablation"]
+    paths.append(curve_plot(
+        results, group, np.asarray(group["fractions"], np.float64),
+        "token_accuracy", os.path.join(out_dir, MEAN_ABLATION_PNG),
+        f"{results['task']}: test token accuracy, mean ablation, {runs} "
+        f"seed{'s' * (runs > 1)}"))
+  retraining = results.get("retraining")
+  if retraining:
+    fractions = retraining["fractions"]
+    rows = {}
+    for name, label in _RETRAIN_LABELS.items():
+      by_fraction = retraining["orderings"].get(name)
+      if not by_fraction:
+        continue
+      entries = [by_fraction[f"{f:g}"] for f in fractions]
+      rows[label] = {
+          stage: ([e[key] for e in entries], [e[f"{key}_ci"] for e in entries])
+          for stage, key in (("before", "before"), ("after", "after"),
+                             ("scratch", "from_scratch"))}
+    paths.append(pruning_plots.plot_retraining(
+        fractions, rows, os.path.join(out_dir, RETRAINING_PNG),
+        steps=retraining["steps"],
+        title=f"{results['task']}: retraining pruned models, {runs} "
+        f"seed{'s' * (runs > 1)}"))
+  return paths
+
+
+# --------------------------------------------------------------------------
+# report.md.
+# --------------------------------------------------------------------------
+
+
+def report_lines(results: Mapping[str, Any]) -> list[str]:
+  """The sections of the parts that ran (none: no lines)."""
+  lines = []
+  if "gates" in results:
+    lines += _gates_section(results)
+  if "retraining" in results:
+    lines += _retraining_section(results)
+  if "mean_ablation" in results:
+    lines += _mean_ablation_section(results)
+  return lines
+
+
+def _gate_verdict(rows: Sequence[Mapping[str, Any]]) -> str:
+  """Whether every strength lands within :data:`GOAL` of the oracle."""
+  gaps = [(r["lambda"], r["minus_oracle_token_accuracy"]) for r in rows
+          if r.get("minus_oracle_token_accuracy") is not None
+          and np.isfinite(r["minus_oracle_token_accuracy"])]
+  if not gaps:
+    return ("The oracle did not run (too many heads), so the gates are not "
+            "compared with it.")
+  misses = [(lam, gap) for lam, gap in gaps if gap < -GOAL]
+  if not misses:
+    return (f"At every strength the gates' subsets are within {GOAL:.0%} "
+            "(1 point) of the oracle's test token accuracy with as many "
+            f"heads removed (largest shortfall {min(g for _, g in gaps):+.3f}"
+            ").")
+  return ("The gates miss the oracle by more than 1 point at "
+          + "; ".join(f"λ={lam:g} ({gap:+.3f})" for lam, gap in misses)
+          + ". Why: the gates minimise the cross-entropy (under random "
+          "gates, on the train split), the oracle maximises validation "
+          "token accuracy. The last two columns split the gap: the subset "
+          "of lowest validation loss with as many heads removed (what the "
+          "gates' objective prefers) against the oracle's, and how often "
+          "the gates found that subset (the rest of the gap is the gates "
+          "stopping at a worse local optimum).")
+
+
+def _gates_section(results: Mapping[str, Any]) -> list[str]:
+  g = results["gates"]
+  seconds = g["train_seconds_per_seed"]
+  lines = [
+      "## Learned gates (hard-concrete, expected-L0 penalty)", "",
+      f"One gate per head (Voita et al. 2019), trained for {g['steps']} "
+      f"steps on the {g['trained_on']}, for each penalty strength λ "
+      f"({', '.join(f'{x:g}' for x in g['strengths'])}; all strengths in one "
+      f"vmapped program). Cost: {np.mean(seconds):.1f} s per seed (mean "
+      f"over {len(seconds)}; compilation included). A strength's subset is "
+      "the heads whose test-time gate is above 0, evaluated as a head mask "
+      "on test like every other subset; \"minus oracle\" is its test token "
+      "accuracy minus that of the oracle's subset with as many heads "
+      "removed (paired, mean over seeds). The stars on the token-accuracy "
+      "curves are these subsets.", "",
+      "- " + _gate_verdict(g["all"]), ""]
+  for variant, title in (("all", "plain"),
+                         ("no_layer_emptied", "never emptying a layer")):
+    rows = [[f"{r['lambda']:g}", f"{r['heads_removed']:.1f}",
+             ", ".join(str(s["heads_removed"]) for s in r["per_seed"]),
+             _ci(r, "test_token_accuracy"),
+             _ci(r, "minus_oracle_token_accuracy", sign=True),
+             _ci(r, "lowest_loss_minus_oracle_token_accuracy", sign=True),
+             _fmt(r.get("share_lowest_loss_subset"), 2)]
+            for r in g[variant]]
+    lines += [f"Gates, {title}:", ""] + _table(
+        ["λ", "heads removed (mean)", "per seed", "test token acc.",
+         "minus oracle (same count)", "lowest-loss subset minus oracle",
+         "share of seeds where the gates found the lowest-loss subset"],
+        rows)
+  return lines
+
+
+def _matters(entries: Mapping[str, Mapping[str, Any]], key: str) -> str:
+  """Which orderings' difference against random subsets (``key``) has an
+  interval excluding 0."""
+  out = []
+  for name, e in entries.items():
+    ci = e.get(f"{key}_ci")
+    if ci is None or not all(c is not None and np.isfinite(c) for c in ci):
+      continue
+    # Below 1e-9: the same accuracy up to float rounding.
+    verdict = ("above" if ci[0] > 1e-9 else "below" if ci[1] < -1e-9 else
+               "not distinguishable from")
+    out.append(f"{_RETRAIN_LABELS.get(name, name)} {verdict} random "
+               f"({_ci(e, key, sign=True)})")
+  return "; ".join(out) or "n/a"
+
+
+def _retraining_section(results: Mapping[str, Any]) -> list[str]:
+  r = results["retraining"]
+  lines = [
+      "## Retraining after pruning", "",
+      f"At each fraction of heads removed, the subsets of the gradient "
+      f"order, the oracle, the learned gates (the strength whose count is "
+      f"nearest, its lowest gates) and {r['random_subsets']} random orders "
+      f"are fine-tuned for {r['steps']} steps ({r['schedule']}); the control "
+      f"is {r['from_scratch']}. Test token accuracy, means over seeds with "
+      "95% intervals (random: the mean of its subsets). Cost: "
+      f"{np.mean(r['train_seconds_per_seed']):.1f} s of training per seed "
+      "(all its pruned models and controls in one vmapped program).", "",
+      f"![retraining]({RETRAINING_PNG})", ""]
+  for fraction in r["fractions"]:
+    entries = {name: by[f"{fraction:g}"] for name, by in
+               r["orderings"].items() if f"{fraction:g}" in by}
+    lines += [
+        f"- **{fraction:.0%} removed.** Does the choice of heads still "
+        "matter after fine-tuning? " + _matters(entries, "after_minus_random")
+        + ". Before fine-tuning: " + _matters(entries, "before_minus_random")
+        + ". Accuracy that comes back: " + "; ".join(
+            f"{_RETRAIN_LABELS.get(n, n)} {_ci(e, 'recovered', sign=True)}"
+            for n, e in entries.items()) + ". Subsets that empty a layer: "
+        + "; ".join(f"{_RETRAIN_LABELS.get(n, n)} "
+                    f"{_fmt(e.get('share_emptying_a_layer'), 2)}"
+                    for n, e in entries.items()) + "."]
+  lines.append("")
+  rows = [[f"{float(f):.0%}", _RETRAIN_LABELS.get(name, name),
+           _ci(e, "before"), _ci(e, "after"), _ci(e, "from_scratch"),
+           _ci(e, "recovered", sign=True),
+           _ci(e, "after_minus_from_scratch", sign=True),
+           _ci(e, "after_minus_random", sign=True),
+           _fmt(e.get("share_emptying_a_layer"), 2)]
+          for f in [f"{x:g}" for x in r["fractions"]]
+          for name, by in r["orderings"].items() if f in by
+          for e in [by[f]]]
+  return lines + _table(
+      ["removed", "subset", "before", "after fine-tuning", "from scratch",
+       "recovered", "after − scratch", "after − random",
+       "share of subsets emptying a layer"], rows)
+
+
+def _mean_ablation_section(results: Mapping[str, Any]) -> list[str]:
+  m = results["mean_ablation"]
+  labels = dict(results.get("curve_labels") or results["orderings"])
+  rows = [[label, _ci(m["curve_summary"][k], "auc_token_accuracy"),
+           _ci(results["aggregate"]["curve_summary"][k],
+               "auc_token_accuracy"),
+           _ci(m["curve_summary"][k], "auc_token_accuracy_mean_minus_zero",
+               sign=True),
+           _ci(m["curve_summary"][k], "prunable_heads_token_accuracy", 1)]
+          for k, label in labels.items()
+          if k in m["curve_summary"] and k in
+          results["aggregate"]["curve_summary"]]
+  return [
+      "## Mean ablation", "",
+      f"The same curves with mean ablation instead of zero ablation: "
+      f"{m['ablation']}; the oracle is chosen again on validation under "
+      "mean ablation. A "
+      "mean-ablated model is still an ordinary smaller model "
+      "(`mean_ablation.prune_mean_ablated`).", "",
+      f"![mean ablation]({MEAN_ABLATION_PNG})", ""] + _table(
+      ["curve", "AUC, mean ablation", "AUC, zero ablation",
+       "mean − zero (paired)", "prunable heads (val.), mean ablation"], rows)
+
+
+__all__ = ["MEAN_ABLATION_PNG", "RETRAINING_PNG", "gate_points",
+           "write_plots", "report_lines"]

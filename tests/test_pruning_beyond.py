@@ -1,0 +1,186 @@
+"""Learned gates, mean ablation, retraining after pruning, and the study's
+``--full`` outputs (``gates``, ``retraining``, ``mean_ablation``)."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mha
+from configs import default
+from mha import build
+from mha import config_validation
+from mha import data
+from mha.model import Transformer, TransformerConfig
+from mha.pruning import core
+from mha.pruning import experiment
+from mha.pruning import gates
+from mha.pruning import mean_ablation
+from mha.pruning import oracle
+
+CONFIG = TransformerConfig(vocab_size=8, num_layers=2, num_heads=2, d_model=8,
+                           mlp_dim=8, max_len=6)
+PLANTED = (1, 0)
+
+
+def _planted():
+  """A model whose output depends on head ``PLANTED`` alone (every other
+  head's output projection is zero), its targets its own confident
+  predictions."""
+  model = Transformer(CONFIG)
+  params = jax.tree.map(np.array, model.init(
+      jax.random.key(0), jnp.ones((1, CONFIG.max_len), jnp.int32))["params"])
+  for layer in range(CONFIG.num_layers):
+    out = params[f"layer_{layer}"]["attention"]["out"]["kernel"]
+    for head in range(CONFIG.num_heads):
+      out[head] *= 10.0 if (layer, head) == PLANTED else 0.0
+  params["logits"]["kernel"] *= 20.0  # confident: removing the head costs
+  rng = np.random.default_rng(0)
+  inputs = rng.integers(1, CONFIG.vocab_size, (256, CONFIG.max_len))
+  inputs = inputs.astype(np.int32)
+  logits, _ = model.apply({"params": params}, inputs)
+  targets = np.argmax(logits, -1).astype(np.int32)
+  return model, params, data.Split(inputs, targets)
+
+
+def test_gates_keep_the_planted_head_at_every_strength():
+  model, params, split = _planted()
+  flat = PLANTED[0] * CONFIG.max_heads + PLANTED[1]
+  drop = core.evaluate_masks(model, params, split, core.mask_without(
+      CONFIG, [flat])[None])["loss"][0]
+  strengths = (0.01, 0.1, 0.5)
+  assert drop > 5 * max(strengths)  # the head is worth more than any penalty
+  trained = gates.train_gates(model, params, split, strengths, steps=60,
+                              batch_size=64, learning_rate=0.2)
+  for log_alpha in trained["log_alpha"]:
+    mask = gates.kept_mask(log_alpha, CONFIG)
+    assert mask[PLANTED] == 1.0
+    # The other heads cost nothing to remove: every penalty removes them.
+    assert mask.sum() == 1.0, log_alpha
+  np.testing.assert_allclose(trained["expected_heads"], 1.0, atol=0.1)
+  assert gates.removal_of_size(trained["log_alpha"][0], CONFIG, 3).tolist(
+  ).count(flat) == 0
+  # Never emptying a layer: layer 0 keeps its head of largest log_alpha.
+  kept = gates.kept_mask(trained["log_alpha"][0], CONFIG,
+                         no_layer_emptied=True)
+  assert kept.sum(axis=1).tolist() == [1.0, 1.0]
+
+
+def test_hard_concrete_gates_by_their_formulas():
+  log_alpha = jnp.asarray([-3.0, 0.0, 3.0])
+  z = jax.vmap(lambda k: gates.sample(log_alpha, k))(
+      jax.random.split(jax.random.key(0), 20000))
+  assert float(z.min()) == 0.0 and float(z.max()) == 1.0  # exact 0 and 1
+  # P(z != 0) of the samples against the closed form (3 sigma of 20000).
+  np.testing.assert_allclose(np.mean(np.asarray(z) > 0, axis=0),
+                             gates.probability_open(log_alpha), atol=0.011)
+  np.testing.assert_allclose(gates.deterministic(log_alpha),
+                             [0.0, 0.5, 1.0], atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_run):
+  ckpt = mha.load_checkpoint(tiny_run.workdir)
+  splits = data.load_splits(build.data_spec(ckpt.config),
+                            ckpt.config.data.data_dir)
+  return ckpt, splits
+
+
+@pytest.mark.parametrize("heads", [[(0, 1)], [(1, 0), (1, 1)]])
+def test_mean_ablation_equals_its_folded_bias_pruned_model(tiny, heads):
+  ckpt, splits = tiny
+  config = ckpt.model_config
+  means = mean_ablation.head_means(ckpt.model, ckpt.params,
+                                   splits["validation"])
+  assert np.all(np.abs(means).sum(-1) > 0)  # every head has a mean
+  inputs = splits["test"].inputs[:32]
+  mask = core.mask_without(config, [l * config.max_heads + h
+                                    for l, h in heads])
+  defined = mean_ablation.mean_ablated_logits(ckpt.model, ckpt.params, means,
+                                              inputs, mask)
+  params, pruned = mean_ablation.prune_mean_ablated(ckpt.params, config, heads,
+                                                    means)
+  logits, _ = Transformer(pruned).apply({"params": params}, inputs)
+  # Float32 sums in another order: the fold is exact up to rounding.
+  np.testing.assert_allclose(logits, defined, atol=1e-5, rtol=1e-5)
+  zero = core.masked_logits(ckpt.model, ckpt.params, inputs, mask)
+  assert float(jnp.max(jnp.abs(zero - defined))) > 1e-2  # not zero ablation
+
+
+def test_every_subset_under_mean_ablation(tiny):
+  ckpt, splits = tiny
+  config = ckpt.model_config
+  means = mean_ablation.head_means(ckpt.model, ckpt.params,
+                                   splits["validation"])
+  shifts = mean_ablation.bias_shifts(ckpt.params, config, means)
+  test = splits["test"]
+  every = oracle.evaluate_subsets(ckpt.model, ckpt.params, test,
+                                  per_example=True, bias_shifts=shifts)
+  masks = oracle.subset_masks(config)
+  one_by_one = mean_ablation.evaluate_masks(ckpt.model, ckpt.params, shifts,
+                                            test, masks)
+  for key in ("correct", "exact", "tokens"):
+    np.testing.assert_array_equal(every[key], one_by_one[key])
+  # float32 losses summed in another order.
+  np.testing.assert_allclose(every["loss_sum"], one_by_one["loss_sum"],
+                             rtol=1e-5, atol=1e-5)
+  # The full mask has nothing to replace: zero and mean ablation agree.
+  zero = oracle.evaluate_subsets(ckpt.model, ckpt.params, test,
+                                 per_example=True)
+  np.testing.assert_array_equal(every["correct"][-1], zero["correct"][-1])
+
+
+def test_bad_options_are_refused():
+  for changes, message in (({"gate_lambdas": (-1.0,)}, "--gate_lambdas"),
+                           ({"gate_lambdas": ()}, "--gate_lambdas"),
+                           ({"retrain_steps": 0}, "--retrain_steps"),
+                           ({"retrain_fractions": (1.0,)},
+                            "--retrain_fractions")):
+    with pytest.raises(ValueError, match=message):
+      experiment.Options(**changes).validate()
+  assert not experiment.Options().beyond  # off by default
+
+
+def test_wide_variant():
+  config = default.get_config("wide")
+  config_validation.validate_config(config)
+  assert build.model_config(config).heads_per_layer == (8, 8)
+  assert build.model_config(config).resolved_head_dim == 8
+
+
+def test_full_study_writes_the_contract(tiny_run, tmp_path):
+  out = str(tmp_path / "study")
+  options = experiment.Options(
+      num_seeds=1, num_bootstrap=10, num_random_orders=2, speed=False,
+      reestimate=False, gates=True, retrain=True, mean_ablation=True,
+      gate_steps=2, gate_lambdas=(0.01, 1.0), retrain_steps=2,
+      retrain_random=1, batch_size=64)
+  experiment.run(tiny_run.workdir, out, options, log=lambda _: None)
+  with open(os.path.join(out, "results.json"), encoding="utf-8") as f:
+    results = json.load(f)
+  rows = results["gates"]["all"]
+  assert [r["lambda"] for r in rows] == [0.01, 1.0]
+  seed = rows[0]["per_seed"][0]
+  assert {"kept", "heads_removed", "validation", "test"} <= set(seed)
+  assert set(seed["test"]) == {"loss", "token_accuracy", "exact_match"}
+  assert len(rows[0]["test_token_accuracy_ci"]) == 2
+  assert "lowest_loss_minus_oracle_token_accuracy_ci" in rows[0]
+  retrained = results["retraining"]["orderings"]
+  assert set(retrained) == {"gradient", "oracle", "gates", "random"}
+  for entry in retrained["oracle"].values():
+    for key in ("before", "after", "from_scratch"):
+      low, high = entry[f"{key}_ci"]
+      assert low <= entry[key] <= high
+  mean = results["mean_ablation"]
+  assert set(mean["curves"]) == set(results["aggregate"]["curves"])
+  assert "auc_token_accuracy_ci" in mean["curve_summary"]["oracle"]
+  with open(os.path.join(out, "report.md"), encoding="utf-8") as f:
+    report = f.read()
+  for section in ("## Learned gates", "## Retraining after pruning",
+                  "## Mean ablation"):
+    assert section in report
+  for png in ("curves_mean_ablation.png", "retraining.png"):
+    assert os.path.getsize(os.path.join(out, png)) > 10_000
