@@ -328,7 +328,10 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
       f"--workdir={tiny_workdir}", f"--out={out}", "--num_seeds=2",
       "--num_random_orders=3", "--num_bootstrap=50",
       "--speed_fractions=0.5", "--batch_sizes=1,4", "--speed_repeats=1",
-      "--batch_size=32", "--remove_heads=1:0", env=subprocess_env)
+      "--batch_size=32", "--remove_heads=1:0",
+      # Gates, retraining and mean ablation (issue 15), as small as they go.
+      "--full", "--gate_steps=2", "--gate_lambdas=0.01,1", "--retrain_steps=2",
+      "--retrain_random=1", env=subprocess_env)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "Wrote" in result.stdout
   with open(os.path.join(out, "results.json"), encoding="utf-8") as f:
@@ -367,6 +370,34 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
   for png in pngs:
     with open(os.path.join(out, png), "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n", png
+  _check_beyond_contract(results, out)
+
+
+def _check_beyond_contract(results, out):
+  """``--full``'s keys in results.json, its report sections and plots."""
+  rows = results["gates"]["all"]
+  assert [r["lambda"] for r in rows] == [0.01, 1.0]
+  seed = rows[0]["per_seed"][0]
+  assert {"kept", "heads_removed", "validation", "test"} <= set(seed)
+  assert set(seed["test"]) == {"loss", "token_accuracy", "exact_match"}
+  assert len(rows[0]["test_token_accuracy_ci"]) == 2
+  assert "lowest_loss_minus_oracle_token_accuracy_ci" in rows[0]
+  retrained = results["retraining"]["orderings"]
+  assert set(retrained) == {"gradient", "oracle", "gates", "random"}
+  for entry in retrained["oracle"].values():
+    for key in ("before", "after", "from_scratch"):
+      low, high = entry[f"{key}_ci"]
+      assert low <= entry[key] <= high
+  mean = results["mean_ablation"]
+  assert set(mean["curves"]) == set(results["aggregate"]["curves"])
+  assert "auc_token_accuracy_ci" in mean["curve_summary"]["oracle"]
+  with open(os.path.join(out, "report.md"), encoding="utf-8") as f:
+    report = f.read()
+  for section in ("## Learned gates", "## Retraining after pruning",
+                  "## Mean ablation"):
+    assert section in report
+  for png in ("curves_mean_ablation.png", "retraining.png"):
+    assert os.path.getsize(os.path.join(out, png)) > 10_000
 
 
 def test_oracle_skipped_above_oracle_max_heads(tiny_run, tmp_path):

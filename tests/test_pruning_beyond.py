@@ -149,38 +149,3 @@ def test_wide_variant():
   config_validation.validate_config(config)
   assert build.model_config(config).heads_per_layer == (8, 8)
   assert build.model_config(config).resolved_head_dim == 8
-
-
-def test_full_study_writes_the_contract(tiny_run, tmp_path):
-  out = str(tmp_path / "study")
-  options = experiment.Options(
-      num_seeds=1, num_bootstrap=10, num_random_orders=2, speed=False,
-      reestimate=False, gates=True, retrain=True, mean_ablation=True,
-      gate_steps=2, gate_lambdas=(0.01, 1.0), retrain_steps=2,
-      retrain_random=1, batch_size=64)
-  experiment.run(tiny_run.workdir, out, options, log=lambda _: None)
-  with open(os.path.join(out, "results.json"), encoding="utf-8") as f:
-    results = json.load(f)
-  rows = results["gates"]["all"]
-  assert [r["lambda"] for r in rows] == [0.01, 1.0]
-  seed = rows[0]["per_seed"][0]
-  assert {"kept", "heads_removed", "validation", "test"} <= set(seed)
-  assert set(seed["test"]) == {"loss", "token_accuracy", "exact_match"}
-  assert len(rows[0]["test_token_accuracy_ci"]) == 2
-  assert "lowest_loss_minus_oracle_token_accuracy_ci" in rows[0]
-  retrained = results["retraining"]["orderings"]
-  assert set(retrained) == {"gradient", "oracle", "gates", "random"}
-  for entry in retrained["oracle"].values():
-    for key in ("before", "after", "from_scratch"):
-      low, high = entry[f"{key}_ci"]
-      assert low <= entry[key] <= high
-  mean = results["mean_ablation"]
-  assert set(mean["curves"]) == set(results["aggregate"]["curves"])
-  assert "auc_token_accuracy_ci" in mean["curve_summary"]["oracle"]
-  with open(os.path.join(out, "report.md"), encoding="utf-8") as f:
-    report = f.read()
-  for section in ("## Learned gates", "## Retraining after pruning",
-                  "## Mean ablation"):
-    assert section in report
-  for png in ("curves_mean_ablation.png", "retraining.png"):
-    assert os.path.getsize(os.path.join(out, png)) > 10_000
