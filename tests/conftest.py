@@ -9,9 +9,14 @@ Session-scoped, built once per test run:
   that need a trained checkpoint read it; tests that write into a workdir copy
   it first (``copy_workdir``).
 * ``subprocess_env``: the environment for ``train.py`` & co. run as
-  subprocesses: CPU only, XLA's quick compilation as in-process, and a
-  persistent compilation cache shared by all of them, so each program is
-  compiled once per test run, not once per process.
+  subprocesses: CPU only, XLA's quick compilation as in-process, and the
+  session's persistent compilation cache.
+
+The session's persistent compilation cache (``_jit_cache``, one folder shared
+by both pytest-xdist workers and every subprocess, new each run) compiles each
+program once per test run: a test that trains again with a fresh ``jax.jit``
+of the same function loads what another test compiled. Results do not change
+(``tests/test_startup.py`` shows a run on loaded programs ends bitwise equal).
 """
 
 from __future__ import annotations
@@ -50,12 +55,26 @@ def data_dir(tmp_path_factory) -> str:
   return str(tmp_path_factory.mktemp("tfds"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _jit_cache(tmp_path_factory) -> str:
+  """The session's persistent compilation cache, on before any test runs."""
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    base = base.parent  # pytest-N/, shared by the workers' popen-gwK/
+  directory = str(base / "jit-cache")
+  os.makedirs(directory, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return directory
+
+
 @pytest.fixture(scope="session")
-def subprocess_env(tmp_path_factory) -> dict[str, str]:
+def subprocess_env(_jit_cache) -> dict[str, str]:
   """Environment of the entry points run as subprocesses."""
   return dict(os.environ, JAX_PLATFORMS="cpu",
               JAX_DISABLE_MOST_OPTIMIZATIONS="1",
-              JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jit")),
+              JAX_COMPILATION_CACHE_DIR=_jit_cache,
               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
