@@ -181,8 +181,10 @@ def _matters(entries: Mapping[str, Mapping[str, Any]], key: str) -> str:
     ci = e.get(f"{key}_ci")
     if ci is None or not all(c is not None and np.isfinite(c) for c in ci):
       continue
-    # Below 1e-9: the same accuracy up to float rounding.
-    verdict = ("above" if ci[0] > 1e-9 else "below" if ci[1] < -1e-9 else
+    # An interval inside (-0.0005, 0.0005) prints as +0.000 [+0.000, +0.000]:
+    # the same accuracy to the 3 decimals shown, not "above" or "below".
+    verdict = ("equal to 3 decimals to" if max(map(abs, ci)) < 5e-4 else
+               "above" if ci[0] > 0 else "below" if ci[1] < 0 else
                "not distinguishable from")
     out.append(f"{_RETRAIN_LABELS.get(name, name)} {verdict} random "
                f"({_ci(e, key, sign=True)})")
