@@ -100,3 +100,19 @@ def copy_workdir(source: str, target: os.PathLike | str) -> str:
   """A copy of a workdir, to change without touching the shared one."""
   shutil.copytree(source, target)
   return str(target)
+
+
+# The slowest files first: pytest-xdist (``--dist loadfile``) hands out whole
+# files in collection order, so a slow file collected last would run alone at
+# the end while the other worker idles.
+_SLOW_FIRST = ("test_reliability.py", "test_pruning.py", "test_sharding.py",
+               "test_pruned_models.py", "test_startup.py", "test_benchmark.py",
+               "test_attention.py", "test_train.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+  """Runs the slowest files first (a stable sort: each file keeps its order)."""
+  def rank(item: pytest.Item) -> int:
+    name = os.path.basename(str(item.fspath))
+    return _SLOW_FIRST.index(name) if name in _SLOW_FIRST else len(_SLOW_FIRST)
+  items.sort(key=rank)
