@@ -19,8 +19,9 @@ import numpy as np
 from mha import write_failures
 
 
-def _import_tensorboardx():
-  """tensorboardX, without the optional integrations it tries at import.
+def _tensorboardx_parts():
+  """tensorboardX's ``summary``, ``event_pb2`` and ``RecordWriter``, imported
+  without the optional integrations tensorboardX tries at import.
 
   tensorboardX imports torch (for ``torch.Tensor`` type checks) and boto3
   (for ``s3://`` logdirs) when they are installed: a second or more of start-
@@ -28,24 +29,15 @@ def _import_tensorboardx():
   while it is imported (``None`` in ``sys.modules`` makes an import fail);
   one already imported stays as it is.
   """
-  if "tensorboardX" in sys.modules:
-    return sys.modules["tensorboardX"]
   hidden = [name for name in ("torch", "boto3") if name not in sys.modules]
   with contextlib.ExitStack() as restore:
     for name in hidden:
       sys.modules[name] = None
       restore.callback(sys.modules.pop, name, None)
-    import tensorboardX  # pylint: disable=g-import-not-at-top
-  return tensorboardX
-
-
-def _tensorboardx_parts():
-  """tensorboardX's ``summary``, ``event_pb2`` and ``RecordWriter``."""
-  _import_tensorboardx()
-  # pylint: disable=g-import-not-at-top
-  from tensorboardX import summary
-  from tensorboardX.proto import event_pb2
-  from tensorboardX.record_writer import RecordWriter
+    # pylint: disable=g-import-not-at-top
+    from tensorboardX import summary
+    from tensorboardX.proto import event_pb2
+    from tensorboardX.record_writer import RecordWriter
   return summary, event_pb2, RecordWriter
 
 

@@ -106,16 +106,9 @@ _DATA_DIR = flags.DEFINE_string(
 _PROG = "benchmark.py"
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-  """A self-attention layer's input ``[batch, length, width]`` and heads."""
-  batch: int
-  length: int
-  width: int
-  heads: int
-
-  def __str__(self) -> str:
-    return f"{self.batch} / {self.length} / {self.width} / {self.heads}"
+# A self-attention layer's input ``[batch, length, width]`` and heads: one
+# class for both sections.
+Shape = accelerator.LayerShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -873,13 +866,7 @@ def _main_end_to_end(out: str) -> None:
                                      _DATA_DIR.value, _PEER.value, log)
   results["load_average_end"] = _load()
   table = format_end_to_end(results)
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  with open(out, "w", encoding="utf-8") as f:
-    json.dump(results, f, indent=1)
-  with open(os.path.splitext(out)[0] + ".md", "w", encoding="utf-8") as f:
-    f.write(table)
-  print(table, end="", flush=True)
-  log(f"Wrote {out} and {os.path.splitext(out)[0] + '.md'}")
+  _write_results(out, results, table, log)
 
 
 # --------------------------------------------------------------------------
@@ -936,6 +923,14 @@ def main(argv: list[str]) -> None:
   else:
     results = run(plan, log)
     table = format_tables(results)
+  _write_results(out, results, table, log)
+
+
+
+def _write_results(out: str, results: Mapping[str, Any], table: str,
+                   log: Callable[[str], None]) -> None:
+  """Writes ``results`` to ``out`` (JSON) and ``table`` beside it (.md), and
+  prints the table."""
   os.makedirs(os.path.dirname(out), exist_ok=True)
   with open(out, "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1)
@@ -943,7 +938,6 @@ def main(argv: list[str]) -> None:
     f.write(table)
   print(table, end="", flush=True)
   log(f"Wrote {out} and {os.path.splitext(out)[0] + '.md'}")
-
 
 if __name__ == "__main__":
   app.run(main, flags_parser=cli.flags_parser(_PROG))
