@@ -273,12 +273,46 @@ def _wait_for(predicate, proc, timeout=120):
     time.sleep(0.001)
 
 
+def _task_states(pid):
+  """The scheduler state (``/proc/PID/task/TID/stat`` field 3) of every
+  thread of ``pid``."""
+  states = []
+  try:
+    tids = os.listdir(f"/proc/{pid}/task")
+  except FileNotFoundError:  # Reaped already.
+    return states
+  for tid in tids:
+    try:
+      with open(f"/proc/{pid}/task/{tid}/stat", encoding="utf-8") as f:
+        # The command name (field 2) may hold spaces: split after its ')'.
+        states.append(f.read().rsplit(")", 1)[1].split()[0])
+    except (FileNotFoundError, ProcessLookupError):
+      pass  # A thread that just ended.
+  return states
+
+
+def _wait_stopped(proc):
+  """Waits until every thread of ``proc`` is stopped (state ``T``).
+
+  SIGSTOP is delivered asynchronously: until the kernel has stopped each
+  thread, the process may still write (an orbax thread finishing a file), so
+  a snapshot taken right after ``send_signal`` could change under the test.
+  """
+  deadline = time.time() + 60
+  while not all(state in ("T", "t")
+                for state in _task_states(proc.pid) or ["?"]):
+    assert proc.poll() is None, "the run ended before it stopped"
+    assert time.time() < deadline, "SIGSTOP not delivered within 60 s"
+    time.sleep(0.001)
+
+
 def _kill_9_when(proc, predicate):
   """kill -9 ``proc`` at a moment ``predicate()`` holds: the process is frozen
   (SIGSTOP) first, so that the check and the kill see the same moment."""
   while True:
     _wait_for(predicate, proc)
     proc.send_signal(signal.SIGSTOP)
+    _wait_stopped(proc)
     if predicate():
       break
     proc.send_signal(signal.SIGCONT)  # Too late: wait for the next chance.
@@ -521,6 +555,7 @@ def _stop_when(proc, predicate):
   while True:
     _wait_for(predicate, proc)
     proc.send_signal(signal.SIGSTOP)
+    _wait_stopped(proc)
     if predicate():
       return
     proc.send_signal(signal.SIGCONT)
