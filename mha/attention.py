@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from mha import attention_kernels
+from mha.aliases import Array
 
-Array = jax.Array
 Dtype = Any
 Initializer = Callable[..., Array]
 Precision = Any

@@ -38,13 +38,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from mha.aliases import Array
 
 try:  # Private: where jax.nn.dot_product_attention reads cuDNN's version.
   from jax._src.lib import cuda_versions as _cuda_versions
 except ImportError:  # A JAX that moved it: no cuDNN detected, XLA then.
   _cuda_versions = None
 
-Array = jax.Array
 
 IMPLEMENTATIONS = ("cudnn", "xla")
 MASK_FORMS = ("none", "lengths", "array")

@@ -21,9 +21,9 @@ import optax
 from flax.training import train_state as train_state_lib
 
 from mha import data
+from mha.aliases import Array
 from mha.model import Transformer, TransformerConfig
 
-Array = jax.Array
 TrainState = train_state_lib.TrainState
 
 

@@ -20,9 +20,9 @@ from jax.sharding import Mesh
 
 from mha import data
 from mha import sharding as sharding_lib
+from mha.aliases import Array
 from mha.model import Transformer
 
-Array = jax.Array
 Metrics = dict[str, Array]
 
 

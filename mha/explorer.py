@@ -42,11 +42,11 @@ import numpy as np
 
 from mha import data
 from mha import evaluate
+from mha import head_masks
 from mha import head_roles as roles_lib
+from mha.aliases import Array
 from mha.model import Transformer
-from mha.pruning import core as pruning
 
-Array = jax.Array
 
 #: Where the pruning study writes its results, relative to the workdir.
 STUDY_RESULTS = os.path.join("pruning", "results.json")
@@ -99,7 +99,7 @@ def _ablated_predictions(model: Transformer, params: Any, inputs: Array,
                          masks: Array) -> Array:
   """``[M, B, L]``: the predictions with each head mask of ``masks``."""
   predict = lambda m: jnp.argmax(
-      pruning.masked_logits(model, params, inputs, m), -1)
+      head_masks.masked_logits(model, params, inputs, m), -1)
   return jax.vmap(predict)(masks)
 
 
@@ -173,7 +173,7 @@ def build_payload(model: Transformer, params: Any, split: data.Split,
   if sum(heads):
     ablated = np.asarray(jax.device_get(_ablated_predictions(
         model, params, inputs,
-        jnp.asarray(pruning.leave_one_out_masks(config)))))
+        jnp.asarray(head_masks.leave_one_out_masks(config)))))
   else:  # No head to remove.
     ablated = np.zeros((0, *inputs.shape), np.int32)
   flat = [(layer, head) for layer, count in enumerate(heads)

@@ -42,9 +42,9 @@ from jax.sharding import Mesh
 
 from mha import data
 from mha import sharding as sharding_lib
+from mha.aliases import Array
 from mha.model import Transformer
 
-Array = jax.Array
 
 #: The patterns, in the order they are shown.
 PATTERNS: tuple[str, ...] = ("previous_position", "next_position",

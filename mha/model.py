@@ -17,13 +17,12 @@ import dataclasses
 from typing import Sequence
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mha.aliases import Array
 from mha.attention import MultiHeadAttention, padding_mask_from_tokens
 
-Array = jax.Array
 
 POSITIONAL_KINDS = ("learned", "sinusoidal")
 DTYPES = ("float32", "bfloat16")  # computation dtypes (model.dtype)

@@ -60,10 +60,10 @@ from mha import metric_writers
 from mha import sharding as sharding_lib
 from mha import workdir_lock
 from mha import write_failures
+from mha.aliases import Array
 from mha.metric_writers import MetricWriter, format_duration
 from mha.model import Transformer
 
-Array = jax.Array
 TrainState = build.TrainState
 
 

@@ -11,13 +11,14 @@ subset of heads: the oracle and exact Shapley values), prunes heads in each
 order and measures test accuracy with 95% bootstrap intervals
 (``--num_bootstrap``), times physically pruned models, and writes
 ``results.json``, ``report.md`` and PNG plots to ``--out`` (default
-``<workdir>/pruning``). See mha/pruning/experiment.py.
+``<workdir>/pruning``). See mha/pruning/study/.
 
 Beyond ranking heads (off by default; ``--full`` = all three):
 ``--gates`` learns hard-concrete head gates for each ``--gate_lambdas``
 strength, ``--retrain`` fine-tunes pruned models for ``--retrain_steps``
 against the same architectures from scratch, ``--mean_ablation`` redraws
-every curve with removed heads outputting their mean (mha/pruning/beyond.py).
+every curve with removed heads outputting their mean
+(mha/pruning/study/extensions.py).
 
 A user's mistake (no checkpoint, a fraction outside [0, 1], a head that
 does not exist, ``--oracle_max_heads`` below 1, a seed directory trained
@@ -45,12 +46,12 @@ from mha import data
 from mha import evaluate
 from mha import pruning
 from mha import workdir_lock
-from mha.pruning import experiment
 from mha.pruning import export
+from mha.pruning import study
+from mha.pruning.study import options as study_options
+from mha.pruning.study.options import StudyOptions
 
 _PROG = "prune_heads.py"
-_DEFAULTS = experiment.Options()  # The flags' defaults are the Options'.
-
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                "Training workdir holding the checkpoint.",
                                required=True)
@@ -58,80 +59,11 @@ _STEP = flags.DEFINE_integer(
     "step", None, "Checkpoint step to analyse (default: the newest).")
 _OUT = flags.DEFINE_string("out", None,
                            "Output folder (default: <workdir>/pruning).")
-_NUM_SEEDS = flags.DEFINE_integer(
-    "num_seeds", _DEFAULTS.num_seeds,
-    "Models analysed: the workdir's and num_seeds-1 more trained with the "
-    "next seeds.")
-_RETRAIN_SEEDS = flags.DEFINE_bool(
-    "retrain_seeds", _DEFAULTS.retrain_seeds,
-    "Retrain a seed directory that was trained with another config "
-    "(otherwise that is an error).")
-_ORACLE_MAX_HEADS = flags.DEFINE_integer(
-    "oracle_max_heads", _DEFAULTS.oracle_max_heads,
-    "Evaluate every subset of heads (the oracle, Shapley values) up to this "
-    "many heads; skipped above it.")
-_NUM_BOOTSTRAP = flags.DEFINE_integer(
-    "num_bootstrap", _DEFAULTS.num_bootstrap,
-    "Bootstrap resamples of every 95% interval.")
-_NUM_RANDOM = flags.DEFINE_integer(
-    "num_random_orders", _DEFAULTS.num_random_orders,
-    "Random orders per seed (the baseline).")
-_STEP_FRACTION = flags.DEFINE_float(
-    "step_fraction", _DEFAULTS.step_fraction,
-    "Fraction of heads removed per curve point; 0 removes one head at a "
-    "time.")
-_REESTIMATE = flags.DEFINE_bool(
-    "reestimate", _DEFAULTS.reestimate,
-    "Also prune re-estimating gradient importance after each removal.")
-_TOLERANCE = flags.DEFINE_float(
-    "tolerance", _DEFAULTS.tolerance,
-    "Accuracy loss counted as none (0.01 = 1 point).")
-_SPEED_FRACTIONS = flags.DEFINE_list(
-    "speed_fractions", [str(f) for f in _DEFAULTS.speed_fractions],
-    "Fractions of heads physically pruned for the speed table.")
-_BATCH_SIZES = flags.DEFINE_list(
-    "batch_sizes", [str(b) for b in _DEFAULTS.batch_sizes],
-    "Batch sizes of the speed table.")
-_SPEED_REPEATS = flags.DEFINE_integer(
-    "speed_repeats", _DEFAULTS.speed_repeats,
-    "Timing rounds of >= 0.2 s per model, the models' order rotated every "
-    "round (median and its interval).")
-_SPEED_ORDER = flags.DEFINE_string(
-    "speed_order", _DEFAULTS.speed_order, "Ordering pruned for the speed table.")
-_SPEED = flags.DEFINE_bool("speed", _DEFAULTS.speed, "Run the speed table.")
-_GATES = flags.DEFINE_bool(
-    "gates", _DEFAULTS.gates,
-    "Learn hard-concrete head gates (Voita et al.) for each --gate_lambdas "
-    "strength and evaluate their kept heads like every other subset.")
-_GATE_LAMBDAS = flags.DEFINE_list(
-    "gate_lambdas", [f"{x:g}" for x in _DEFAULTS.gate_lambdas],
-    "Strengths of the expected-L0 penalty of the gates (per head kept).")
-_GATE_STEPS = flags.DEFINE_integer("gate_steps", _DEFAULTS.gate_steps,
-                                   "Training steps of the gates.")
-_RETRAIN = flags.DEFINE_bool(
-    "retrain", _DEFAULTS.retrain,
-    "Fine-tune pruned models (gradient order, oracle, gates, random) for "
-    "--retrain_steps against the same architectures from scratch (trains "
-    "the gates too).")
-_RETRAIN_STEPS = flags.DEFINE_integer(
-    "retrain_steps", _DEFAULTS.retrain_steps,
-    "Steps of each fine-tuning and from-scratch run.")
-_RETRAIN_RANDOM = flags.DEFINE_integer(
-    "retrain_random", _DEFAULTS.retrain_random,
-    "Random subsets retrained per fraction and seed.")
-_MEAN_ABLATION = flags.DEFINE_bool(
-    "mean_ablation", _DEFAULTS.mean_ablation,
-    "Also every curve with removed heads outputting their mean over "
-    "validation instead of zero.")
+# One flag per StudyOptions field: its name, default and help live there.
+_OPTIONS = study_options.define_flags()
+flags.adopt_module_key_flags(study_options)
 _FULL = flags.DEFINE_bool(
     "full", False, "All of the above: --gates --retrain --mean_ablation.")
-_REMOVE_HEADS = flags.DEFINE_string(
-    "remove_heads", "", "Also prune exactly these heads and report test "
-    "accuracy, e.g. 0:1,1:3 (LAYER:HEAD, 0-based).")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size,
-                                   "Examples per evaluation call.")
-_SEED = flags.DEFINE_integer("seed", _DEFAULTS.seed,
-                             "Seed of the random orders.")
 _SAVE_PRUNED = flags.DEFINE_string(
     "save_pruned", None, "Instead of the study: save the model with "
     "--remove_heads (or --prune_fraction of --order) removed as a workdir "
@@ -144,42 +76,12 @@ _ORDER = flags.DEFINE_string(
     "random), or oracle (the best subset on validation, as in the study).")
 
 
-def _options() -> experiment.Options:
-  try:
-    heads = tuple(pruning.parse_heads(_REMOVE_HEADS.value))
-  except ValueError as e:
-    raise cli.UsageError(f"--remove_heads: {e}") from None
-  options = experiment.Options(
-      num_seeds=_NUM_SEEDS.value,
-      retrain_seeds=_RETRAIN_SEEDS.value,
-      oracle_max_heads=_ORACLE_MAX_HEADS.value,
-      num_bootstrap=_NUM_BOOTSTRAP.value,
-      num_random_orders=_NUM_RANDOM.value,
-      step_fraction=_STEP_FRACTION.value,
-      reestimate=_REESTIMATE.value,
-      tolerance=_TOLERANCE.value,
-      speed_fractions=cli.numbers("speed_fractions", _SPEED_FRACTIONS.value,
-                                 float),
-      batch_sizes=cli.numbers("batch_sizes", _BATCH_SIZES.value, int),
-      speed_repeats=_SPEED_REPEATS.value,
-      speed_order=_SPEED_ORDER.value,
-      speed=_SPEED.value,
-      remove_heads=heads,
-      batch_size=_BATCH_SIZE.value,
-      seed=_SEED.value,
-      gates=_GATES.value or _FULL.value,
-      gate_lambdas=cli.numbers("gate_lambdas", _GATE_LAMBDAS.value, float),
-      gate_steps=_GATE_STEPS.value,
-      retrain=_RETRAIN.value or _FULL.value,
-      retrain_steps=_RETRAIN_STEPS.value,
-      retrain_random=_RETRAIN_RANDOM.value,
-      mean_ablation=_MEAN_ABLATION.value or _FULL.value,
-  )
-  try:
-    options.validate()
-  except ValueError as e:
-    raise cli.UsageError(str(e)) from None
-  return options
+def _options() -> StudyOptions:
+  """The study's options of the flags (``--full`` turns on every
+  extension); ``cli.UsageError`` for a bad one."""
+  full = {name: True for name in ("gates", "retrain", "mean_ablation")
+          } if _FULL.value else {}
+  return study_options.from_flags(_OPTIONS, **full)
 
 
 def main(argv: list[str]) -> None:
@@ -202,7 +104,7 @@ def main(argv: list[str]) -> None:
     cli.fail(_PROG, e)
 
   try:  # Every user error is found before the long work starts.
-    experiment.check_inputs(workdir, out, options, _STEP.value)
+    study.check_inputs(workdir, out, options, _STEP.value)
   except (FileNotFoundError, ValueError) as e:
     cli.fail(_PROG, str(e).splitlines()[0] if str(e) else type(e).__name__)
 
@@ -214,7 +116,7 @@ def main(argv: list[str]) -> None:
     cli.fail(_PROG, e)
   try:
     print(f"Pruning experiment on {workdir} -> {out}", flush=True)
-    results = experiment.run(workdir, out, options, _STEP.value)
+    results = study.run(workdir, out, options, _STEP.value)
   finally:
     lock.release()
   _print_summary(results, out, time.time() - start)
@@ -232,7 +134,8 @@ def _save_pruned(workdir: str) -> None:
   """--save_pruned: write the pruned model, print its test metrics."""
   try:
     heads, order = export.check_request(
-        _SAVE_PRUNED.value, workdir, remove_heads=_REMOVE_HEADS.value,
+        _SAVE_PRUNED.value, workdir,
+        remove_heads=_OPTIONS["remove_heads"].value,
         prune_fraction=_PRUNE_FRACTION.value, order=_ORDER.value)
     ckpt = ckpt_lib.load_checkpoint(workdir, _STEP.value)
     if order is not None:
@@ -268,12 +171,15 @@ def _heads_of_order(ckpt, order: str, fraction: float
   validation); a model too big for ``order`` is refused before any data is
   loaded."""
   options = _options()
-  export.check_order(ckpt.model_config, order, options)
+  export.check_order(ckpt.model_config, order,
+                     oracle_max_heads=options.oracle_max_heads)
   config = ckpt.config
   validation = data.load_splits(build.data_spec(config),
                                 config.data.data_dir)["validation"]
-  return export.heads_of_order(ckpt.model, ckpt.params, validation, order,
-                               fraction, options)
+  return export.heads_of_order(
+      ckpt.model, ckpt.params, validation, order, fraction,
+      batch_size=options.batch_size,
+      oracle_max_heads=options.oracle_max_heads)
 
 
 def _print_summary(results, out: str, seconds: float) -> None:
@@ -304,7 +210,7 @@ def _print_summary(results, out: str, seconds: float) -> None:
                         for b, s in e["speedup"].items())
       print(f"  {e['fraction']:.0%} heads pruned: {rates} "
             f"(FLOP ratio {list(e['flop_ratio'].values())[-1]:.2f})")
-  _print_beyond(results)
+  _print_extensions(results)
   print(f"First seed incl. speed table: "
         f"{results['timings']['first_seed_with_speed_s']:.1f} s; total "
         f"{seconds:.1f} s")
@@ -312,7 +218,7 @@ def _print_summary(results, out: str, seconds: float) -> None:
         f"{os.path.join(out, 'report.md')} and plots.", flush=True)
 
 
-def _print_beyond(results) -> None:
+def _print_extensions(results) -> None:
   """One line per gate strength and per retrained ordering and fraction."""
   for g in results.get("gates", {}).get("all", []):
     gap = g["minus_oracle_token_accuracy"]

@@ -199,7 +199,7 @@ def browser():
 
 def _fake_study(workdir: str, step: int, grid=None) -> None:
   """A ``pruning/results.json`` with the keys the explorer reads, as
-  ``mha.pruning.experiment`` writes them (its tests pin them; running the
+  ``mha.pruning.study`` writes them (its tests pin them; running the
   study here would cost seconds): per-head values 0.1 * (layer * 2 + head),
   None (NaN) for the first head's Shapley value."""
   grid = grid or [[0.0, 0.1], [0.2, 0.3]]

@@ -9,7 +9,7 @@ import pytest
 from mha import build
 from mha import data
 from mha import head_roles
-from mha.pruning import report
+from mha.pruning.study import report
 
 
 

@@ -20,8 +20,8 @@ from mha import build
 from mha import cli
 from mha import config_validation
 from mha import data
+from mha import head_masks
 from mha.pruning import core
-from mha.pruning import experiment
 from mha.pruning import export
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,8 +52,8 @@ def _listing(path: str) -> list[str]:
 
 def _masked_logits(ckpt, removed, inputs):
   flat = [layer * ckpt.model_config.max_heads + head for layer, head in removed]
-  mask = jnp.asarray(core.mask_without(ckpt.model_config, flat))
-  return core.masked_logits(ckpt.model, ckpt.params, inputs, mask)
+  mask = jnp.asarray(head_masks.mask_without(ckpt.model_config, flat))
+  return head_masks.masked_logits(ckpt.model, ckpt.params, inputs, mask)
 
 
 @pytest.mark.parametrize("removed, heads_per_layer", [
@@ -190,7 +190,7 @@ def test_heads_for_fraction(source):
 
 
 def _pairs(config, flat) -> list[tuple[int, int]]:
-  return sorted(core.flat_to_pairs(config, np.asarray(flat, np.int64)))
+  return sorted(head_masks.flat_to_pairs(config, np.asarray(flat, np.int64)))
 
 
 def _first_two(scores: np.ndarray) -> list[tuple[int, int]]:
@@ -253,7 +253,7 @@ def test_heads_of_order_are_its_least_important(source, splits, scores,
                                                 order):
   removed = sorted(export.heads_of_order(
       source.model, source.params, splits["validation"], order, 0.5,
-      experiment.Options()))
+      batch_size=1000, oracle_max_heads=12))
   values = scores[order]
   kept = [(l, h) for l in range(2) for h in range(2) if (l, h) not in removed]
   assert len(removed) == 2
@@ -266,11 +266,10 @@ def test_heads_of_order_are_its_least_important(source, splits, scores,
 
 
 def test_gradient_iterative_removes_the_reestimated_order(source, splits):
-  # Options(reestimate=False) too: --order gradient_iterative computes it.
-  options = experiment.Options(reestimate=False)
+  # --order gradient_iterative computes it without --reestimate too.
   removed = export.heads_of_order(source.model, source.params,
                                   splits["validation"], "gradient_iterative",
-                                  0.5, options)
+                                  0.5, batch_size=1000, oracle_max_heads=12)
   expected = core.iterative_gradient_order(source.model, source.params,
                                            splits["validation"])
   assert sorted(removed) == _pairs(source.model_config, expected[:2])
@@ -279,7 +278,7 @@ def test_gradient_iterative_removes_the_reestimated_order(source, splits):
 def test_oracle_removes_the_best_pair_on_validation(source, splits, subsets):
   removed = export.heads_of_order(source.model, source.params,
                                   splits["validation"], "oracle", 0.5,
-                                  experiment.Options())
+                                  batch_size=1000, oracle_max_heads=12)
   assert len(removed) == 2
   accuracy = subsets["token_accuracy"]
   kept = lambda pairs: sum(1 << (2 * l + h) for l, h in pairs)
@@ -294,15 +293,15 @@ def test_oracle_removes_the_best_pair_on_validation(source, splits, subsets):
 @pytest.mark.parametrize("order", export.SUBSET_ORDERS)
 def test_subset_orders_above_oracle_max_heads_are_refused_first(source,
                                                                 order):
-  options = experiment.Options(oracle_max_heads=3)  # the model has 4
   with pytest.raises(cli.UsageError, match="--oracle_max_heads=3"):
-    export.check_order(source.model_config, order, options)
+    export.check_order(source.model_config, order,
+                       oracle_max_heads=3)  # the model has 4
   # Refused before any data is touched (there is none to touch).
   with pytest.raises(cli.UsageError, match="2\\^4 subsets"):
     export.heads_of_order(source.model, source.params, None, order, 0.5,
-                          options)
-  export.check_order(source.model_config, "gradient", options)
-  export.check_order(source.model_config, order, experiment.Options())
+                          batch_size=1000, oracle_max_heads=3)
+  export.check_order(source.model_config, "gradient", oracle_max_heads=3)
+  export.check_order(source.model_config, order, oracle_max_heads=4)
 
 
 # --------------------------------------------------------------------------
@@ -404,7 +403,7 @@ def test_script_saves_a_pruned_model_and_eval_reads_it(tiny_run, source,
   metrics = json.loads(result.stdout.strip().splitlines()[-1])
   masked = core.evaluate_masks(
       source.model, source.params, splits["test"],
-      core.mask_without(source.model_config, [0, 1])[None])
+      head_masks.mask_without(source.model_config, [0, 1])[None])
   # Same examples, logits equal to ~1e-6: the loss agrees to float32
   # rounding; an argmax could flip only on a near-tie (none expected).
   assert metrics["loss"] == pytest.approx(float(masked["loss"][0]), abs=1e-5)

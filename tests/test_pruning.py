@@ -16,7 +16,8 @@ import pytest
 from mha import checkpoint as ckpt_lib
 from mha import data
 from mha import pruning
-from mha.pruning import experiment
+from mha.pruning import study
+from mha.pruning.study import seeds as study_seeds
 from mha.model import Transformer, TransformerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -401,10 +402,10 @@ def _check_beyond_contract(results, out):
 
 
 def test_oracle_skipped_above_oracle_max_heads(tiny_run, tmp_path):
-  options = experiment.Options(num_seeds=1, speed=False, oracle_max_heads=3,
+  options = study.StudyOptions(num_seeds=1, speed=False, oracle_max_heads=3,
                                num_bootstrap=20, num_random_orders=1,
                                reestimate=False, batch_size=64)
-  results = experiment.run(tiny_run.workdir, str(tmp_path / "out"), options,
+  results = study.run(tiny_run.workdir, str(tmp_path / "out"), options,
                            log=lambda _: None)
   seed = results["seeds"][0]
   assert seed["oracle"] == [] and "oracle_max_heads=3" in seed[
@@ -445,29 +446,29 @@ def test_mismatched_seed_directory_is_refused(tiny_run, tmp_path,
   # A matching directory (only resumable keys differ) is not a conflict,
   other = tmp_path / "other"
   _write_seed_config(other, tiny_run.config, **{"data.data_dir": "/else"})
-  assert experiment.seed_conflicts(first, str(other), 2) == {}
+  assert study_seeds.seed_conflicts(first, str(other), 2) == {}
   # but a seed trained for another number of steps is.
   longer = tmp_path / "longer"
   _write_seed_config(longer, tiny_run.config)
   saved = json.loads((longer / "seeds" / "seed_1" / "config.json").read_text())
   saved["num_train_steps"] = 2 * tiny_run.config.num_train_steps
   (longer / "seeds" / "seed_1" / "config.json").write_text(json.dumps(saved))
-  assert list(experiment.seed_conflicts(first, str(longer), 2).values()) == [
+  assert list(study_seeds.seed_conflicts(first, str(longer), 2).values()) == [
       ["num_train_steps"]]
   # --retrain_seeds trains the seed afresh in place of the stale directory;
   # every seed is analysed at the workdir's step (10 here, of 20).
   at_10 = ckpt_lib.load_checkpoint(tiny_run.workdir, 10)
-  models = experiment.seed_models(at_10, str(out), 2, log=lambda _: None,
+  models = study_seeds.seed_models(at_10, str(out), 2, log=lambda _: None,
                                   retrain=True)
   assert models[1].config.seed == 1 and models[1].config.model.mlp_dim == (
       tiny_run.config.model.mlp_dim)
   assert [m.step for m in models] == [10, 10]
-  assert experiment.seed_conflicts(first, str(out), 2) == {}
+  assert study_seeds.seed_conflicts(first, str(out), 2) == {}
   assert directory.is_dir()
   # A finished seed directory without the step asked for is refused.
   shutil.rmtree(os.path.join(ckpt_lib.checkpoint_dir(directory), "10"))
   with pytest.raises(ValueError, match="has no checkpoint of step 10"):
-    experiment.check_seeds(at_10, str(out), 2, retrain=False)
+    study_seeds.check_seeds(at_10, str(out), 2, retrain=False)
 
 
 def test_bad_option_exits_2_writing_nothing(tiny_workdir, tmp_path,
@@ -495,27 +496,27 @@ def test_bad_option_exits_2_writing_nothing(tiny_workdir, tmp_path,
 ])
 def test_bad_options_are_refused(changes, message):
   with pytest.raises(ValueError) as raised:
-    experiment.Options(**changes).validate()
+    study.StudyOptions(**changes).validate()
   assert message in str(raised.value)
 
 
 def test_option_defaults():
   # Issue 14: at least 10 timing repeats, 5 seeds, a 12-head oracle.
-  options = experiment.Options()
+  options = study.StudyOptions()
   assert options.speed_repeats == pruning.speed.REPEATS >= 10
   assert (options.num_seeds, options.oracle_max_heads) == (5, 12)
 
 
 def test_bad_input_is_refused_before_any_work(tiny_workdir, tmp_path):
   out = str(tmp_path / "out")
-  options = experiment.Options(num_seeds=1)
+  options = study.StudyOptions(num_seeds=1)
   with pytest.raises(ValueError, match=r"head \(0, 7\) does not exist"):
-    experiment.check_inputs(tiny_workdir, out, dataclasses.replace(
+    study.check_inputs(tiny_workdir, out, dataclasses.replace(
         options, remove_heads=((0, 7),)))
   with pytest.raises(FileNotFoundError, match="steps saved: 10, 20"):
-    experiment.check_inputs(tiny_workdir, out, options, step=15)
+    study.check_inputs(tiny_workdir, out, options, step=15)
   empty = tmp_path / "empty"
   empty.mkdir()
   with pytest.raises(FileNotFoundError, match="no checkpoints"):
-    experiment.check_inputs(str(empty), out, options)
+    study.check_inputs(str(empty), out, options)
   assert os.listdir(empty) == [] and not os.path.exists(out)

@@ -11,8 +11,9 @@ import pytest
 
 from mha import data
 from mha.model import Transformer, TransformerConfig
+from mha import head_masks
 from mha.pruning import core
-from mha.pruning import experiment
+from mha.pruning import orderings
 from mha.pruning import oracle
 
 
@@ -190,12 +191,11 @@ def _planted():
 @pytest.fixture(scope="module", name="planted")
 def planted_fixture():
   """The planted model, its split, the metrics of every subset and every
-  ordering of :func:`experiment.compute_orders` (built once per module)."""
+  ordering of :func:`orderings.compute_orders` (built once per module)."""
   model, params, split = _planted()
   metrics = oracle.evaluate_subsets(model, params, split)
-  orders = experiment.compute_orders(
-      model, params, split, experiment.Options(batch_size=32,
-                                               reestimate=True))
+  orders = orderings.compute_orders(model, params, split, batch_size=32,
+                                    oracle_max_heads=12, reestimate=True)
   return model, params, split, metrics, orders
 
 
@@ -214,17 +214,16 @@ def test_planted_model_has_the_designed_accuracies(planted):
 def test_oracle_finds_the_pair_the_greedy_orders_miss(planted):
   model, params, split, metrics, orders = planted
   a, b, c = 0, 1, 2  # flat head indices
-  removals = oracle.best_removals(experiment.subset_values(metrics),
+  removals = oracle.best_removals(oracle.subset_values(metrics),
                                   model.config)
   assert sorted(removals[2]) in ([a, c], [b, c])
   # The study's entry point chooses the same subsets.
-  ranked = experiment.oracle_removals(model, params, split,
-                                      experiment.Options(batch_size=32))
+  ranked = oracle.oracle_removals(model, params, split, batch_size=32)
   for k, best in enumerate(removals):
     np.testing.assert_array_equal(ranked[k][0], best)
   for name in ("gradient", "gradient_l2", "leave_one_out"):
     assert sorted(orders[name][:2]) == [a, b], (name, orders[name])
-  pair = lambda order: core.mask_without(model.config, order[:2])
+  pair = lambda order: head_masks.mask_without(model.config, order[:2])
   accuracy = lambda mask: core.evaluate_masks(
       model, params, split, mask[None])["token_accuracy"][0]
   assert accuracy(pair(orders["gradient"])) == pytest.approx(0.5)
@@ -240,9 +239,9 @@ def test_oracle_finds_the_pair_the_greedy_orders_miss(planted):
 
 def test_compute_orders_computes_only_what_is_asked(planted):
   model, params, split, _, full = planted
-  options = experiment.Options(batch_size=32, reestimate=True)
-  orders = experiment.compute_orders(model, params, split, options,
-                                     names=["gradient"])
+  orders = orderings.compute_orders(model, params, split, batch_size=32,
+                                    oracle_max_heads=12, reestimate=True,
+                                    names=["gradient"])
   assert "shapley" not in orders and "gradient_iterative" not in orders
   np.testing.assert_array_equal(orders["gradient"], full["gradient"])
   assert {"shapley", "gradient_iterative"} <= set(full)

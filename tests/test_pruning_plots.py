@@ -1,4 +1,4 @@
-"""Tests for mha.pruning.plots: the figures of a head-pruning experiment."""
+"""Tests for mha.pruning.study.plots: the figures of a head-pruning experiment."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import matplotlib.image as mimage
 import numpy as np
 import pytest
 
-from mha.pruning import plots as pp
+from mha.pruning.study import plots as pp
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,7 +1,7 @@
-"""Tests of report.md's claims (mha.pruning.report): a claim only where its
+"""Tests of report.md's claims (mha.pruning.study.report): a claim only where its
 interval carries it."""
 
-from mha.pruning import report
+from mha.pruning.study import report
 
 
 def _entry(auc, diff_random, diff_oracle, change=(0.0, -0.01, 0.01)):

@@ -1,11 +1,11 @@
-"""Tests of the study's statistics (mha.pruning.stats, mha.pruning.summary)."""
+"""Tests of the study's statistics (mha.pruning.stats, mha.pruning.study.summary)."""
 
 import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
 from mha.pruning import stats
-from mha.pruning import summary
+from mha.pruning.study import summary
 
 
 def _sums(correct, tokens):

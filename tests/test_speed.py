@@ -18,6 +18,7 @@ import pytest
 
 from mha import data
 from mha.model import Transformer, TransformerConfig
+from mha import head_masks
 from mha.pruning import core
 from mha.pruning import speed
 
@@ -60,7 +61,7 @@ def models():
                       jnp.ones((1, CONFIG.max_len), jnp.int32))["params"]
   out = []
   for fraction in [0.0, *FRACTIONS]:
-    removed = core.flat_to_pairs(CONFIG, ORDER[:int(fraction * 8)])
+    removed = head_masks.flat_to_pairs(CONFIG, ORDER[:int(fraction * 8)])
     pruned_params, pruned_config = core.prune_heads(params, CONFIG, removed)
     out.append((Transformer(pruned_config), pruned_params))
   return out

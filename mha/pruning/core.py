@@ -1,18 +1,11 @@
-"""Head importance, head masks, pruning curves and physical head pruning.
+"""Head importance, pruning curves and physical head pruning.
 
 Which heads of a trained :class:`mha.model.Transformer` matter, and can the
 others go to make prediction faster? (d2l, Multi-Head Attention, exercise 2.)
 
-Conventions:
-
-* A *head mask* is a float array ``[L, H]`` (``L`` layers, ``H`` the largest
-  head count of any layer): 1 keeps a head, 0 removes it (its context is
-  zeroed before the out-projection, exactly what slicing it out does). For a
-  model with fewer heads in some layers (a pruned one) the entries past a
-  layer's count are ignored; :func:`existing_heads` tells which exist.
-* Importance arrays are ``[L, H]`` too, NaN where a head does not exist.
-* An *order* is a 1-D array of flat head indices ``layer * H + head``, the
-  head to remove first at index 0.
+Conventions: head masks, flat head indices and orders are those of
+:mod:`mha.head_masks` (re-exported by :mod:`mha.pruning`); importance arrays are ``[L, H]``,
+NaN where a head does not exist.
 
 The core (:func:`per_example_loss`, :func:`head_mask_gradients`,
 :func:`masked_metric_sums`, :func:`attention_statistics`) is pure: arrays in,
@@ -32,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,72 +34,12 @@ import numpy as np
 from mha import data
 from mha import evaluate as eval_lib
 from mha import sharding as sharding_lib
+from mha.aliases import Array, HeadSpec, Params
 from mha.evaluate import example_metric_sums  # Re-exported: per example.
+from mha.head_masks import (all_but_one_masks, existing_heads, full_head_mask,
+                            leave_one_out_masks, masked_logits)
 from mha.model import Transformer, TransformerConfig
 
-Array = jax.Array
-Params = Any
-HeadSpec = Iterable[tuple[int, int]] | Mapping[int, Iterable[int]]
-
-
-# --------------------------------------------------------------------------
-# Head masks.
-# --------------------------------------------------------------------------
-
-
-def existing_heads(config: TransformerConfig) -> np.ndarray:
-  """Boolean ``[L, H]``: which entries of a dense head mask are real heads."""
-  heads = np.arange(config.max_heads)[None, :]
-  return heads < np.asarray(config.heads_per_layer)[:, None]
-
-
-def full_head_mask(config: TransformerConfig) -> np.ndarray:
-  """The float32 ``[L, H]`` mask keeping every existing head."""
-  return existing_heads(config).astype(np.float32)
-
-
-def _layer_masks(config: TransformerConfig, head_mask: Array) -> list[Array]:
-  """Splits a dense ``[..., L, H]`` mask into one ``[..., H_l]`` per layer."""
-  return [head_mask[..., layer, :count]
-          for layer, count in enumerate(config.heads_per_layer)]
-
-
-def mask_without(config: TransformerConfig, heads: Sequence[int],
-                 base: np.ndarray | None = None) -> np.ndarray:
-  """``base`` (default: all heads) with the flat head indices ``heads`` set
-  to 0."""
-  mask = full_head_mask(config) if base is None else np.array(base, np.float32)
-  mask.reshape(-1)[np.asarray(heads, np.int64)] = 0.0
-  return mask
-
-
-def leave_one_out_masks(config: TransformerConfig) -> np.ndarray:
-  """``[N, L, H]``: mask ``i`` removes the ``i``-th existing head alone."""
-  flat = np.flatnonzero(existing_heads(config))
-  return np.stack([mask_without(config, [i]) for i in flat])
-
-
-def all_but_one_masks(config: TransformerConfig) -> np.ndarray:
-  """``[N, L, H]``: mask ``i`` keeps, in the layer of the ``i``-th existing
-  head, that head alone (Michel et al.'s "all but one head per layer");
-  the other layers keep every head."""
-  exists = existing_heads(config)
-  masks = []
-  for flat in np.flatnonzero(exists):
-    layer, head = divmod(int(flat), config.max_heads)
-    mask = exists.astype(np.float32)
-    mask[layer] = 0.0
-    mask[layer, head] = 1.0
-    masks.append(mask)
-  return np.stack(masks)
-
-
-def masks_from_order(config: TransformerConfig, order: Sequence[int],
-                     counts: Sequence[int]) -> np.ndarray:
-  """``[len(counts), L, H]``: mask ``p`` removes the first ``counts[p]``
-  heads of ``order``."""
-  order = np.asarray(order, np.int64)
-  return np.stack([mask_without(config, order[:k]) for k in counts])
 
 
 def pruning_counts(num_heads: int, step_fraction: float = 0.0) -> np.ndarray:
@@ -127,16 +60,6 @@ def pruning_counts(num_heads: int, step_fraction: float = 0.0) -> np.ndarray:
 # --------------------------------------------------------------------------
 # The pure core.
 # --------------------------------------------------------------------------
-
-
-def masked_logits(model: Transformer, params: Params, inputs: Array,
-                  head_mask: Array) -> Array:
-  """Logits ``[B, T, V]`` of the model under a dense ``[L, H]`` head mask
-  (fused attention path, no weights)."""
-  logits, _ = model.apply({"params": params}, inputs,
-                          head_mask=_layer_masks(model.config, head_mask),
-                          return_weights=False)
-  return logits
 
 
 def per_example_loss(model: Transformer, params: Params, inputs: Array,
@@ -587,25 +510,6 @@ def prune_heads(params: Params, config: TransformerConfig,
   return new_params, new_config
 
 
-def parse_heads(text: str) -> list[tuple[int, int]]:
-  """Parses ``"0:1,1:3"`` into ``[(0, 1), (1, 3)]`` (ValueError if
-  malformed)."""
-  pairs = []
-  for part in filter(None, (p.strip() for p in text.split(","))):
-    layer, sep, head = part.partition(":")
-    if not sep or not layer.strip().isdigit() or not head.strip().isdigit():
-      raise ValueError(
-          f"bad head {part!r}: expected LAYER:HEAD, e.g. 0:1,1:3")
-    pairs.append((int(layer), int(head)))
-  return pairs
-
-
-def flat_to_pairs(config: TransformerConfig,
-                  flat: Iterable[int]) -> list[tuple[int, int]]:
-  """Flat head indices to ``(layer, head)`` pairs."""
-  return [divmod(int(i), config.max_heads) for i in flat]
-
-
 def count_params(params: Params) -> int:
   """Number of scalars in a parameter tree."""
   return int(sum(np.size(p) for p in jax.tree.leaves(params)))
@@ -613,14 +517,7 @@ def count_params(params: Params) -> int:
 
 __all__ = [
     "HeadSpec",
-    "existing_heads",
-    "full_head_mask",
-    "mask_without",
-    "leave_one_out_masks",
-    "all_but_one_masks",
-    "masks_from_order",
     "pruning_counts",
-    "masked_logits",
     "per_example_loss",
     "head_mask_gradients",
     "masked_metric_sums",
@@ -646,7 +543,5 @@ __all__ = [
     "curve_auc",
     "max_prunable_fraction",
     "prune_heads",
-    "parse_heads",
-    "flat_to_pairs",
     "count_params",
 ]

@@ -31,7 +31,6 @@ module writes it as a training run would: an orbax checkpoint in
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -46,15 +45,17 @@ from mha import build
 from mha import checkpoint as ckpt_lib
 from mha import cli
 from mha import data
+from mha import head_masks
+from mha.aliases import HeadSpec
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
-from mha.pruning import experiment
+from mha.pruning import orderings
 from mha.pruning import oracle
 
 PROVENANCE_FILE = "pruned_from.json"
 #: What ``--order`` takes: every ordering of the study but ``random``, and
 #: ``oracle`` (the best subset on validation).
-ORDERS = tuple(k for k in experiment.ORDERINGS if k != "random") + ("oracle",)
+ORDERS = tuple(k for k in orderings.ORDERINGS if k != "random") + ("oracle",)
 #: The orders that evaluate every subset of heads (at most
 #: ``--oracle_max_heads`` heads).
 SUBSET_ORDERS = ("shapley", "oracle")
@@ -115,7 +116,7 @@ def check_request(out: str | os.PathLike | None, source: str | os.PathLike,
       raise cli.UsageError("--order goes with --prune_fraction, not "
                            "--remove_heads")
     try:
-      heads = core.parse_heads(remove_heads)
+      heads = head_masks.parse_heads(remove_heads)
     except ValueError as e:
       raise cli.UsageError(f"--remove_heads: {e}") from None
   else:
@@ -180,7 +181,7 @@ def pruned_run_config(config: ml_collections.ConfigDict,
 
 def _prune_optimizer_state(opt_state: Any, params: Any,
                            config: TransformerConfig,
-                           heads: core.HeadSpec) -> Any:
+                           heads: HeadSpec) -> Any:
   """Slices ``heads`` out of every subtree of ``opt_state`` shaped like the
   parameters (Adam's moments); counts and empty states pass unchanged."""
   structure = jax.tree.structure(params)
@@ -198,7 +199,7 @@ def _prune_optimizer_state(opt_state: Any, params: Any,
 
 
 def prune_train_state(state: build.TrainState, config: TransformerConfig,
-                      heads: core.HeadSpec
+                      heads: HeadSpec
                       ) -> tuple[build.TrainState, TransformerConfig]:
   """The train state with ``heads`` removed from the parameters and the
   optimizer's moments (same step); and the pruned model's config."""
@@ -245,7 +246,7 @@ def _count(config: TransformerConfig, fraction: float) -> int:
   ``fraction`` is in [0, 1]."""
   if not 0.0 <= fraction <= 1.0:
     raise ValueError(f"--prune_fraction must be in [0, 1], got {fraction}")
-  return int(round(fraction * int(core.existing_heads(config).sum())))
+  return int(round(fraction * int(head_masks.existing_heads(config).sum())))
 
 
 def heads_for_fraction(config: TransformerConfig, order: Sequence[int],
@@ -253,26 +254,26 @@ def heads_for_fraction(config: TransformerConfig, order: Sequence[int],
   """The first ``round(fraction * N)`` heads of ``order`` (flat indices, least
   important first) as ``(layer, head)`` pairs, ``N`` the existing heads."""
   count = _count(config, fraction)
-  return core.flat_to_pairs(config, np.asarray(order, np.int64)[:count])
+  return head_masks.flat_to_pairs(config, np.asarray(order, np.int64)[:count])
 
 
-def check_order(config: TransformerConfig, order: str,
-                options: experiment.Options) -> None:
+def check_order(config: TransformerConfig, order: str, *,
+                oracle_max_heads: int) -> None:
   """Raises ``cli.UsageError`` when ``order`` evaluates every subset of
   heads (:data:`SUBSET_ORDERS`) and the model has more than
-  ``options.oracle_max_heads`` heads. Cheap: call it before any data is
+  ``oracle_max_heads`` heads. Cheap: call it before any data is
   loaded."""
-  if order in SUBSET_ORDERS and not experiment.oracle_applies(config,
-                                                              options):
+  if order in SUBSET_ORDERS and not oracle.oracle_applies(config,
+                                                          oracle_max_heads):
     raise cli.UsageError(
         f"--order {order} evaluates all 2^{oracle.num_heads(config)} subsets "
-        f"of heads: more than --oracle_max_heads={options.oracle_max_heads} "
+        f"of heads: more than --oracle_max_heads={oracle_max_heads} "
         "heads")
 
 
 def heads_of_order(model: Transformer, params: Any, validation: data.Split,
-                   order: str, fraction: float, options: experiment.Options
-                   ) -> list[tuple[int, int]]:
+                   order: str, fraction: float, *, batch_size: int,
+                   oracle_max_heads: int) -> list[tuple[int, int]]:
   """The heads that ``--prune_fraction fraction --order order`` removes.
 
   For an ordering of the study: its ``round(fraction * N)`` least important
@@ -285,16 +286,16 @@ def heads_of_order(model: Transformer, params: Any, validation: data.Split,
     ValueError: ``fraction`` outside [0, 1].
   """
   config = model.config
-  check_order(config, order, options)
+  check_order(config, order, oracle_max_heads=oracle_max_heads)
   count = _count(config, fraction)
   if order == "oracle":
-    flat = experiment.oracle_removals(model, params, validation,
-                                      options)[count][0]
-    return core.flat_to_pairs(config, flat)
-  options = dataclasses.replace(options,
-                                reestimate=order == "gradient_iterative")
-  orders = experiment.compute_orders(model, params, validation, options,
-                                     names=[order])
+    flat = oracle.oracle_removals(model, params, validation,
+                                  batch_size=batch_size)[count][0]
+    return head_masks.flat_to_pairs(config, flat)
+  orders = orderings.compute_orders(
+      model, params, validation, batch_size=batch_size,
+      oracle_max_heads=oracle_max_heads,
+      reestimate=order == "gradient_iterative", names=[order])
   return heads_for_fraction(config, orders[order], fraction)
 
 
@@ -314,13 +315,13 @@ def _write(out: str, step: int, state: Any,
     f.write("\n")
 
 
-def _sorted_pairs(heads: core.HeadSpec) -> list[list[int]]:
+def _sorted_pairs(heads: HeadSpec) -> list[list[int]]:
   if isinstance(heads, Mapping):
     heads = [(layer, h) for layer, hs in heads.items() for h in hs]
   return [list(pair) for pair in sorted({(int(l), int(h)) for l, h in heads})]
 
 
-def save_pruned(ckpt: ckpt_lib.LoadedCheckpoint, heads: core.HeadSpec,
+def save_pruned(ckpt: ckpt_lib.LoadedCheckpoint, heads: HeadSpec,
                 out: str | os.PathLike, *, source: str | os.PathLike,
                 details: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """Writes the model of ``ckpt`` with ``heads`` removed as a workdir.

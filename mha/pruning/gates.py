@@ -36,12 +36,11 @@ import optax
 
 from mha import data
 from mha import evaluate as eval_lib
+from mha import head_masks
 from mha import sharding as sharding_lib
+from mha.aliases import Array, Params
 from mha.model import Transformer, TransformerConfig
-from mha.pruning import core
 
-Array = jax.Array
-Params = Any
 
 BETA, GAMMA, ZETA = 2.0 / 3.0, -0.1, 1.1
 #: Initial ``log_alpha``: every gate partly open (test-time gate 0.65,
@@ -77,9 +76,9 @@ def gate_loss(log_alpha: Array, model: Transformer, params: Params,
               strength: Array) -> tuple[Array, Array]:
   """Mean token cross-entropy under sampled gates ``[L, H]`` plus
   ``strength`` times the expected number of heads kept; and that number."""
-  exists = jnp.asarray(core.existing_heads(model.config), jnp.float32)
+  exists = jnp.asarray(head_masks.existing_heads(model.config), jnp.float32)
   z = sample(log_alpha, rng) * exists
-  sums = eval_lib.metric_sums(core.masked_logits(model, params, inputs, z),
+  sums = eval_lib.metric_sums(head_masks.masked_logits(model, params, inputs, z),
                               targets, inputs)
   expected = jnp.sum(probability_open(log_alpha) * exists)
   return (sums["loss_sum"] / jnp.maximum(sums["tokens"], 1)
@@ -114,7 +113,7 @@ def train_gates(model: Transformer, params: Params, train: data.Split,
   """
   config = model.config
   strengths = jnp.asarray(strengths, jnp.float32)
-  log_alpha = jnp.full((len(strengths),) + core.existing_heads(config).shape,
+  log_alpha = jnp.full((len(strengths),) + head_masks.existing_heads(config).shape,
                        INIT_LOG_ALPHA, jnp.float32)
   optimizer = optax.adam(learning_rate)
   # Laid out as the step's outputs will be (replicated), so that the second
@@ -135,7 +134,7 @@ def train_gates(model: Transformer, params: Params, train: data.Split,
       log(f"    gates step {step + 1}/{steps}: expected heads kept "
           + ", ".join(f"{float(e):.1f}" for e in expected))
   log_alpha = np.asarray(jax.device_get(log_alpha), np.float64)
-  log_alpha[:, ~core.existing_heads(config)] = np.nan
+  log_alpha[:, ~head_masks.existing_heads(config)] = np.nan
   return {"log_alpha": log_alpha,
           "expected_heads": np.asarray(expected, np.float64),
           "seconds": time.perf_counter() - start, "steps": steps}
@@ -146,7 +145,7 @@ def kept_mask(log_alpha: np.ndarray, config: TransformerConfig, *,
   """The 0/1 head mask ``[L, H]`` of one strength's gates: the heads whose
   test-time gate is above 0; with ``no_layer_emptied``, a layer left with
   none keeps its head of largest ``log_alpha``."""
-  exists = core.existing_heads(config)
+  exists = head_masks.existing_heads(config)
   values = np.where(exists, np.nan_to_num(log_alpha, nan=-np.inf), -np.inf)
   mask = (np.asarray(deterministic(jnp.asarray(np.where(
       exists, values, 0.0)))) > 0) & exists
@@ -161,7 +160,7 @@ def removal_of_size(log_alpha: np.ndarray, config: TransformerConfig,
                     count: int) -> np.ndarray:
   """The ``count`` heads (flat indices) of lowest ``log_alpha``: the gates'
   choice of exactly ``count`` heads to remove."""
-  flat = np.where(core.existing_heads(config), log_alpha, np.inf).reshape(-1)
+  flat = np.where(head_masks.existing_heads(config), log_alpha, np.inf).reshape(-1)
   order = np.argsort(flat, kind="stable")
   return order[:count]
 

@@ -30,7 +30,7 @@ still an ordinary smaller model once the heads are sliced out
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -38,12 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from mha import data
-from mha import evaluate as eval_lib
+from mha import head_masks
+from mha.aliases import Array, HeadSpec, Params
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
 
-Array = jax.Array
-Params = Any
 
 
 def _layer_of(context: Any) -> int | None:
@@ -158,7 +157,7 @@ def mean_ablated_logits(model: Transformer, params: Params, means: np.ndarray,
 
 
 def prune_mean_ablated(params: Params, config: TransformerConfig,
-                       heads: core.HeadSpec, means: np.ndarray
+                       heads: HeadSpec, means: np.ndarray
                        ) -> tuple[Params, TransformerConfig]:
   """The mean-ablated model without ``heads`` as a smaller model: their mean
   outputs folded into the output biases, then sliced out
@@ -166,7 +165,7 @@ def prune_mean_ablated(params: Params, config: TransformerConfig,
   pairs = core._heads_by_layer(config, heads)  # Checks that they exist.
   flat = [layer * config.max_heads + h for layer, hs in pairs.items()
           for h in hs]
-  mask = core.mask_without(config, flat)
+  mask = head_masks.mask_without(config, flat)
   folded = fold(params, config, bias_shifts(params, config, means), mask)
   return core.prune_heads(folded, config, pairs)
 

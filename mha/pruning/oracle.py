@@ -6,7 +6,7 @@ ground truth every importance ordering is measured against; the same table
 gives exact Shapley values.
 
 Subset ``s`` keeps existing head ``i`` (the ``i``-th of
-``np.flatnonzero(core.existing_heads(config))``, layer by layer) iff bit ``i``
+``np.flatnonzero(head_masks.existing_heads(config))``, layer by layer) iff bit ``i``
 of ``s`` is set, so ``s = 2**N - 1`` keeps every head and ``s = 0`` none.
 
 Work is shared: a head of layer ``l`` changes only layer ``l`` and the layers
@@ -20,13 +20,19 @@ read-out per subset, not ``L`` full layers.
 
     values = evaluate_subsets(model, params, splits["validation"])
     removed = best_removals(values["token_accuracy"], model.config)
+
+Every oracle helper lives here: which models it applies to
+(:func:`oracle_applies`), the value of a subset (:func:`subset_values`),
+the candidates per number of heads removed (:data:`ORACLE_CANDIDATES`,
+:func:`ranked_removals`, :func:`removals_by_variant`), the oracle of a model
+(:func:`oracle_removals`, :func:`evaluate_oracle`) and exact Shapley values.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -34,12 +40,13 @@ import numpy as np
 
 from mha import data
 from mha import evaluate as eval_lib
+from mha import head_masks
+from mha.aliases import Array, Log, Params
 from mha.attention import padding_mask_from_tokens
 from mha.model import EncoderBlock, Transformer, TransformerConfig
+from mha.progress import quiet, timed
 from mha.pruning import core
 
-Array = jax.Array
-Params = Any
 
 #: Rows (subsets x examples) of one jitted call: enough to amortise a call,
 #: few enough that the activations of one layer stay near the cache.
@@ -53,7 +60,7 @@ ROWS_PER_CALL = 1 << 13
 
 def num_heads(config: TransformerConfig) -> int:
   """Number of existing heads ``N``."""
-  return int(core.existing_heads(config).sum())
+  return int(head_masks.existing_heads(config).sum())
 
 
 def _bits(count: int) -> np.ndarray:
@@ -65,7 +72,7 @@ def _bits(count: int) -> np.ndarray:
 def subset_masks(config: TransformerConfig) -> np.ndarray:
   """``[2**N, L, H]`` float32 head masks: mask ``s`` keeps existing head
   ``i`` iff bit ``i`` of ``s`` is set."""
-  exists = core.existing_heads(config)
+  exists = head_masks.existing_heads(config)
   flat = np.flatnonzero(exists)
   masks = np.zeros((2 ** len(flat), exists.size), np.float32)
   masks[:, flat] = _bits(len(flat))
@@ -74,7 +81,7 @@ def subset_masks(config: TransformerConfig) -> np.ndarray:
 
 def subset_index(config: TransformerConfig, masks: np.ndarray) -> np.ndarray:
   """The subset index ``s`` of each dense mask ``[..., L, H]``."""
-  flat = np.flatnonzero(core.existing_heads(config))
+  flat = np.flatnonzero(head_masks.existing_heads(config))
   masks = np.asarray(masks).reshape(np.shape(masks)[:-2] + (-1,))
   kept = masks[..., flat] > 0.5
   return np.sum(kept.astype(np.int64) << np.arange(len(flat)), axis=-1)
@@ -230,7 +237,7 @@ def ranked_removals(values: np.ndarray, config: TransformerConfig, *,
   """For each number ``k`` of heads removed, the removed heads of the
   ``top`` best subsets, best first (see :func:`best_removals`)."""
   values = np.asarray(values, np.float64)
-  flat = np.flatnonzero(core.existing_heads(config))
+  flat = np.flatnonzero(head_masks.existing_heads(config))
   n = len(flat)
   if values.shape != (2 ** n,):
     raise ValueError(f"values must be [2**N] = [{2 ** n}], got "
@@ -298,7 +305,100 @@ def shapley_values(values: np.ndarray, config: TransformerConfig) -> np.ndarray:
   return core.heads_to_array(config, phi)
 
 
+# --------------------------------------------------------------------------
+# The oracle of a model: what the study, export and the extensions use.
+# --------------------------------------------------------------------------
+
+#: Subsets per number of heads removed among which each bootstrap replicate
+#: chooses the oracle again (the best ones on the full validation split), so
+#: that the oracle's intervals include the variability of its choice.
+ORACLE_CANDIDATES = 5
+#: The cost of one subset in :func:`evaluate_subsets` relative to one mask
+#: of ``core.evaluate_masks`` (0.85 measured on 2 CPU cores when the study
+#: was written; ``scripts/benchmark.py`` measures it again:
+#: ``pruning_masks``, ``subsets.speedup`` is its inverse). Every subset is
+#: evaluated instead of ``M`` masks when ``M >= SUBSET_COST * 2**N``.
+SUBSET_COST = 0.85
+#: The two oracles: among all subsets, and among those keeping at least one
+#: head in every layer that has heads.
+VARIANTS = ("all", "no_layer_emptied")
+
+
+def oracle_applies(config: TransformerConfig, max_heads: int) -> bool:
+  """Whether every subset of the model's heads is evaluated: at most
+  ``max_heads`` heads (``--oracle_max_heads``)."""
+  return num_heads(config) <= max_heads
+
+
+def subset_values(metrics: Mapping[str, np.ndarray]) -> np.ndarray:
+  """The oracle's and Shapley's value of each subset: token accuracy, ties
+  broken by the loss (differences in token accuracy are multiples of one
+  token in the split, far above 1e-9 x loss)."""
+  return metrics["token_accuracy"] - 1e-9 * metrics["loss"]
+
+
+def removals_by_variant(values: np.ndarray, config: TransformerConfig, *,
+                        top: int = ORACLE_CANDIDATES
+                        ) -> dict[str, list[list[np.ndarray]]]:
+  """:func:`ranked_removals` of both :data:`VARIANTS`: variant -> for each
+  ``k`` the removals of the ``top`` best subsets, the best first."""
+  return {variant: ranked_removals(
+      values, config, no_layer_emptied=variant == "no_layer_emptied",
+      top=top) for variant in VARIANTS}
+
+
+def oracle_removals(model: Transformer, params: Params,
+                    validation: data.Split, *, batch_size: int,
+                    no_layer_emptied: bool = False, top: int = 1,
+                    table: Mapping[str, np.ndarray] | None = None
+                    ) -> list[list[np.ndarray]]:
+  """The oracle, chosen on ``validation``: for each number ``k`` of heads
+  removed (0..N), the removed heads (flat indices, ``layer * H + head``) of
+  the ``top`` best subsets by :func:`subset_values`, the best first;
+  ``[k][0]`` is the oracle's choice.
+
+  ``table``: the per-example sums of every subset on ``validation``
+  (``evaluate_subsets(..., per_example=True)``) when already evaluated;
+  otherwise they are evaluated here.
+  """
+  if table is None:
+    table = evaluate_subsets(model, params, validation,
+                             batch_size=batch_size, per_example=True)
+  values = subset_values(core.summarize_examples(table))
+  return ranked_removals(values, model.config,
+                         no_layer_emptied=no_layer_emptied, top=top)
+
+
+def evaluate_oracle(model: Transformer, params: Params,
+                    validation: data.Split, *, batch_size: int,
+                    max_heads: int, log: Log = quiet,
+                    timings: dict[str, float] | None = None
+                    ) -> tuple[dict[str, np.ndarray] | None, np.ndarray,
+                               dict[str, list[list[np.ndarray]]]]:
+  """Every subset on validation (per example), exact Shapley values
+  ``[L, H]`` of token accuracy, and the oracle's candidates per variant
+  (:func:`removals_by_variant`); ``(None, NaN, {})`` above ``max_heads``.
+  ``timings["oracle_s"]`` receives the seconds it took."""
+  config = model.config
+  n = num_heads(config)
+  if not oracle_applies(config, max_heads):
+    log(f"  oracle and Shapley values skipped: {n} heads > "
+        f"--oracle_max_heads={max_heads}")
+    return None, np.full(head_masks.existing_heads(config).shape, np.nan), {}
+  timings = {} if timings is None else timings
+  table, timings["oracle_s"] = timed(
+      log, f"oracle: all {2 ** n} subsets of heads on validation, layer by "
+      "layer", lambda: evaluate_subsets(
+          model, params, validation, per_example=True,
+          batch_size=batch_size))
+  summary = core.summarize_examples(table)
+  removals = removals_by_variant(subset_values(summary), config)
+  shapley = shapley_values(summary["token_accuracy"], config)
+  return table, shapley, removals
+
+
 __all__ = ["subset_masks", "subset_index", "kept_counts", "num_heads",
            "subset_metric_sums", "evaluate_subsets", "best_removals",
-           "ranked_removals",
-           "shapley_values"]
+           "ranked_removals", "shapley_values", "ORACLE_CANDIDATES",
+           "SUBSET_COST", "VARIANTS", "oracle_applies", "subset_values",
+           "removals_by_variant", "oracle_removals", "evaluate_oracle"]

@@ -36,11 +36,10 @@ from mha import build
 from mha import data
 from mha import evaluate as eval_lib
 from mha import sharding as sharding_lib
+from mha.aliases import Params
 from mha.model import Transformer
 from mha.pruning import core
 
-Array = jax.Array
-Params = Any
 
 
 def retrain_config(config: ml_collections.ConfigDict,

@@ -31,11 +31,11 @@ import numpy as np
 
 from mha import data
 from mha import evaluate as eval_lib
+from mha import head_masks
+from mha.aliases import Array, Params
 from mha.model import Transformer
 from mha.pruning import core
 
-Array = jax.Array
-Params = Any
 
 REPEATS = 10  # Rounds of timing (the issue's floor).
 MIN_SECONDS = 0.2  # Shortest timing window per model and round.
@@ -220,20 +220,20 @@ def _pruned_entries(model: Transformer, params: Params, order: np.ndarray,
   with its heads, parameter counts, test metrics and its largest logit
   difference to the original model under the equivalent mask."""
   config = model.config
-  num_heads = int(core.existing_heads(config).sum())
-  masked_logits = jax.jit(functools.partial(core.masked_logits, model))
+  num_heads = int(head_masks.existing_heads(config).sum())
+  masked_logits = jax.jit(functools.partial(head_masks.masked_logits, model))
   inputs = jnp.asarray(test.inputs)
   entries, models = [], []
   for fraction in fractions:
     k = int(round(fraction * num_heads))
-    removed = core.flat_to_pairs(config, order[:k])
+    removed = head_masks.flat_to_pairs(config, order[:k])
     p, c = core.prune_heads(params, config, removed)
     pruned = Transformer(c)
     # One whole-split call each (tiny data): the pruned model, and the
     # original one under the equivalent mask.
     logits = compile_prediction(pruned, p, inputs)(p, inputs)
     reference = masked_logits(params, inputs,
-                              jnp.asarray(core.mask_without(config,
+                              jnp.asarray(head_masks.mask_without(config,
                                                             order[:k])))
     metrics = eval_lib.summarize(jax.device_get(eval_lib.metric_sums(
         logits, jnp.asarray(test.targets), inputs)))

@@ -1,7 +1,7 @@
 """``report.md`` and the PNG plots of the pruning experiment.
 
-Reads the results dict of :func:`mha.pruning.experiment.run` (NumPy arrays
-or the lists of its JSON form alike) and writes, beside ``results.json``:
+Reads the results of :func:`mha.pruning.study.run` (the JSON form of
+``results.json``; NumPy arrays work alike) and writes, beside ``results.json``:
 
 * ``curves_token_accuracy.png``, ``curves_exact_match.png``: test accuracy
   vs fraction of heads removed for every ordering and the oracle, with 95%
@@ -12,19 +12,27 @@ or the lists of its JSON form alike) and writes, beside ``results.json``:
 * ``scatter_gradient_vs_leave_one_out.png``;
 * ``speed.png`` (when the speed table ran);
 * ``report.md``: every number with its 95% interval, the plots inlined.
+
+Re-render both from a study's folder without recomputing anything:
+
+    python -m mha.pruning.study.report runs/reverse/pruning
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import sys
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from mha import head_roles
-from mha.pruning import plots as pruning_plots
 from mha.pruning import stats
-from mha.pruning import report_beyond
+from mha.pruning.study import markdown as md
+from mha.pruning.study import plots as pruning_plots
+from mha.pruning.study import report_extensions
 
 _CURVE_FILES = {"token_accuracy": "curves_token_accuracy.png",
                 "exact_match": "curves_exact_match.png"}
@@ -33,52 +41,6 @@ _METRIC_LABELS = {"token_accuracy": "token accuracy",
                   "exact_match": "exact match"}
 #: Curves drawn with their interval band (the others: lines only).
 _BANDS = ("gradient", "leave_one_out", "shapley", "random", "oracle")
-
-
-def _grid(value: Any) -> np.ndarray:
-  rows = [[np.nan if v is None else v for v in row] for row in
-          np.asarray(value, dtype=object).tolist()]
-  return np.asarray(rows, np.float64)
-
-
-def _finite(value: Any) -> bool:
-  return value is not None and np.isfinite(value)
-
-
-def _fmt(value: float | None, digits: int = 3) -> str:
-  return f"{value:.{digits}f}" if _finite(value) else "n/a"
-
-
-def _ci(entry: Mapping[str, Any], key: str, digits: int = 3,
-        sign: bool = False) -> str:
-  """``value [low, high]`` of ``entry[key]`` and ``entry[key + "_ci"]``."""
-  value, ci = entry.get(key), entry.get(f"{key}_ci")
-  if not _finite(value):
-    return "n/a"
-  form = f"{{:+.{digits}f}}" if sign else f"{{:.{digits}f}}"
-  text = form.format(value)
-  if ci is not None and all(_finite(c) for c in ci):
-    text += " [" + ", ".join(form.format(c) for c in ci) + "]"
-  return text
-
-
-def _q(q: float) -> str:
-  return "=n/a" if not _finite(q) else (
-      "<1e-4" if q < 1e-4 else f"={q:.2g}")
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-  lines = ["| " + " | ".join(header) + " |",
-           "|" + "|".join("---" for _ in header) + "|"]
-  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-  return lines + [""]
-
-
-def _heads_table(grid: np.ndarray, fmt: str = "{:+.3f}") -> list[str]:
-  header = ["layer"] + [f"head {h}" for h in range(grid.shape[1])]
-  rows = [[str(layer)] + ["" if np.isnan(v) else fmt.format(v) for v in row]
-          for layer, row in enumerate(grid)]
-  return _table(header, rows)
 
 
 def _labels(results: Mapping[str, Any]) -> dict[str, str]:
@@ -115,15 +77,15 @@ def _curve_plot(results: Mapping[str, Any], group: Mapping[str, Any],
 def _importance_plot(first: Mapping[str, Any], out_dir: str) -> str:
   imp = first["importance"]
   measures = {
-      "gradient |dL/dξ|": _grid(imp["gradient"]),
-      "gradient, L2 per layer": _grid(imp["gradient_l2"]),
-      "leave-one-out loss increase": _grid(imp["leave_one_out"]),
+      "gradient |dL/dξ|": md.grid(imp["gradient"]),
+      "gradient, L2 per layer": md.grid(imp["gradient_l2"]),
+      "leave-one-out loss increase": md.grid(imp["leave_one_out"]),
       "leave-one-out token acc. drop":
-          _grid(imp["leave_one_out_token_accuracy_drop"]),
+          md.grid(imp["leave_one_out_token_accuracy_drop"]),
       "Shapley value (val. token acc.)":
-          _grid(imp["shapley_token_accuracy"]),
-      "confidence (mean max weight)": _grid(imp["confidence"]),
-      "entropy (nats)": _grid(imp["entropy"]),
+          md.grid(imp["shapley_token_accuracy"]),
+      "confidence (mean max weight)": md.grid(imp["confidence"]),
+      "entropy (nats)": md.grid(imp["entropy"]),
   }
   measures = {k: v for k, v in measures.items() if not np.all(np.isnan(v))}
   return pruning_plots.plot_importance_heatmaps(
@@ -135,11 +97,11 @@ def _ablation_plot(first: Mapping[str, Any], out_dir: str) -> str:
   single = first["single_head_ablation"]
   ablation = {
       "single head removed: Δ test token acc.":
-          _grid(single["token_accuracy_change"]),
+          md.grid(single["token_accuracy_change"]),
       "single head removed: Δ test exact match":
-          _grid(single["exact_match_change"]),
+          md.grid(single["exact_match_change"]),
       "only this head in its layer: test token acc.":
-          _grid(first["all_but_one"]["test"]["token_accuracy"]),
+          md.grid(first["all_but_one"]["test"]["token_accuracy"]),
   }
   return pruning_plots.plot_importance_heatmaps(
       ablation, os.path.join(out_dir, f"ablation_seed{first['seed']}.png"),
@@ -148,8 +110,8 @@ def _ablation_plot(first: Mapping[str, Any], out_dir: str) -> str:
 
 def _scatter_plot(results: Mapping[str, Any], out_dir: str) -> str:
   seeds = results["seeds"]
-  xs = [np.ravel(_grid(s["importance"]["gradient"])) for s in seeds]
-  ys = [np.ravel(_grid(s["importance"]["leave_one_out"])) for s in seeds]
+  xs = [np.ravel(md.grid(s["importance"]["gradient"])) for s in seeds]
+  ys = [np.ravel(md.grid(s["importance"]["leave_one_out"])) for s in seeds]
   keep = [~(np.isnan(x) | np.isnan(y)) for x, y in zip(xs, ys)]
   spearman = [s["spearman"]["gradient_vs_leave_one_out"]["rho"]
               for s in seeds]
@@ -158,7 +120,7 @@ def _scatter_plot(results: Mapping[str, Any], out_dir: str) -> str:
       os.path.join(out_dir, "scatter_gradient_vs_leave_one_out.png"),
       xlabel="gradient importance E|dL/dξ| (validation)",
       ylabel="leave-one-out loss increase (validation)",
-      labels=[f"seed {s['seed']} (Spearman {_fmt(r, 2)})"
+      labels=[f"seed {s['seed']} (Spearman {md.fmt(r, 2)})"
               for s, r in zip(seeds, spearman)],
       title="Does the gradient rank heads as removing them does?")
 
@@ -194,20 +156,20 @@ def write(results: Mapping[str, Any], out_dir: str) -> list[str]:
         results, agg, np.asarray(seeds[0]["fractions"], np.float64), metric,
         os.path.join(out_dir, name),
         f"{results['task']}: test {_METRIC_LABELS[metric]}, {runs}",
-        report_beyond.gate_points(results) if metric == "token_accuracy"
+        report_extensions.gate_points(results) if metric == "token_accuracy"
         else None))
   paths.append(_curve_plot(
       results, agg["no_layer_emptied"],
       np.asarray(seeds[0]["no_layer_emptied"]["fractions"], np.float64),
       "token_accuracy", os.path.join(out_dir, _NO_LAYER_EMPTIED_PNG),
       f"{results['task']}: never emptying a layer, {runs}",
-      report_beyond.gate_points(results, "no_layer_emptied")))
+      report_extensions.gate_points(results, "no_layer_emptied")))
   paths += [_importance_plot(seeds[0], out_dir),
             _ablation_plot(seeds[0], out_dir),
             _scatter_plot(results, out_dir)]
   if results.get("speed"):
     paths.append(_speed_plot(results, out_dir))
-  paths += report_beyond.write_plots(results, out_dir, _curve_plot)
+  paths += report_extensions.write_plots(results, out_dir, _curve_plot)
   report = os.path.join(out_dir, "report.md")
   with open(report, "w", encoding="utf-8") as f:
     f.write("\n".join(report_lines(results)))
@@ -233,7 +195,7 @@ def report_lines(results: Mapping[str, Any]) -> list[str]:
   lines += _ablation_section(results)
   if results.get("speed"):
     lines += _speed_section(results)
-  lines += report_beyond.report_lines(results)
+  lines += report_extensions.report_lines(results)
   if "custom_pruning" in results:
     c = results["custom_pruning"]
     lines += ["## Requested pruning", "",
@@ -280,7 +242,7 @@ def _sign(entry: Mapping[str, Any], key: str) -> int:
   """+1 / -1 when the interval of ``entry[key]`` excludes 0 above / below,
   0 when it contains 0 (or is missing)."""
   ci = entry.get(f"{key}_ci")
-  if ci is None or not all(_finite(c) for c in ci):
+  if ci is None or not all(md.finite(c) for c in ci):
     return 0
   return 1 if ci[0] > 0 else (-1 if ci[1] < 0 else 0)
 
@@ -290,7 +252,7 @@ def _oracle_finding(summary: Mapping[str, Any], orderings: Sequence[str],
   """The orderings whose AUC gap to the oracle has an interval containing
   0; when there is none, the closest one by point estimate, said so."""
   gap = f"{key}_minus_oracle"
-  text = f"- The oracle's AUC is {_ci(summary['oracle'], key)}. "
+  text = f"- The oracle's AUC is {md.ci(summary['oracle'], key)}. "
   close = [k for k in orderings
            if summary[k].get(f"{gap}_ci") is not None
            and _sign(summary[k], gap) == 0]
@@ -298,13 +260,13 @@ def _oracle_finding(summary: Mapping[str, Any], orderings: Sequence[str],
     return text + (
         "Orderings not distinguishable from it (the interval of the AUC gap "
         "contains 0): " + "; ".join(
-            f"{labels[k]} {_ci(summary[k], gap, sign=True)}"
+            f"{labels[k]} {md.ci(summary[k], gap, sign=True)}"
             for k in close) + ".")
   best = max(orderings, key=lambda k: summary[k][key])
   return text + (
       "Every ordering's gap to it has an interval excluding 0; the closest "
       f"by point estimate is {labels[best]}, "
-      f"{_ci(summary[best], gap, sign=True)}.")
+      f"{md.ci(summary[best], gap, sign=True)}.")
 
 
 def _findings_section(results: Mapping[str, Any]) -> list[str]:
@@ -322,16 +284,16 @@ def _findings_section(results: Mapping[str, Any]) -> list[str]:
                      (-1, "are worse than random orders")):
     if by_sign[s]:
       lines.append(f"- These orderings {verdict} (AUC difference): " +
-                   "; ".join(f"{labels[k]} " + _ci(
+                   "; ".join(f"{labels[k]} " + md.ci(
                        summary[k], f"{key}_minus_random", sign=True)
                              for k in by_sign[s]) + ".")
   if "oracle" in summary:
     lines.append(_oracle_finding(summary, orderings, labels, key))
     lines.append(
         "- Heads prunable within the tolerance (chosen on validation): "
-        f"oracle {_ci(summary['oracle'], 'prunable_heads_token_accuracy', 1)}"
+        f"oracle {md.ci(summary['oracle'], 'prunable_heads_token_accuracy', 1)}"
         "; " + "; ".join(
-            f"{labels[k]} {_ci(summary[k], 'prunable_heads_token_accuracy', 1)}"
+            f"{labels[k]} {md.ci(summary[k], 'prunable_heads_token_accuracy', 1)}"
             for k in orderings) + ".")
   else:
     lines.append("- " + results["seeds"][0].get(
@@ -343,7 +305,7 @@ def _findings_section(results: Mapping[str, Any]) -> list[str]:
     if names:
       lines.append(
           f"- Never emptying a layer {verdict} the AUC (same points) of: " +
-          "; ".join(f"{labels[k]} " + _ci(change[k], f"{key}_change",
+          "; ".join(f"{labels[k]} " + md.ci(change[k], f"{key}_change",
                                           sign=True) for k in names) + ".")
   same = [labels[k] for k in orderings
           if k in change and _sign(change[k], f"{key}_change") == 0]
@@ -357,7 +319,7 @@ def _curve_rows(summary: Mapping[str, Any], labels: Mapping[str, str],
                 columns: Sequence[tuple[str, int, bool]]) -> list[list[str]]:
   """A row per curve of ``summary`` (in ``labels``' order): its label, then
   ``value [low, high]`` of each ``(key, digits, signed)`` column."""
-  return [[label] + [_ci(summary[key], column, digits, sign)
+  return [[label] + [md.ci(summary[key], column, digits, sign)
                      for column, digits, sign in columns]
           for key, label in labels.items() if key in summary]
 
@@ -394,7 +356,7 @@ def _curves_section(results: Mapping[str, Any]) -> list[str]:
       ("prunable_heads_token_accuracy_minus_oracle", 1, True),
       ("test_token_accuracy_at_prunable", 3, False),
       ("auc_exact_match", 3, False)])
-  lines += _table(["curve", "AUC token acc.", "Δ vs oracle", "Δ vs random",
+  lines += md.table(["curve", "AUC token acc.", "Δ vs oracle", "Δ vs random",
                    "Δ vs reverse", "prunable heads (val.)",
                    "prunable Δ vs oracle", "test token acc. there",
                    "AUC exact match"], rows)
@@ -418,11 +380,11 @@ def _oracle_section(results: Mapping[str, Any]) -> list[str]:
   if ci is None or len(ci) != len(first["oracle"]):
     ci = [None] * len(first["oracle"])  # Curve points are not every k.
   rows = [[e["k"], ", ".join(f"{l}:{h}" for l, h in e["removed"]) or "-",
-           _fmt(e["validation"]["token_accuracy"]),
-           _ci({"v": e["test"]["token_accuracy"], "v_ci": c}, "v"),
-           _fmt(e["test"]["exact_match"])]
+           md.fmt(e["validation"]["token_accuracy"]),
+           md.ci({"v": e["test"]["token_accuracy"], "v_ci": c}, "v"),
+           md.fmt(e["test"]["exact_match"])]
           for e, c in zip(first["oracle"], ci)]
-  lines += _table(["heads removed", "which (layer:head)",
+  lines += md.table(["heads removed", "which (layer:head)",
                    "validation token acc.", "test token acc. [95% CI]",
                    "test exact match"], rows)
   return lines + [
@@ -449,7 +411,7 @@ def _no_layer_emptied_section(results: Mapping[str, Any]) -> list[str]:
       ("auc_token_accuracy", 3, False), ("auc_token_accuracy_plain", 3, False),
       ("auc_token_accuracy_change", 3, True),
       ("auc_token_accuracy_minus_oracle", 3, True)])
-  return lines + _table(["curve", "AUC token acc.", "plain, same points",
+  return lines + md.table(["curve", "AUC token acc.", "plain, same points",
                          "change", "Δ vs oracle"], rows)
 
 
@@ -464,15 +426,15 @@ def _spearman_section(results: Mapping[str, Any]) -> list[str]:
   }
   rows = []
   for key, v in results["aggregate"]["spearman"].items():
-    ci = "[" + ", ".join(_fmt(c, 2) for c in v["ci"]) + "]"
-    rows.append([names.get(key, key), f"{_fmt(v['rho'], 2)} {ci}",
-                 _fmt(v["p"]), ", ".join(_fmt(x, 2) for x in v["per_seed"])])
+    ci = "[" + ", ".join(md.fmt(c, 2) for c in v["ci"]) + "]"
+    rows.append([names.get(key, key), f"{md.fmt(v['rho'], 2)} {ci}",
+                 md.fmt(v["p"]), ", ".join(md.fmt(x, 2) for x in v["per_seed"])])
   return [
       "## Is the ranking stable?", "",
       "Spearman correlations of per-head scores, averaged over seeds through "
       "Fisher's z, with a 95% interval and the p-value of no correlation "
       "(normal approximation, rough with this few heads).", "",
-  ] + _table(["pair", "Spearman ρ [95% CI]", "p", "per seed"], rows) + [
+  ] + md.table(["pair", "Spearman ρ [95% CI]", "p", "per seed"], rows) + [
       "![gradient vs leave-one-out](scatter_gradient_vs_leave_one_out.png)",
       ""]
 
@@ -485,13 +447,13 @@ def _importance_section(results: Mapping[str, Any]) -> list[str]:
       "Shapley value of each head for v(S) = validation token accuracy with "
       "exactly the heads of S kept (they sum to v(all) - v(none)):", "",
   ]
-  shapley = _grid(first["importance"]["shapley_token_accuracy"])
-  lines += (_heads_table(shapley) if not np.all(np.isnan(shapley)) else
+  shapley = md.grid(first["importance"]["shapley_token_accuracy"])
+  lines += (md.heads_table(shapley) if not np.all(np.isnan(shapley)) else
             [first.get("oracle_skipped", "Not computed."), ""])
   lines += ["Leave-one-out loss increase:", ""]
-  lines += _heads_table(_grid(first["importance"]["leave_one_out"]))
+  lines += md.heads_table(md.grid(first["importance"]["leave_one_out"]))
   lines += ["Gradient importance E|dL/dξ|:", ""]
-  return lines + _heads_table(_grid(first["importance"]["gradient"]), "{:.3g}")
+  return lines + md.heads_table(md.grid(first["importance"]["gradient"]), "{:.3g}")
 
 
 #: Importance measures set beside the heads' roles: results key -> label.
@@ -510,10 +472,10 @@ def _role_correlations(seeds: Sequence[Mapping[str, Any]], measure: str
   for name in (*head_roles.PATTERNS, "top", "top_within_layer"):
     per_seed = []
     for seed in seeds:
-      roles = {p: _grid(seed["head_roles"][p]) for p in head_roles.PATTERNS}
+      roles = {p: md.grid(seed["head_roles"][p]) for p in head_roles.PATTERNS}
       score = (roles[name] if name in roles else
                np.max(np.stack(list(roles.values())), axis=0))
-      importance = _grid(seed["importance"][measure])
+      importance = md.grid(seed["importance"][measure])
       if name == "top_within_layer":  # one correlation per layer
         per_seed += [stats.spearman(a, b) for a, b in zip(score, importance)]
       else:
@@ -523,10 +485,10 @@ def _role_correlations(seeds: Sequence[Mapping[str, Any]], measure: str
 
 
 def _role_cell(v: Mapping[str, Any]) -> str:
-  if not _finite(v["rho"]):
+  if not md.finite(v["rho"]):
     return "n/a"
-  return (f"{_fmt(v['rho'], 2)} [" + ", ".join(_fmt(c, 2) for c in v["ci"])
-          + f"], p{_q(v['p'])}")
+  return (f"{md.fmt(v['rho'], 2)} [" + ", ".join(md.fmt(c, 2) for c in v["ci"])
+          + f"], p{md.q_value(v['p'])}")
 
 
 def roles_section(results: Mapping[str, Any]) -> list[str]:
@@ -539,14 +501,14 @@ def roles_section(results: Mapping[str, Any]) -> list[str]:
   if not seeds:
     return []
   first = seeds[0]
-  roles = {p: _grid(first["head_roles"][p]) for p in head_roles.PATTERNS}
+  roles = {p: md.grid(first["head_roles"][p]) for p in head_roles.PATTERNS}
   top = head_roles.top_roles(roles)
-  change = _grid(first["single_head_ablation"]["token_accuracy_change"])
-  measures = {label: _grid(first["importance"][key])
+  change = md.grid(first["single_head_ablation"]["token_accuracy_change"])
+  measures = {label: md.grid(first["importance"][key])
               for key, label in _ROLE_MEASURES.items()}
   rows = [[layer, head, f"{head_roles.LABELS[role]} "
            f"({roles[role][layer, head]:.2f})",
-           *[_fmt(m[layer, head]) for m in measures.values()],
+           *[md.fmt(m[layer, head]) for m in measures.values()],
            f"{change[layer, head]:+.3f}"]
           for layer, row in enumerate(top) for head, role in enumerate(row)
           if role is not None]
@@ -558,7 +520,7 @@ def roles_section(results: Mapping[str, Any]) -> list[str]:
       "diffuse (normalised entropy, 1 = uniform over the valid keys); all "
       f"in [0, 1]. Seed {first['seed']}, its top role beside its "
       "importance:", "",
-  ] + _table(["layer", "head", "top role (score)", *measures,
+  ] + md.table(["layer", "head", "top role (score)", *measures,
               "Δ test token acc. removed alone"], rows)
   correlations = {label: _role_correlations(seeds, key)
                   for key, label in _ROLE_MEASURES.items()}
@@ -574,21 +536,21 @@ def roles_section(results: Mapping[str, Any]) -> list[str]:
       "correlation across all heads may only say which layer a head is in; "
       "the last row compares heads of the same layer only (one ρ per seed "
       "and layer of at least 4 heads, averaged the same way):", ""]
-  lines += _table(["role score", *(f"vs {m}" for m in correlations)],
+  lines += md.table(["role score", *(f"vs {m}" for m in correlations)],
                   [[names[name], *(_role_cell(c[name])
                                    for c in correlations.values())]
                    for name in names])
   loo = correlations[_ROLE_MEASURES["leave_one_out"]]
   clear = [f"{names[n]} ({'+' if v['rho'] > 0 else '-'})"
            for n, v in loo.items()
-           if _finite(v["rho"]) and (v["ci"][0] > 0 or v["ci"][1] < 0)]
+           if md.finite(v["rho"]) and (v["ci"][0] > 0 or v["ci"][1] < 0)]
   lines += [("Leave-one-out importance rises (+) or falls (-) with: "
              + ", ".join(clear) + " (intervals excluding 0)." if clear else
              "No role score's interval against leave-one-out importance "
              "excludes 0: with these heads, importance does not follow "
              "role clearly."), ""]
   within = loo["top_within_layer"]
-  if _finite(within["rho"]):
+  if md.finite(within["rho"]):
     lines += [f"Within a layer, ρ = {_role_cell(within)} between the top "
               "role's score and leave-one-out importance: its interval "
               + ("excludes" if within["ci"][0] > 0 or within["ci"][1] < 0
@@ -599,12 +561,12 @@ def roles_section(results: Mapping[str, Any]) -> list[str]:
 def _ablation_section(results: Mapping[str, Any]) -> list[str]:
   first = results["seeds"][0]
   single = first["single_head_ablation"]
-  change = _grid(single["token_accuracy_change"])
-  q = _grid(single["token_accuracy_q"])
+  change = md.grid(single["token_accuracy_change"])
+  q = md.grid(single["token_accuracy_q"])
   cells = np.where(np.isnan(change), np.nan, change)
   header = ["layer"] + [f"head {h}" for h in range(change.shape[1])]
   rows = [[str(layer)] + ["" if np.isnan(c) else
-                          f"{c:+.3f} (q{_q(q[layer, h])})"
+                          f"{c:+.3f} (q{md.q_value(q[layer, h])})"
                           for h, c in enumerate(row)]
           for layer, row in enumerate(cells)]
   significant = results["aggregate"]["significant_single_heads"]
@@ -614,13 +576,13 @@ def _ablation_section(results: Mapping[str, Any]) -> list[str]:
       "alone is removed, with the Benjamini-Hochberg q-value of a paired "
       "t-test over test examples (per-example correct tokens). Heads with "
       "q < 0.05, per seed: " + ", ".join(map(str, significant)) + ".", "",
-  ] + _table(header, rows)
+  ] + md.table(header, rows)
   lines += ["All but one head per layer: test token accuracy when a layer "
             "keeps only that head (the other layers intact).", ""]
-  lines += _heads_table(_grid(first["all_but_one"]["test"]["token_accuracy"]),
+  lines += md.heads_table(md.grid(first["all_but_one"]["test"]["token_accuracy"]),
                         "{:.3f}")
   best = [b for b in first["all_but_one"]["best_head_per_layer"] if b]
-  lines += _table(
+  lines += md.table(
       ["layer", "best head (chosen on validation)", "test token acc.",
        "test exact match"],
       [[b["layer"], b["head"], f"{b['test_token_accuracy']:.3f}",
@@ -636,7 +598,7 @@ def _speedup_cell(e: Mapping[str, Any], b: str) -> str:
 
 def _cost_verdict(flops: float, other: Mapping[str, float]) -> str:
   """Which of XLA's other counts (name -> ratio) fell more than the FLOPs."""
-  fell = [name for name, r in other.items() if _finite(r) and r < flops]
+  fell = [name for name, r in other.items() if md.finite(r) and r < flops]
   if not fell:
     return ("neither fell more than the FLOPs: XLA's counts do not explain "
             "it")
@@ -652,7 +614,7 @@ def _speed_explanation(sp: Mapping[str, Any]) -> list[str]:
   for e in sp["entries"]:
     for b, ci in (e.get("speedup_ci") or {}).items():
       flops = e.get("flop_ratio", {}).get(b)
-      if ci is None or not _finite(flops) or flops <= 0 or ci[0] <= 1 / flops:
+      if ci is None or not md.finite(flops) or flops <= 0 or ci[0] <= 1 / flops:
         continue
       other = {"bytes accessed": e.get("bytes_accessed_ratio", {}).get(b),
                "transcendentals": e.get("transcendentals_ratio", {}).get(b)}
@@ -660,8 +622,8 @@ def _speed_explanation(sp: Mapping[str, Any]) -> list[str]:
           f"{e['fraction']:.0%} removed at batch {b}: ×{e['speedup'][b]:.2f}"
           f" [{ci[0]:.2f}, {ci[1]:.2f}] against ×{1 / flops:.2f} from the "
           f"FLOP ratio {flops:.3f}; ratios of bytes accessed "
-          f"{_fmt(other['bytes accessed'])}, transcendentals "
-          f"{_fmt(other['transcendentals'])}: "
+          f"{md.fmt(other['bytes accessed'])}, transcendentals "
+          f"{md.fmt(other['transcendentals'])}: "
           + _cost_verdict(flops, other))
   if not beyond:
     return ["No speed-up's interval lies above 1 / FLOP ratio (the speed-up "
@@ -698,7 +660,7 @@ def _speed_section(results: Mapping[str, Any]) -> list[str]:
            ratio(e, "transcendentals_ratio"),
            f"{e['test_token_accuracy']:.3f}"] +
           [_speedup_cell(e, b) for b in sizes] for e in sp["entries"]]
-  lines += _table(header, rows) + _speed_explanation(sp) + [
+  lines += md.table(header, rows) + _speed_explanation(sp) + [
       "![speed](speed.png)", ""]
   diffs = [e["max_abs_logit_diff_pruned_vs_masked"] for e in sp["entries"]]
   return lines + [f"Pruned vs masked model, largest logit difference: "
@@ -709,12 +671,39 @@ def _timings_section(results: Mapping[str, Any]) -> list[str]:
   keys = ("gradient_s", "leave_one_out_s", "confidence_s", "oracle_s",
           "gradient_iterative_s", "validation_masks_s", "test_masks_s",
           "total_s")
-  rows = [[s["seed"]] + [_fmt(s["timings"].get(k), 2) for k in keys]
+  rows = [[s["seed"]] + [md.fmt(s["timings"].get(k), 2) for k in keys]
           for s in results["seeds"]]
   tt = results["timings"]
-  return ["## Timings (s)", ""] + _table(
+  return ["## Timings (s)", ""] + md.table(
       ["seed", "gradient", "leave-one-out", "confidence", "oracle",
        "re-estimated", "masks (val.)", "masks (test)", "total"], rows) + [
       f"First seed with the speed table: {tt['first_seed_with_speed_s']:.1f} "
       f"s; the whole run: {tt['total_s']:.1f} s. The loop-vs-vmap comparison "
       "of leave-one-out is a benchmark: `python scripts/benchmark.py`.", ""]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """``python -m mha.pruning.study.report DIR``: re-renders ``report.md``
+  and the plots of ``DIR/results.json`` in ``DIR``. A missing or unreadable
+  ``results.json`` is one line on stderr and exit code 2."""
+  parser = argparse.ArgumentParser(
+      prog="python -m mha.pruning.study.report",
+      description="Re-render report.md and the plots of a pruning study "
+                  "from its results.json.")
+  parser.add_argument("dir", help="The study's output folder.")
+  args = parser.parse_args(argv)
+  path = os.path.join(args.dir, "results.json")
+  try:
+    with open(path, encoding="utf-8") as f:
+      results = json.load(f)
+  except (OSError, ValueError) as e:
+    print(f"report: error: cannot read {path}: "
+          f"{getattr(e, 'strerror', None) or e}", file=sys.stderr)
+    return 2
+  for written in write(results, args.dir):
+    print(written)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

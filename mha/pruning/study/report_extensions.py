@@ -1,7 +1,8 @@
 """The report's sections and plots of learned gates, retraining after
-pruning and mean ablation (:mod:`mha.pruning.beyond`), for ``report.md``.
+pruning and mean ablation (:mod:`mha.pruning.study.extensions`), for
+``report.md``.
 
-:mod:`mha.pruning.report` calls :func:`write_plots`, :func:`gate_points`
+:mod:`mha.pruning.study.report` calls :func:`write_plots`, :func:`gate_points`
 and :func:`report_lines`; each returns nothing for a part that did not run.
 """
 
@@ -12,7 +13,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from mha.pruning import plots as pruning_plots
+from mha.pruning.study import markdown as md
+from mha.pruning.study import plots as pruning_plots
 
 MEAN_ABLATION_PNG = "curves_mean_ablation.png"
 RETRAINING_PNG = "retraining.png"
@@ -20,29 +22,6 @@ RETRAINING_PNG = "retraining.png"
 GOAL = 0.01
 _RETRAIN_LABELS = {"gradient": "gradient", "oracle": "oracle",
                    "gates": "learned gates", "random": "random"}
-
-
-def _fmt(value: Any, digits: int = 3, sign: bool = False) -> str:
-  if value is None or not np.isfinite(value):
-    return "n/a"
-  return f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
-
-
-def _ci(entry: Mapping[str, Any], key: str, digits: int = 3,
-        sign: bool = False) -> str:
-  text = _fmt(entry.get(key), digits, sign)
-  ci = entry.get(f"{key}_ci")
-  if text != "n/a" and ci is not None and all(
-      c is not None and np.isfinite(c) for c in ci):
-    text += " [" + ", ".join(_fmt(c, digits, sign) for c in ci) + "]"
-  return text
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-  return (["| " + " | ".join(header) + " |",
-           "|" + "|".join("---" for _ in header) + "|"]
-          + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-          + [""])
 
 
 # --------------------------------------------------------------------------
@@ -160,12 +139,12 @@ def _gates_section(results: Mapping[str, Any]) -> list[str]:
                          ("no_layer_emptied", "never emptying a layer")):
     rows = [[f"{r['lambda']:g}", f"{r['heads_removed']:.1f}",
              ", ".join(str(s["heads_removed"]) for s in r["per_seed"]),
-             _ci(r, "test_token_accuracy"),
-             _ci(r, "minus_oracle_token_accuracy", sign=True),
-             _ci(r, "lowest_loss_minus_oracle_token_accuracy", sign=True),
-             _fmt(r.get("share_lowest_loss_subset"), 2)]
+             md.ci(r, "test_token_accuracy"),
+             md.ci(r, "minus_oracle_token_accuracy", sign=True),
+             md.ci(r, "lowest_loss_minus_oracle_token_accuracy", sign=True),
+             md.fmt(r.get("share_lowest_loss_subset"), 2)]
             for r in g[variant]]
-    lines += [f"Gates, {title}:", ""] + _table(
+    lines += [f"Gates, {title}:", ""] + md.table(
         ["λ", "heads removed (mean)", "per seed", "test token acc.",
          "minus oracle (same count)", "lowest-loss subset minus oracle",
          "share of seeds where the gates found the lowest-loss subset"],
@@ -187,7 +166,7 @@ def _matters(entries: Mapping[str, Mapping[str, Any]], key: str) -> str:
                "above" if ci[0] > 0 else "below" if ci[1] < 0 else
                "not distinguishable from")
     out.append(f"{_RETRAIN_LABELS.get(name, name)} {verdict} random "
-               f"({_ci(e, key, sign=True)})")
+               f"({md.ci(e, key, sign=True)})")
   return "; ".join(out) or "n/a"
 
 
@@ -212,22 +191,22 @@ def _retraining_section(results: Mapping[str, Any]) -> list[str]:
         "matter after fine-tuning? " + _matters(entries, "after_minus_random")
         + ". Before fine-tuning: " + _matters(entries, "before_minus_random")
         + ". Accuracy that comes back: " + "; ".join(
-            f"{_RETRAIN_LABELS.get(n, n)} {_ci(e, 'recovered', sign=True)}"
+            f"{_RETRAIN_LABELS.get(n, n)} {md.ci(e, 'recovered', sign=True)}"
             for n, e in entries.items()) + ". Subsets that empty a layer: "
         + "; ".join(f"{_RETRAIN_LABELS.get(n, n)} "
-                    f"{_fmt(e.get('share_emptying_a_layer'), 2)}"
+                    f"{md.fmt(e.get('share_emptying_a_layer'), 2)}"
                     for n, e in entries.items()) + "."]
   lines.append("")
   rows = [[f"{float(f):.0%}", _RETRAIN_LABELS.get(name, name),
-           _ci(e, "before"), _ci(e, "after"), _ci(e, "from_scratch"),
-           _ci(e, "recovered", sign=True),
-           _ci(e, "after_minus_from_scratch", sign=True),
-           _ci(e, "after_minus_random", sign=True),
-           _fmt(e.get("share_emptying_a_layer"), 2)]
+           md.ci(e, "before"), md.ci(e, "after"), md.ci(e, "from_scratch"),
+           md.ci(e, "recovered", sign=True),
+           md.ci(e, "after_minus_from_scratch", sign=True),
+           md.ci(e, "after_minus_random", sign=True),
+           md.fmt(e.get("share_emptying_a_layer"), 2)]
           for f in [f"{x:g}" for x in r["fractions"]]
           for name, by in r["orderings"].items() if f in by
           for e in [by[f]]]
-  return lines + _table(
+  return lines + md.table(
       ["removed", "subset", "before", "after fine-tuning", "from scratch",
        "recovered", "after − scratch", "after − random",
        "share of subsets emptying a layer"], rows)
@@ -236,12 +215,12 @@ def _retraining_section(results: Mapping[str, Any]) -> list[str]:
 def _mean_ablation_section(results: Mapping[str, Any]) -> list[str]:
   m = results["mean_ablation"]
   labels = dict(results.get("curve_labels") or results["orderings"])
-  rows = [[label, _ci(m["curve_summary"][k], "auc_token_accuracy"),
-           _ci(results["aggregate"]["curve_summary"][k],
+  rows = [[label, md.ci(m["curve_summary"][k], "auc_token_accuracy"),
+           md.ci(results["aggregate"]["curve_summary"][k],
                "auc_token_accuracy"),
-           _ci(m["curve_summary"][k], "auc_token_accuracy_mean_minus_zero",
+           md.ci(m["curve_summary"][k], "auc_token_accuracy_mean_minus_zero",
                sign=True),
-           _ci(m["curve_summary"][k], "prunable_heads_token_accuracy", 1)]
+           md.ci(m["curve_summary"][k], "prunable_heads_token_accuracy", 1)]
           for k, label in labels.items()
           if k in m["curve_summary"] and k in
           results["aggregate"]["curve_summary"]]
@@ -252,7 +231,7 @@ def _mean_ablation_section(results: Mapping[str, Any]) -> list[str]:
       "mean ablation. A "
       "mean-ablated model is still an ordinary smaller model "
       "(`mean_ablation.prune_mean_ablated`).", "",
-      f"![mean ablation]({MEAN_ABLATION_PNG})", ""] + _table(
+      f"![mean ablation]({MEAN_ABLATION_PNG})", ""] + md.table(
       ["curve", "AUC, mean ablation", "AUC, zero ablation",
        "mean − zero (paired)", "prunable heads (val.), mean ablation"], rows)
 

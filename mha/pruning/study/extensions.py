@@ -1,10 +1,10 @@
-"""Beyond ranking heads: learned gates, retraining after pruning, mean
+"""The study's extensions: learned gates, retraining after pruning, mean
 ablation, on the study's seeds and with its intervals.
 
-Run by :func:`mha.pruning.experiment.run` after each seed's analysis when
-``Options.gates``, ``retrain`` or ``mean_ablation`` is set (``--full``: all
+Run by :func:`mha.pruning.study.run` after each seed's analysis when
+``StudyOptions.gates``, ``retrain`` or ``mean_ablation`` is set (``--full``: all
 three). Every statistic is computed under the study's bootstrap resamples
-(:class:`mha.pruning.experiment.Resamples`), so it pairs with the orderings'
+(:class:`mha.pruning.study.analysis.Resamples`), so it pairs with the orderings'
 and the oracle's numbers and combines over seeds in the same two-level way.
 
 * **Mean ablation** (:mod:`mha.pruning.mean_ablation`): every curve of the
@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 
 from mha import data
+from mha import head_masks
+from mha.aliases import Log, Params
 from mha.model import Transformer
 from mha.pruning import core
 from mha.pruning import gates as gates_lib
@@ -38,9 +40,10 @@ from mha.pruning import mean_ablation
 from mha.pruning import oracle
 from mha.pruning import retrain
 from mha.pruning import stats
-from mha.pruning import summary
+from mha.pruning.study import analysis
+from mha.pruning.study import summary
+from mha.pruning.study.options import StudyOptions
 
-Log = Callable[[str], None]
 Stat = np.ndarray  # [1 + R]: the full sample, then the resamples
 
 
@@ -49,10 +52,10 @@ class SeedInputs:
   """What the extensions need of one analysed seed."""
 
   model: Transformer
-  params: Any
+  params: Params
   config: Any  # the run config (ml_collections)
   splits: Mapping[str, data.Split]
-  result: Mapping[str, Any]  # experiment.analyze_seed's result
+  result: Mapping[str, Any]  # analysis.analyze_seed's result
   val_weights: np.ndarray  # [R, n] resample counts
   test_weights: np.ndarray
 
@@ -80,8 +83,8 @@ def _take(sums: Mapping[str, np.ndarray], rows: Sequence[int]
 
 def _pairs(config: Any, mask: np.ndarray) -> list[list[int]]:
   removed = np.flatnonzero((mask.reshape(-1) == 0)
-                           & core.existing_heads(config).reshape(-1))
-  return [list(p) for p in core.flat_to_pairs(config, removed)]
+                           & head_masks.existing_heads(config).reshape(-1))
+  return [list(p) for p in head_masks.flat_to_pairs(config, removed)]
 
 
 # --------------------------------------------------------------------------
@@ -89,12 +92,10 @@ def _pairs(config: Any, mask: np.ndarray) -> list[list[int]]:
 # --------------------------------------------------------------------------
 
 
-def mean_ablation_seed(seed: SeedInputs, options: Any, log: Log
+def mean_ablation_seed(seed: SeedInputs, options: StudyOptions, log: Log
                        ) -> dict[summary.Key, np.ndarray]:
   """Every curve of the study under mean ablation: its bootstrap statistics
-  (:func:`mha.pruning.summary.seed_statistics`)."""
-  from mha.pruning import experiment  # The study imports this module.
-
+  (:func:`mha.pruning.study.summary.seed_statistics`)."""
   model, params, config = seed.model, seed.params, seed.model.config
   val, test = seed.splits["validation"], seed.splits["test"]
   start = time.perf_counter()
@@ -102,20 +103,17 @@ def mean_ablation_seed(seed: SeedInputs, options: Any, log: Log
                                    batch_size=options.batch_size)
   shifts = mean_ablation.bias_shifts(params, config, means)
   tables, removals = {}, {}
-  if experiment.oracle_applies(config, options):
+  if oracle.oracle_applies(config, options.oracle_max_heads):
     for name, split in (("validation", val), ("test", test)):
       tables[name] = oracle.evaluate_subsets(
           model, params, split, per_example=True, bias_shifts=shifts,
           batch_size=options.batch_size)
-    values = experiment.subset_values(
-        core.summarize_examples(tables["validation"]))
-    removals = {v: oracle.ranked_removals(
-        values, config, no_layer_emptied=v == "no_layer_emptied",
-        top=experiment.ORACLE_CANDIDATES) for v in ("all", "no_layer_emptied")}
+    removals = oracle.removals_by_variant(oracle.subset_values(
+        core.summarize_examples(tables["validation"])), config)
   orders = dict(seed.result["orders"])
   random_orders = np.asarray(orders.pop("random"))
   n = oracle.num_heads(config)
-  plan = experiment.plan_masks(
+  plan = analysis.plan_masks(
       config, {k: np.asarray(v) for k, v in orders.items()}, random_orders,
       removals, core.pruning_counts(n, options.step_fraction))
   masks = np.stack(plan.masks)
@@ -175,7 +173,7 @@ def _oracle_row(seed: SeedInputs, variant: str, removed: int) -> int | None:
     return None
   config = seed.model.config
   flat = [l * config.max_heads + h for l, h in entries[removed]["removed"]]
-  return _find(seed.result["examples"], core.mask_without(config, flat))
+  return _find(seed.result["examples"], head_masks.mask_without(config, flat))
 
 
 def _lowest_loss(seed: SeedInputs, masks: np.ndarray,
@@ -189,7 +187,7 @@ def _lowest_loss(seed: SeedInputs, masks: np.ndarray,
   config = seed.model.config
   n = oracle.num_heads(config)
   removed = [n - int(m.sum()) for m in masks]
-  best = np.stack([core.mask_without(config, by_loss[k][0])
+  best = np.stack([head_masks.mask_without(config, by_loss[k][0])
                    for k in removed])
   sums = core.evaluate_masks(seed.model, seed.params, seed.splits["test"],
                              best, per_example=True)
@@ -221,7 +219,7 @@ def _gate_variant(seed: SeedInputs, log_alpha: np.ndarray,
     row = _oracle_row(seed, variant, removed)
     entry = {"lambda": float(lam), "heads_removed": removed,
              "fraction_removed": removed / max(n, 1),
-             "kept": [list(p) for p in core.flat_to_pairs(
+             "kept": [list(p) for p in head_masks.flat_to_pairs(
                  config, np.flatnonzero(mask.reshape(-1) > 0))],
              **{name: {k: float(v[i]) for k, v in
                        core.summarize_examples(s).items()}
@@ -244,7 +242,7 @@ def _gate_variant(seed: SeedInputs, log_alpha: np.ndarray,
                    "lowest_loss_minus_oracle": criterion.T}
 
 
-def gates_seed(seed: SeedInputs, options: Any, log: Log
+def gates_seed(seed: SeedInputs, options: StudyOptions, log: Log
                ) -> tuple[dict[str, Any], dict[str, Any]]:
   """Trains the gates of every strength and evaluates their subsets:
   ``(result entry, statistics per variant)``."""
@@ -286,7 +284,7 @@ def _combine(rows: Sequence[np.ndarray], seed_weights: np.ndarray
 
 def aggregate_gates(per_seed: Sequence[Mapping[str, Any]],
                     statistics: Sequence[Mapping[str, Any]],
-                    seed_weights: np.ndarray, options: Any,
+                    seed_weights: np.ndarray, options: StudyOptions,
                     seeds: Sequence[int]) -> dict[str, Any]:
   """``results.json``'s ``gates``: per strength, the kept heads and the
   validation and test metrics of every seed, and the means over seeds with
@@ -328,7 +326,7 @@ def aggregate_gates(per_seed: Sequence[Mapping[str, Any]],
 # --------------------------------------------------------------------------
 
 
-def _subsets(seed: SeedInputs, options: Any, log_alpha: np.ndarray | None
+def _subsets(seed: SeedInputs, options: StudyOptions, log_alpha: np.ndarray | None
              ) -> list[tuple[str, float, int, np.ndarray]]:
   """``(ordering, fraction, index, removed flat heads)`` of every pruned
   model to retrain."""
@@ -345,7 +343,7 @@ def _subsets(seed: SeedInputs, options: Any, log_alpha: np.ndarray | None
           np.int64)))
     if log_alpha is not None:
       removed = [int(np.sum(gates_lib.kept_mask(la, config) == 0)
-                     - np.sum(~core.existing_heads(config)))
+                     - np.sum(~head_masks.existing_heads(config)))
                  for la in log_alpha]
       nearest = int(np.argmin([abs(r - k) for r in removed]))
       out.append(("gates", fraction, 0,
@@ -366,14 +364,14 @@ def _architectures(config: Any, masks: np.ndarray) -> tuple[np.ndarray,
   return masks[first], np.asarray([distinct.index(c) for c in counts])
 
 
-def retrain_seed(seed: SeedInputs, options: Any, log_alpha: np.ndarray | None,
+def retrain_seed(seed: SeedInputs, options: StudyOptions, log_alpha: np.ndarray | None,
                  log: Log) -> dict[str, Any]:
   """Fine-tunes every pruned model of :func:`_subsets` and trains each
   architecture from scratch; per-example test sums before, after and from
   scratch."""
   model, config = seed.model, seed.model.config
   subsets = _subsets(seed, options, log_alpha)
-  masks = np.stack([core.mask_without(config, r) for *_, r in subsets])
+  masks = np.stack([head_masks.mask_without(config, r) for *_, r in subsets])
   arch_masks, arch_of = _architectures(config, masks)
   all_masks = np.concatenate([masks, arch_masks])
   params = retrain.stack(seed.params, len(masks))
@@ -427,7 +425,7 @@ def _retrain_statistics(seed_run: Mapping[str, Any]
 
 
 def aggregate_retraining(per_seed: Sequence[Mapping[str, Any]],
-                         seed_weights: np.ndarray, options: Any,
+                         seed_weights: np.ndarray, options: StudyOptions,
                          seeds: Sequence[int]) -> dict[str, Any]:
   """``results.json``'s ``retraining``: per ordering and fraction, test
   token accuracy before, after fine-tuning and from scratch, the recovery
@@ -486,10 +484,10 @@ __all__ = ["SeedInputs", "mean_ablation_seed", "aggregate_mean_ablation",
 
 
 def analyze_seed(ckpt: Any, result: dict[str, Any],
-                 splits: Mapping[str, data.Split], options: Any,
+                 splits: Mapping[str, data.Split], options: StudyOptions,
                  resamples: Any, log: Log) -> dict[str, Any]:
   """The extensions ``options`` asks for on one analysed seed (``result``
-  of ``experiment.analyze_seed``); their timings go to
+  of ``analysis.analyze_seed``); their timings go to
   ``result["timings"]``."""
   seed = SeedInputs(ckpt.model, ckpt.params, ckpt.config, splits, result,
                     resamples.validation, resamples.test)
@@ -515,7 +513,7 @@ def analyze_seed(ckpt: Any, result: dict[str, Any],
 def aggregate(per_seed: Sequence[Mapping[str, Any]],
               zero_statistics: Sequence[Mapping[summary.Key, Any]],
               seed_results: Sequence[Mapping[str, Any]],
-              seed_weights: np.ndarray, options: Any) -> dict[str, Any]:
+              seed_weights: np.ndarray, options: StudyOptions) -> dict[str, Any]:
   """The ``gates``, ``retraining`` and ``mean_ablation`` entries of
   ``results.json`` (those that ran)."""
   seeds = [int(r["seed"]) for r in seed_results]

@@ -15,11 +15,12 @@ from mha import build
 from mha import config_validation
 from mha import data
 from mha.model import Transformer, TransformerConfig
+from mha import head_masks
 from mha.pruning import core
-from mha.pruning import experiment
 from mha.pruning import gates
 from mha.pruning import mean_ablation
 from mha.pruning import oracle
+from mha.pruning.study import StudyOptions
 
 CONFIG = TransformerConfig(vocab_size=8, num_layers=2, num_heads=2, d_model=8,
                            mlp_dim=8, max_len=6)
@@ -49,7 +50,7 @@ def _planted():
 def test_gates_keep_the_planted_head_at_every_strength():
   model, params, split = _planted()
   flat = PLANTED[0] * CONFIG.max_heads + PLANTED[1]
-  drop = core.evaluate_masks(model, params, split, core.mask_without(
+  drop = core.evaluate_masks(model, params, split, head_masks.mask_without(
       CONFIG, [flat])[None])["loss"][0]
   strengths = (0.01, 0.1, 0.5)
   assert drop > 5 * max(strengths)  # the head is worth more than any penalty
@@ -97,7 +98,7 @@ def test_mean_ablation_equals_its_folded_bias_pruned_model(tiny, heads):
                                    splits["validation"])
   assert np.all(np.abs(means).sum(-1) > 0)  # every head has a mean
   inputs = splits["test"].inputs[:32]
-  mask = core.mask_without(config, [l * config.max_heads + h
+  mask = head_masks.mask_without(config, [l * config.max_heads + h
                                     for l, h in heads])
   defined = mean_ablation.mean_ablated_logits(ckpt.model, ckpt.params, means,
                                               inputs, mask)
@@ -106,7 +107,7 @@ def test_mean_ablation_equals_its_folded_bias_pruned_model(tiny, heads):
   logits, _ = Transformer(pruned).apply({"params": params}, inputs)
   # Float32 sums in another order: the fold is exact up to rounding.
   np.testing.assert_allclose(logits, defined, atol=1e-5, rtol=1e-5)
-  zero = core.masked_logits(ckpt.model, ckpt.params, inputs, mask)
+  zero = head_masks.masked_logits(ckpt.model, ckpt.params, inputs, mask)
   assert float(jnp.max(jnp.abs(zero - defined))) > 1e-2  # not zero ablation
 
 
@@ -140,8 +141,8 @@ def test_bad_options_are_refused():
                            ({"retrain_fractions": (1.0,)},
                             "--retrain_fractions")):
     with pytest.raises(ValueError, match=message):
-      experiment.Options(**changes).validate()
-  assert not experiment.Options().beyond  # off by default
+      StudyOptions(**changes).validate()
+  assert not StudyOptions().extensions  # off by default
 
 
 def test_wide_variant():

@@ -1,0 +1,164 @@
+"""Orderings of the heads, least important first, from importance measures.
+
+Each ordering is a 1-D array of flat head indices (``layer * H + head``,
+:mod:`mha.head_masks`), the head to remove first at index 0. The measures
+are taken on one split (the study uses validation): gradient importance
+(Michel et al., per-example ``|dL/d xi|``, raw and L2-normalised per layer,
+and re-estimated after each removal), leave-one-out loss increase, attention
+confidence and entropy (Voita et al.), exact Shapley values (with every
+subset evaluated, :mod:`mha.pruning.oracle`), and the reverse gradient order
+as a sanity baseline. Random orders come from
+:func:`mha.pruning.core.random_orders`.
+
+    orders = compute_orders(model, params, splits["validation"],
+                            batch_size=1000, oracle_max_heads=12)
+    orders["gradient"]  # e.g. array([5, 2, 0, ...])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection, Mapping
+
+import numpy as np
+
+from mha import data
+from mha.aliases import Log, Params
+from mha.model import Transformer
+from mha.progress import quiet, timed
+from mha.pruning import core
+from mha.pruning import oracle
+
+#: The orderings of the pruning curves: key -> label. Measures first, then
+#: baselines.
+ORDERINGS = {
+    "gradient": "gradient",
+    "gradient_l2": "gradient (L2 per layer)",
+    "gradient_iterative": "gradient (re-estimated)",
+    "leave_one_out": "leave-one-out",
+    "confidence": "confidence",
+    "entropy": "entropy",
+    "shapley": "Shapley value",
+    "reverse_gradient": "reverse gradient",
+    "random": "random",
+}
+
+
+def halves(split: data.Split) -> tuple[data.Split, data.Split]:
+  """The first and second half of ``split`` (the odd example goes last)."""
+  n = len(split) // 2
+  first = data.Split(split.inputs[:n], split.targets[:n])
+  second = data.Split(split.inputs[n:], split.targets[n:])
+  return first, second
+
+
+def _leave_one_out(model: Transformer, params: Params, validation: data.Split,
+                   batch_size: int,
+                   table: Mapping[str, np.ndarray] | None) -> dict[str, Any]:
+  """:func:`core.leave_one_out`, looked up in the subset ``table`` (per
+  example, every subset) when there is one."""
+  if table is None:
+    return core.leave_one_out(model, params, validation,
+                              batch_size=batch_size)
+  config = model.config
+  ids = oracle.subset_index(config, core.leave_one_out_masks_with_full(config))
+  return core.leave_one_out_from_metrics(config, core.summarize_examples(
+      {k: np.asarray(v)[ids] for k, v in table.items()}))
+
+
+def measure_importance(model: Transformer, params: Params,
+                       validation: data.Split, *, batch_size: int,
+                       log: Log = quiet,
+                       timings: dict[str, float] | None = None,
+                       table: Mapping[str, np.ndarray] | None = None
+                       ) -> dict[str, Any]:
+  """Every per-head measure on ``validation``: ``[L, H]`` arrays (NaN where
+  no head), and ``validation``, the unpruned metrics. ``table``: the
+  per-example sums of every subset on ``validation``, when evaluated.
+  ``timings`` receives the seconds of each measure."""
+  timings = {} if timings is None else timings
+  half_a, half_b = halves(validation)
+
+  def gradients():  # The mean of |g| over both halves is the whole's.
+    a = core.gradient_importance(model, params, half_a, batch_size=batch_size)
+    b = core.gradient_importance(model, params, half_b, batch_size=batch_size)
+    return a, b, (len(half_a) * a + len(half_b) * b) / max(len(validation), 1)
+
+  (grad_a, grad_b, grad), timings["gradient_s"] = timed(
+      log, "gradient importance (vmap of grad, per-example |.|), two halves",
+      gradients)
+  loo, timings["leave_one_out_s"] = timed(
+      log, "leave-one-out" + (" (from the subsets)" if table is not None
+                              else " (every head's mask, vmapped)"),
+      lambda: _leave_one_out(model, params, validation, batch_size, table))
+  attn, timings["confidence_s"] = timed(
+      log, "attention confidence and entropy",
+      lambda: core.attention_confidence(model, params, validation,
+                                        batch_size=batch_size))
+  return {
+      "gradient": grad,
+      "gradient_l2": core.normalize_per_layer(grad),
+      "leave_one_out": loo["loss_increase"],
+      "confidence": attn["confidence"],
+      "entropy": attn["entropy"],
+      "leave_one_out_token_accuracy_drop":
+          loo["base"]["token_accuracy"] - loo["token_accuracy"],
+      "gradient_validation_half_a": grad_a,
+      "gradient_validation_half_b": grad_b,
+      "validation": loo["base"],
+  }
+
+
+def orders_from_importance(importance: Mapping[str, np.ndarray]
+                           ) -> dict[str, np.ndarray]:
+  """The order (least important first) of every measure in ``importance``
+  and the reverse gradient order."""
+  orders = {
+      "gradient": core.order_from_importance(importance["gradient"]),
+      "gradient_l2": core.order_from_importance(importance["gradient_l2"]),
+      "leave_one_out": core.order_from_importance(
+          importance["leave_one_out"]),
+      "confidence": core.order_from_importance(importance["confidence"]),
+      # Low entropy = focused = important: remove the most diffuse first.
+      "entropy": core.order_from_importance(-importance["entropy"]),
+  }
+  shapley = importance.get("shapley_token_accuracy")
+  if shapley is not None and not np.all(np.isnan(shapley)):
+    orders["shapley"] = core.order_from_importance(shapley)
+  orders["reverse_gradient"] = orders["gradient"][::-1].copy()
+  return orders
+
+
+def compute_orders(model: Transformer, params: Params, validation: data.Split,
+                   *, batch_size: int, oracle_max_heads: int,
+                   reestimate: bool = True,
+                   names: Collection[str] | None = None
+                   ) -> dict[str, np.ndarray]:
+  """The order (flat head indices, least important first) of every
+  non-random ordering of :data:`ORDERINGS`, measured on ``validation``
+  (``shapley`` only when the model has at most ``oracle_max_heads``
+  heads; ``gradient_iterative`` only with ``reestimate``).
+
+  ``names``: when given, the orderings wanted; the expensive ones (every
+  subset for ``shapley``, the re-estimated gradient) are computed only when
+  asked for. The cheap measures come back regardless.
+  """
+  wanted = lambda name: names is None or name in names
+  table = None
+  if wanted("shapley") and oracle.oracle_applies(model.config,
+                                                 oracle_max_heads):
+    table = oracle.evaluate_subsets(model, params, validation,
+                                    batch_size=batch_size, per_example=True)
+  importance = measure_importance(model, params, validation,
+                                  batch_size=batch_size, table=table)
+  if table is not None:
+    importance["shapley_token_accuracy"] = oracle.shapley_values(
+        core.summarize_examples(table)["token_accuracy"], model.config)
+  orders = orders_from_importance(importance)
+  if reestimate and wanted("gradient_iterative"):
+    orders["gradient_iterative"] = core.iterative_gradient_order(
+        model, params, validation, batch_size=batch_size)
+  return orders
+
+
+__all__ = ["ORDERINGS", "halves", "measure_importance",
+           "orders_from_importance", "compute_orders"]

@@ -1,0 +1,360 @@
+"""One seed of the study: importance, orders, the oracle, curves, tables.
+
+Per seed, on the *validation* split: every importance measure and ordering
+(:mod:`mha.pruning.orderings`) and, with at most ``oracle_max_heads`` heads,
+every subset of heads (:mod:`mha.pruning.oracle`: the oracle, exact Shapley
+values). Then the pruning curves of every order and the oracle, on
+validation and test, plain and never emptying a layer; the level prunable
+within ``tolerance`` chosen on validation and its test accuracy reported;
+Michel et al.'s single-head ablation (paired t-tests, Benjamini-Hochberg)
+and all-but-one tables. Intervals come from a paired bootstrap over examples
+(and, across seeds, over seeds): :mod:`mha.pruning.study.summary`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from mha import data
+from mha import head_masks
+from mha import head_roles
+from mha.aliases import Log, Params
+from mha.model import Transformer, TransformerConfig
+from mha.progress import timed
+from mha.pruning import core
+from mha.pruning import oracle
+from mha.pruning import orderings
+from mha.pruning import stats
+from mha.pruning.study import summary
+from mha.pruning.study.options import StudyOptions
+
+#: The curves: every ordering and the oracle (not an ordering: its subsets
+#: for k and k + 1 heads removed need not be nested).
+CURVE_LABELS = {**orderings.ORDERINGS, "oracle": "oracle (best subset)"}
+
+
+@dataclasses.dataclass
+class Plan:
+  """Distinct masks ``[M, L, H]`` and, per variant and curve, the ``[R, P]``
+  mask ids of its points (R = 1 but for ``random``); the ids of the oracle
+  at every ``k`` and of the single-head and all-but-one masks."""
+
+  masks: list[np.ndarray] = dataclasses.field(default_factory=list)
+  index: dict[bytes, int] = dataclasses.field(default_factory=dict)
+  curves: dict[str, dict[str, np.ndarray]] = dataclasses.field(
+      default_factory=dict)
+  counts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  oracle: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  single: np.ndarray | None = None
+  all_but_one: np.ndarray | None = None
+
+  def add(self, mask: np.ndarray) -> int:
+    """The id of ``mask``, added if new."""
+    key = np.asarray(mask, np.float32).tobytes()
+    if key not in self.index:
+      self.index[key] = len(self.masks)
+      self.masks.append(np.asarray(mask, np.float32))
+    return self.index[key]
+
+  def add_curve(self, variant: str, name: str, config: TransformerConfig,
+                removals: Sequence[Sequence[int]]) -> None:
+    """A curve whose point ``p`` removes the heads ``removals[p]``; several
+    calls with one name stack (random orders)."""
+    ids = [self.add(head_masks.mask_without(config, r)) for r in removals]
+    curves = self.curves.setdefault(variant, {})
+    row = np.asarray(ids, np.int64)[None]
+    curves[name] = row if name not in curves else np.concatenate(
+        [curves[name], row])
+
+
+def plan_masks(config: TransformerConfig, orders: Mapping[str, np.ndarray],
+               random_orders: np.ndarray, oracle_removals: Mapping[str, Any],
+               counts: np.ndarray) -> Plan:
+  """Every curve of both variants (``all``; ``no_layer_emptied``, which
+  skips a layer's last head and stops at ``N - layers with heads``), the
+  full mask (id 0) and the single-head and all-but-one masks.
+  ``oracle_removals``: variant -> for each ``k`` the removals of the best
+  subsets on validation, best first (the oracle's candidates)."""
+  plan = Plan()
+  plan.add(head_masks.full_head_mask(config))
+  limit = core.removable_keeping_layers(config)
+  plan.counts = {"all": counts, "no_layer_emptied": counts[counts <= limit]}
+  named = [(k, v) for k, v in orders.items()] + [
+      ("random", o) for o in random_orders]
+  for variant, points in plan.counts.items():
+    for name, order in named:
+      if variant == "no_layer_emptied":
+        order = core.keep_one_per_layer(config, order)
+      plan.add_curve(variant, name, config, [order[:k] for k in points])
+    ranked = oracle_removals.get(variant)
+    if ranked is not None:  # A row per candidate, the best first.
+      for c in range(max(len(r) for r in ranked)):
+        plan.add_curve(variant, "oracle", config,
+                       [ranked[k][min(c, len(ranked[k]) - 1)]
+                        for k in points])
+      plan.oracle[variant] = np.asarray(
+          [plan.add(head_masks.mask_without(config, r[0])) for r in ranked])
+  plan.single = np.asarray([plan.add(m) for m in
+                            head_masks.leave_one_out_masks(config)])
+  plan.all_but_one = np.asarray([plan.add(m) for m in
+                                 head_masks.all_but_one_masks(config)])
+  return plan
+
+
+def _per_example(model: Transformer, params: Params, split: data.Split,
+                 masks: np.ndarray, table: Mapping[str, np.ndarray] | None,
+                 options: StudyOptions) -> dict[str, np.ndarray]:
+  """Per-example sums ``[M, n]`` of ``masks``: looked up in ``table`` (every
+  subset) when given; else every subset is evaluated when that is cheaper
+  (the masks are at least :data:`SUBSET_COST` of the subsets), else just
+  ``masks``."""
+  config = model.config
+  if table is None and oracle.oracle_applies(
+      config, options.oracle_max_heads) and (
+      len(masks) >= oracle.SUBSET_COST * 2 ** oracle.num_heads(config)):
+    table = oracle.evaluate_subsets(model, params, split, per_example=True,
+                                    batch_size=options.batch_size)
+  if table is not None:
+    ids = oracle.subset_index(config, masks)
+    return {k: np.asarray(v)[ids] for k, v in table.items()}
+  return core.evaluate_masks(model, params, split, masks,
+                                batch_size=options.batch_size,
+                                per_example=True)
+
+
+def _oracle_entries(config: TransformerConfig, plan: Plan, variant: str,
+                    val: Mapping[str, np.ndarray],
+                    test: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
+  """The ``oracle`` list of ``results.json``: for every ``k`` the removed
+  heads and their validation and test metrics."""
+  entries = []
+  for k, mask_id in enumerate(plan.oracle.get(variant, [])):
+    removed = np.flatnonzero(plan.masks[mask_id].reshape(-1) == 0)
+    removed = removed[head_masks.existing_heads(config).reshape(-1)[removed]]
+    entries.append({
+        "k": k, "removed": [list(p) for p in
+                            head_masks.flat_to_pairs(config, removed)],
+        "validation": {m: float(v[mask_id]) for m, v in val.items()},
+        "test": {m: float(v[mask_id]) for m, v in test.items()},
+    })
+  return entries
+
+
+def _ablations(config: TransformerConfig, plan: Plan, val: Mapping[str, np.ndarray],
+               test: Mapping[str, np.ndarray],
+               test_sums: Mapping[str, np.ndarray]) -> dict[str, Any]:
+  """Michel et al.'s tables on test: each head removed alone (change, paired
+  t-test over examples, Benjamini-Hochberg q), and each layer reduced to
+  one head (the best head chosen on validation)."""
+  single: dict[str, Any] = {}
+  for metric, key in (("token_accuracy", "correct"), ("exact_match",
+                                                      "exact")):
+    single[f"{metric}_change"] = core.heads_to_array(
+        config, test[metric][plan.single] - test[metric][0])
+    p = stats.paired_ttest_pvalues(test_sums[key][0],
+                                   test_sums[key][plan.single])
+    single[f"{metric}_p"] = core.heads_to_array(config, p)
+    single[f"{metric}_q"] = core.heads_to_array(
+        config, stats.benjamini_hochberg(p))
+  single["loss_change"] = core.heads_to_array(
+      config, test["loss"][plan.single] - test["loss"][0])
+  abo_val = {m: core.heads_to_array(config, v[plan.all_but_one])
+             for m, v in val.items()}
+  abo_test = {m: core.heads_to_array(config, v[plan.all_but_one])
+              for m, v in test.items()}
+  best = []
+  for layer, count in enumerate(config.heads_per_layer):
+    if count == 0:
+      best.append(None)
+      continue
+    head = int(np.nanargmax(abo_val["token_accuracy"][layer]))
+    best.append({
+        "layer": layer, "head": head,
+        "validation_token_accuracy": float(
+            abo_val["token_accuracy"][layer, head]),
+        **{f"test_{k}": float(abo_test[k][layer, head])
+           for k in ("token_accuracy", "exact_match", "loss")}})
+  return {"single_head_ablation": single,
+          "all_but_one": {"test": abo_test, "validation": abo_val,
+                          "best_head_per_layer": best}}
+
+
+def _spearman(importance: Mapping[str, np.ndarray]) -> dict[str, Any]:
+  pairs = {
+      "gradient_vs_leave_one_out": ("gradient", "leave_one_out"),
+      "gradient_l2_vs_leave_one_out": ("gradient_l2", "leave_one_out"),
+      "gradient_halves": ("gradient_validation_half_a",
+                          "gradient_validation_half_b"),
+      "confidence_vs_leave_one_out": ("confidence", "leave_one_out"),
+      "shapley_vs_leave_one_out": ("shapley_token_accuracy",
+                                   "leave_one_out_token_accuracy_drop"),
+      "shapley_vs_gradient": ("shapley_token_accuracy", "gradient"),
+  }
+  return {name: stats.spearman(importance[a], importance[b])
+          for name, (a, b) in pairs.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Resamples:
+  """The bootstrap resamples shared by every seed: ``[R, n]`` example counts
+  of validation and test, and ``[R, S]`` seed weights."""
+
+  validation: np.ndarray
+  test: np.ndarray
+  seeds: np.ndarray
+
+  @classmethod
+  def draw(cls, splits: Mapping[str, data.Split], num_seeds: int,
+           num_bootstrap: int, rng: np.random.Generator) -> "Resamples":
+    """Independent resamples of both splits and of the seeds."""
+    return cls(
+        stats.example_weights(len(splits["validation"]), num_bootstrap, rng),
+        stats.example_weights(len(splits["test"]), num_bootstrap, rng),
+        stats.seed_weights(num_seeds, num_bootstrap, rng))
+
+
+def _measure_seed(model: Transformer, params: Params,
+                  splits: Mapping[str, data.Split], options: StudyOptions,
+                  rng: np.random.Generator, log: Log,
+                  timings: dict[str, float]) -> dict[str, Any]:
+  """Importance, orders, the oracle and the per-example sums of every mask
+  the seed's curves and tables need, on validation and test."""
+  config = model.config
+  val, test = splits["validation"], splits["test"]
+  table, shapley, removals = oracle.evaluate_oracle(
+      model, params, val, batch_size=options.batch_size,
+      max_heads=options.oracle_max_heads, log=log, timings=timings)
+  importance = orderings.measure_importance(
+      model, params, val, batch_size=options.batch_size, log=log,
+      timings=timings, table=table)
+  validation = importance.pop("validation")
+  importance["shapley_token_accuracy"] = shapley
+  orders = orderings.orders_from_importance(importance)
+  if options.reestimate:
+    orders["gradient_iterative"], timings["gradient_iterative_s"] = timed(
+        log, "gradient importance re-estimated after each removal",
+        lambda: core.iterative_gradient_order(
+            model, params, val, batch_size=options.batch_size))
+  random_orders = core.random_orders(config, options.num_random_orders,
+                                        rng)
+  n = oracle.num_heads(config)
+  plan = plan_masks(config, orders, random_orders, removals,
+                    core.pruning_counts(n, options.step_fraction))
+  masks = np.stack(plan.masks)
+  val_sums, timings["validation_masks_s"] = timed(
+      log, f"{len(masks)} distinct masks on validation",
+      lambda: _per_example(model, params, val, masks, table, options))
+  test_sums, timings["test_masks_s"] = timed(
+      log, f"{len(masks)} distinct masks on test (curves, oracle, tables)",
+      lambda: _per_example(model, params, test, masks, None, options))
+  return {"importance": importance, "validation": validation,
+          "orders": {**orders, "random": random_orders}, "plan": plan,
+          "val_sums": val_sums, "test_sums": test_sums, "num_heads": n,
+          "oracle_ran": table is not None}
+
+
+def analyze_seed(model: Transformer, params: Params,
+                 splits: Mapping[str, data.Split], options: StudyOptions,
+                 rng: np.random.Generator, resamples: Resamples,
+                 log: Log = print) -> tuple[dict[str, Any],
+                                            dict[summary.Key, np.ndarray]]:
+  """Importance measures (validation), the oracle, pruning curves and
+  Michel et al.'s tables (test) of one model.
+
+  Returns:
+    ``(result, statistics)``: the JSON-able result of the seed, and its
+    bootstrap statistics (:func:`mha.core.study.summary.seed_statistics`) for
+    :func:`aggregate`.
+  """
+  config = model.config
+  timings: dict[str, float] = {}
+  m = _measure_seed(model, params, splits, options, rng, log, timings)
+  plan = m["plan"]
+  statistics = summary.seed_statistics(
+      plan.curves, plan.counts, m["num_heads"], m["val_sums"],
+      m["test_sums"], resamples.validation, resamples.test,
+      options.tolerance)
+  val = core.summarize_examples(m["val_sums"])
+  test = core.summarize_examples(m["test_sums"])
+  nested = summary.seed_summary(statistics)
+  out: dict[str, Any] = {
+      "importance": m["importance"], "validation": m["validation"],
+      "test": {k: float(v[0]) for k, v in test.items()},
+      "spearman": _spearman(m["importance"]), "orders": m["orders"],
+      "counts": plan.counts["all"],
+      "fractions": plan.counts["all"] / max(m["num_heads"], 1),
+      **nested["all"],
+      "oracle": _oracle_entries(config, plan, "all", val, test),
+      "no_layer_emptied": {
+          "counts": plan.counts["no_layer_emptied"],
+          "fractions": plan.counts["no_layer_emptied"] / max(
+              m["num_heads"], 1),
+          **nested["no_layer_emptied"],
+          "oracle": _oracle_entries(config, plan, "no_layer_emptied", val,
+                                    test)},
+      **_ablations(config, plan, val, test, m["test_sums"]),
+      "timings": timings,
+  }
+  # What each head attends to, on the split of the importance measures.
+  out["head_roles"] = head_roles.head_roles(
+      model, params, splits["validation"], options.batch_size)
+  if not m["oracle_ran"]:
+    out["oracle_skipped"] = (
+        f"{m['num_heads']} heads > --oracle_max_heads="
+        f"{options.oracle_max_heads}: 2**{m['num_heads']} subsets not "
+        "evaluated")
+  out["examples"] = {"masks": np.stack(plan.masks),
+                     "validation": m["val_sums"], "test": m["test_sums"]}
+  return out, statistics
+
+
+def custom_pruning(model: Transformer, params: Params, test: data.Split,
+                   heads: Sequence[tuple[int, int]],
+                   batch_size: int) -> dict[str, Any]:
+  """Test metrics of the model with ``heads`` physically pruned."""
+  p, c = core.prune_heads(params, model.config, heads)
+  metrics = core.evaluate_masks(Transformer(c), p, test,
+                                   head_masks.full_head_mask(c)[None],
+                                   batch_size=batch_size)
+  return {"removed": [list(h) for h in heads],
+          "heads_per_layer": list(c.heads_per_layer),
+          "params": core.count_params(p),
+          **{f"test_{k}": float(v[0]) for k, v in metrics.items()}}
+
+
+def aggregate(seed_results: Sequence[Mapping[str, Any]],
+              seed_statistics: Sequence[Mapping[summary.Key, np.ndarray]],
+              seed_weights: np.ndarray) -> dict[str, Any]:
+  """The mean over seeds of every curve statistic with two-level bootstrap
+  intervals; Spearman correlations averaged through Fisher's z; per seed,
+  the share of random orders at least as good as each ordering (a one-sided
+  permutation p-value) and the heads whose removal alone changes test token
+  accuracy significantly (Benjamini-Hochberg q < 0.05)."""
+  nested = summary.aggregate_statistics(seed_statistics, seed_weights)
+  out: dict[str, Any] = {**nested["all"],
+                         "no_layer_emptied": nested["no_layer_emptied"]}
+  out["spearman"] = {
+      key: stats.fisher_mean([r["spearman"][key] for r in seed_results])
+      for key in seed_results[0]["spearman"]}
+  share: dict[str, list[float]] = {}
+  for r in seed_results:
+    per_order = np.asarray(
+        r["curve_summary"]["random"]["auc_token_accuracy_per_order"])
+    for name, entry in r["curve_summary"].items():
+      if name != "random":
+        share.setdefault(name, []).append(float(
+            (1 + np.sum(per_order >= entry["auc_token_accuracy"])) /
+            (1 + len(per_order))))
+  out["share_of_random_at_least_as_good"] = share
+  out["significant_single_heads"] = [
+      int(np.nansum(np.asarray(
+          r["single_head_ablation"]["token_accuracy_q"], np.float64) < 0.05))
+      for r in seed_results]
+  return out
+
+
+__all__ = ["CURVE_LABELS", "Plan", "plan_masks", "Resamples", "analyze_seed",
+           "custom_pruning", "aggregate"]

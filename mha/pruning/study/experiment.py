@@ -1,0 +1,178 @@
+"""The head-importance and head-pruning study, end to end: :func:`run`.
+
+``scripts/prune_heads.py`` is a thin command line over :func:`run`:
+
+1. Load the trained checkpoint of ``workdir`` and the other seeds
+   (:mod:`mha.pruning.study.seeds`, the only module that trains).
+2. Per seed: importance, orders, the oracle, curves and Michel et al.'s
+   tables (:mod:`mha.pruning.study.analysis`), then the extensions asked
+   for (:mod:`mha.pruning.study.extensions`: gates, retraining, mean
+   ablation).
+3. Across seeds: means with two-level bootstrap intervals.
+4. On the first seed: physical pruning at ``speed_fractions`` of the heads,
+   examples/s at ``batch_sizes`` against parameter and FLOP counts
+   (:mod:`mha.pruning.speed`).
+
+Everything lands in ``out``: ``results.json``, ``report.md``, PNG plots and
+each seed's per-example sums of every mask it evaluated
+(``examples_seed<s>.npz``): :mod:`mha.pruning.study.outputs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from mha import build
+from mha import checkpoint as ckpt_lib
+from mha import data
+from mha.aliases import Log
+from mha.progress import timed
+from mha.pruning import core
+from mha.pruning import orderings
+from mha.pruning import speed
+from mha.pruning.study import analysis
+from mha.pruning.study import extensions
+from mha.pruning.study import outputs
+from mha.pruning.study import seeds as seeds_lib
+from mha.pruning.study.options import StudyOptions
+
+
+def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
+                 step: int | None = None) -> ckpt_lib.LoadedCheckpoint:
+  """Every check of the user's input before the long work: the options,
+  the workdir's checkpoint (of ``step``), the seeds
+  (:func:`check_seeds`), the heads to remove. Returns the checkpoint.
+
+  Raises:
+    FileNotFoundError: no checkpoint (of ``step``) in ``workdir``.
+    ValueError: any other mistake, naming it.
+  """
+  options.validate()
+  first = ckpt_lib.load_checkpoint(workdir, step)
+  seeds_lib.check_seeds(first, out_dir, options.num_seeds, options.retrain_seeds)
+  if options.remove_heads:
+    core.prune_heads(first.params, first.model_config, options.remove_heads)
+  return first
+
+
+def _analyze_all(checkpoints: Sequence[ckpt_lib.LoadedCheckpoint],
+                 splits: Mapping[str, data.Split], options: StudyOptions,
+                 log: Log) -> tuple[list[dict[str, Any]], dict[str, Any],
+                                    dict[str, Any]]:
+  rng = np.random.default_rng(options.seed)
+  resamples = analysis.Resamples.draw(splits, len(checkpoints), options.num_bootstrap,
+                             np.random.default_rng([options.seed, 1]))
+  seeds, statistics, extras = [], [], []
+  for ckpt in checkpoints:
+    log(f"Seed {ckpt.config.seed} (step {ckpt.step}, "
+        f"{core.count_params(ckpt.params):,} parameters):")
+    seed_start = time.perf_counter()
+    result, stat = analysis.analyze_seed(ckpt.model, ckpt.params, splits, options,
+                                rng, resamples, log)
+    result["seed"] = int(ckpt.config.seed)
+    result["step"] = int(ckpt.step)
+    result["config"] = ckpt.config.to_dict()
+    result["timings"]["total_s"] = time.perf_counter() - seed_start
+    if options.extensions:
+      extras.append(extensions.analyze_seed(ckpt, result, splits, options,
+                                        resamples, log))
+      result["timings"]["beyond_s"] = (time.perf_counter() - seed_start
+                                       - result["timings"]["total_s"])
+    seeds.append(result)
+    statistics.append(stat)
+  extra = (extensions.aggregate(extras, statistics, seeds, resamples.seeds,
+                            options) if extras else {})
+  return seeds, analysis.aggregate(seeds, statistics, resamples.seeds), extra
+
+
+def _header(workdir: str, first: ckpt_lib.LoadedCheckpoint,
+            options: StudyOptions, splits: Mapping[str, data.Split]
+            ) -> dict[str, Any]:
+  return {
+      "workdir": os.path.abspath(os.path.expanduser(workdir)),
+      "task": first.config.task,
+      "model": dataclasses.asdict(first.model_config) | {"dtype": str(
+          first.model_config.dtype)},
+      "options": dataclasses.asdict(options),
+      "orderings": orderings.ORDERINGS,
+      "curve_labels": analysis.CURVE_LABELS,
+      "splits": {"importance": "validation", "accuracy": "test",
+                 "sizes": {k: len(v) for k, v in splits.items()}},
+      "definitions": {
+          "auc": "trapezoid area under the test curve over the fraction of "
+                 "heads removed, divided by the fraction range",
+          "max_prunable": "largest fraction of heads removed up to which "
+                          "every validation point is within `tolerance` of "
+                          "the unpruned validation value (chosen on "
+                          "validation; test_<metric>_at_prunable is its test "
+                          "value)",
+          "ci": "95% percentile interval of a paired bootstrap over "
+                "validation and test examples (and, across seeds, over "
+                "seeds: two-level)",
+          "oracle": "for each k, the subset with k heads removed of best "
+                    "validation token accuracy (ties: lower loss)",
+          "no_layer_emptied": "the same orderings, skipping the last head "
+                              "of a layer (and the oracle among subsets "
+                              "keeping one head per layer)",
+      },
+  }
+
+
+def run(workdir: str, out_dir: str, options: StudyOptions,
+        step: int | None = None, log: Log = print) -> dict[str, Any]:
+  """The whole experiment on the checkpoint of ``workdir`` (its newest, or
+  ``step``); writes ``results.json``, ``report.md``, the plots and each
+  seed's per-example results (``examples_seed<s>.npz``) to ``out_dir`` and
+  returns the results.
+
+  Raises:
+    FileNotFoundError: no checkpoint (of ``step``) in ``workdir``.
+    ValueError: bad options, a head to remove that does not exist, a
+      step the other seeds will not have, or a seed directory trained
+      with another config (without ``retrain_seeds``): :func:`check_inputs`.
+  """
+  start = time.perf_counter()
+  first = check_inputs(workdir, out_dir, options, step)
+  os.makedirs(out_dir, exist_ok=True)
+  checkpoints = seeds_lib.seed_models(first, out_dir, options.num_seeds, log,
+                            retrain=options.retrain_seeds)
+  config = first.config
+  splits = data.load_splits(build.data_spec(config), config.data.data_dir)
+  experiment_start = time.perf_counter()
+  seeds, agg, extra = _analyze_all(checkpoints, splits, options, log)
+  results = _header(workdir, first, options, splits) | extra | {
+      "seeds": seeds, "aggregate": agg,
+      "jax": {"version": jax.__version__, "backend": jax.default_backend(),
+              "devices": [str(d) for d in jax.devices()]}}
+  if options.speed:
+    log("Speed of physically pruned models (first seed):")
+    order = np.asarray(seeds[0]["orders"][options.speed_order])
+    results["speed"], seconds = timed(
+        log, "speed table",
+        lambda: speed.speed_table(
+            first.model, first.params, order, splits["test"],
+            fractions=options.speed_fractions,
+            batch_sizes=options.batch_sizes, repeats=options.speed_repeats,
+            log=log) | {"order": options.speed_order})
+    seeds[0]["timings"]["speed_s"] = seconds
+  if options.remove_heads:
+    results["custom_pruning"] = analysis.custom_pruning(
+        first.model, first.params, splits["test"], options.remove_heads,
+        options.batch_size)
+  results["timings"] = {
+      "experiment_s": time.perf_counter() - experiment_start,
+      "first_seed_with_speed_s": seeds[0]["timings"]["total_s"] +
+                                 seeds[0]["timings"].get("speed_s", 0.0),
+      "total_s": time.perf_counter() - start,
+  }
+  outputs.write_outputs(results, out_dir)
+  return results
+
+
+__all__ = ["check_inputs", "run"]

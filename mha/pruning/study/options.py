@@ -1,0 +1,225 @@
+"""The study's settings, :class:`StudyOptions`, and its flags made from them.
+
+Each setting is one dataclass field whose metadata holds its help text; the
+command line (``scripts/prune_heads.py``) defines its flags from these
+fields with :func:`define_flags` and reads them back with
+:func:`from_flags`, so a setting's name, default and help live here once.
+Fields whose metadata says ``flag=False`` are settable from Python only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Any, Mapping
+
+from absl import flags
+
+from mha import cli
+from mha.head_masks import parse_heads
+from mha.pruning import speed
+from mha.pruning.orderings import ORDERINGS
+
+
+def _option(default: Any, help: str, *, flag: bool = True) -> Any:  # pylint: disable=redefined-builtin
+  """A field of :class:`StudyOptions` with its command line help."""
+  return dataclasses.field(default=default,
+                           metadata={"help": help, "flag": flag})
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyOptions:
+  """Settings of the study (the flags of ``scripts/prune_heads.py``).
+
+  Each field's help is in its metadata (``StudyOptions.help(name)``).
+  """
+
+  num_seeds: int = _option(
+      5, "Models analysed: the workdir's and num_seeds-1 more trained with "
+      "the next seeds.")
+  retrain_seeds: bool = _option(
+      False, "Retrain a seed directory that was trained with another config "
+      "(otherwise that is an error).")
+  oracle_max_heads: int = _option(
+      12, "Evaluate every subset of heads (the oracle, Shapley values) up to "
+      "this many heads; skipped above it.")
+  num_bootstrap: int = _option(
+      1000, "Bootstrap resamples of every 95% interval.")
+  num_random_orders: int = _option(
+      20, "Random orders per seed (the baseline).")
+  step_fraction: float = _option(
+      0.0, "Fraction of heads removed per curve point; 0 removes one head at "
+      "a time.")
+  reestimate: bool = _option(
+      True, "Also prune re-estimating gradient importance after each "
+      "removal.")
+  tolerance: float = _option(
+      0.01, "Accuracy loss counted as none (0.01 = 1 point).")
+  speed_fractions: tuple[float, ...] = _option(
+      (0.25, 0.5, 0.75),
+      "Fractions of heads physically pruned for the speed table.")
+  batch_sizes: tuple[int, ...] = _option(
+      (1, 16, 64, 256), "Batch sizes of the speed table.")
+  speed_repeats: int = _option(
+      speed.REPEATS, "Timing rounds of >= 0.2 s per model, the models' order "
+      "rotated every round (median and its interval).")
+  speed_order: str = _option(
+      "gradient_l2", "Ordering pruned for the speed table.")
+  remove_heads: tuple[tuple[int, int], ...] = _option(
+      (), "Also prune exactly these heads and report test accuracy, e.g. "
+      "0:1,1:3 (LAYER:HEAD, 0-based).")
+  batch_size: int = _option(1000, "Examples per evaluation call.")
+  seed: int = _option(0, "Seed of the random orders.")
+  speed: bool = _option(True, "Run the speed table.")
+  gates: bool = _option(
+      False, "Learn hard-concrete head gates (Voita et al.) for each "
+      "--gate_lambdas strength and evaluate their kept heads like every "
+      "other subset.")
+  gate_lambdas: tuple[float, ...] = _option(
+      (0.1, 0.3, 1.0, 2.0, 3.0, 4.0, 6.0),
+      "Strengths of the expected-L0 penalty of the gates (per head kept).")
+  gate_steps: int = _option(200, "Training steps of the gates.")
+  gate_learning_rate: float = _option(
+      0.1, "Learning rate of the gates (Adam).", flag=False)
+  retrain: bool = _option(
+      False, "Fine-tune pruned models (gradient order, oracle, gates, random) "
+      "for --retrain_steps against the same architectures from scratch "
+      "(trains the gates too).")
+  retrain_steps: int = _option(
+      100, "Steps of each fine-tuning and from-scratch run.")
+  retrain_fractions: tuple[float, ...] = _option(
+      (0.25, 0.5, 0.75), "Fractions of the heads removed before "
+      "retraining.", flag=False)
+  retrain_random: int = _option(
+      5, "Random subsets retrained per fraction and seed.")
+  mean_ablation: bool = _option(
+      False, "Also every curve with removed heads outputting their mean over "
+      "validation instead of zero.")
+
+  @classmethod
+  def help(cls, name: str) -> str:
+    """The help text of the field ``name``."""
+    return _fields()[name].metadata["help"]
+
+  def validate(self) -> None:
+    """Raises ValueError naming the first bad setting."""
+    for name in ("num_seeds", "oracle_max_heads", "num_bootstrap",
+                 "num_random_orders", "speed_repeats", "batch_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+    if not 0.0 <= self.step_fraction <= 1.0:
+      raise ValueError(
+          f"--step_fraction must be in [0, 1], got {self.step_fraction}")
+    if not 0.0 <= self.tolerance <= 1.0:
+      raise ValueError(f"--tolerance must be in [0, 1], got {self.tolerance}")
+    for f in self.speed_fractions:
+      if not 0.0 <= f <= 1.0:
+        raise ValueError(
+            f"--speed_fractions: {f} is outside [0, 1]")
+    if any(b < 1 for b in self.batch_sizes) or not self.batch_sizes:
+      raise ValueError(
+          f"--batch_sizes must be positive integers, got {self.batch_sizes}")
+    if self.speed_order not in ORDERINGS or self.speed_order in (
+        "random", "shapley"):
+      valid = ", ".join(k for k in ORDERINGS
+                        if k not in ("random", "shapley"))
+      raise ValueError(
+          f"--speed_order {self.speed_order!r} is not one of: {valid}")
+    if self.speed_order == "gradient_iterative" and not self.reestimate:
+      raise ValueError("--speed_order=gradient_iterative needs --reestimate")
+    self._validate_extensions()
+
+  def _validate_extensions(self) -> None:
+    for name in ("gate_steps", "retrain_steps", "retrain_random"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+    if not self.gate_lambdas or any(
+        not (math.isfinite(x) and x >= 0) for x in self.gate_lambdas):
+      raise ValueError("--gate_lambdas must be numbers >= 0, got "
+                       f"{list(self.gate_lambdas)}")
+    if not (math.isfinite(self.gate_learning_rate)
+            and self.gate_learning_rate > 0):
+      raise ValueError("--gate_learning_rate must be > 0, got "
+                       f"{self.gate_learning_rate}")
+    if not self.retrain_fractions or any(
+        not 0.0 < f < 1.0 for f in self.retrain_fractions):
+      raise ValueError("--retrain_fractions must be in (0, 1), got "
+                       f"{list(self.retrain_fractions)}")
+
+  @property
+  def extensions(self) -> bool:
+    """Whether any extension runs: gates, retraining or mean ablation."""
+    return self.gates or self.retrain or self.mean_ablation
+
+
+def _fields() -> dict[str, dataclasses.Field]:
+  return {f.name: f for f in dataclasses.fields(StudyOptions)}
+
+
+def _field_types() -> dict[str, Any]:
+  return typing.get_type_hints(StudyOptions)
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS
+                 ) -> dict[str, flags.FlagHolder]:
+  """Defines one flag per :class:`StudyOptions` field (but those with
+  ``flag=False``), its default and help the field's; returns the holders by
+  field name. Lists (``--batch_sizes=1,16``) are comma-separated;
+  ``--remove_heads`` is ``LAYER:HEAD,...``."""
+  defaults, types, holders = StudyOptions(), _field_types(), {}
+  for name, field in _fields().items():
+    if not field.metadata["flag"]:
+      continue
+    default, kind, text = getattr(defaults, name), types[name], field.metadata[
+        "help"]
+    if name == "remove_heads":
+      holders[name] = flags.DEFINE_string(
+          name, ",".join(f"{l}:{h}" for l, h in default), text,
+          flag_values=flag_values)
+    elif kind is bool:
+      holders[name] = flags.DEFINE_bool(name, default, text,
+                                        flag_values=flag_values)
+    elif kind is int:
+      holders[name] = flags.DEFINE_integer(name, default, text,
+                                           flag_values=flag_values)
+    elif kind is float:
+      holders[name] = flags.DEFINE_float(name, default, text,
+                                         flag_values=flag_values)
+    elif kind is str:
+      holders[name] = flags.DEFINE_string(name, default, text,
+                                          flag_values=flag_values)
+    else:  # tuple[int, ...] or tuple[float, ...]
+      holders[name] = flags.DEFINE_list(name, [f"{v:g}" for v in default],
+                                        text, flag_values=flag_values)
+  return holders
+
+
+def from_flags(holders: Mapping[str, flags.FlagHolder],
+               **overrides: Any) -> StudyOptions:
+  """The :class:`StudyOptions` of the parsed flags (``overrides`` win),
+  validated.
+
+  Raises:
+    cli.UsageError: a value that does not parse, or a bad setting.
+  """
+  types, values = _field_types(), {}
+  for name, holder in holders.items():
+    value = holder.value
+    if name == "remove_heads":
+      try:
+        value = tuple(parse_heads(value))
+      except ValueError as e:
+        raise cli.UsageError(f"--remove_heads: {e}") from None
+    elif typing.get_origin(types[name]) is tuple:
+      value = cli.numbers(name, value, typing.get_args(types[name])[0])
+    values[name] = value
+  options = StudyOptions(**(values | overrides))
+  try:
+    options.validate()
+  except ValueError as e:
+    raise cli.UsageError(str(e)) from None
+  return options
+
+
+__all__ = ["StudyOptions", "define_flags", "from_flags"]

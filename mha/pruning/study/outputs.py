@@ -1,0 +1,69 @@
+"""The study's outputs: ``results.json``, per-example sums, the report.
+
+``results.json`` is the boundary between the study and its report: the
+report (:mod:`mha.pruning.study.report`) is rendered from the JSON written
+here, never from the objects in memory, so ``python -m
+mha.pruning.study.report DIR`` renders the same ``report.md`` again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+
+def jsonable(value: Any) -> Any:
+  if isinstance(value, Mapping):
+    return {str(k): jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [jsonable(v) for v in value]
+  if isinstance(value, (np.ndarray, jax.Array)):
+    return jsonable(np.asarray(value).tolist())
+  if isinstance(value, (np.floating, float)):
+    return None if not math.isfinite(float(value)) else float(value)
+  if isinstance(value, (np.integer,)):
+    return int(value)
+  if isinstance(value, (np.bool_,)):
+    return bool(value)
+  return value
+
+
+def _write_examples(seed: Mapping[str, Any], out_dir: str) -> str:
+  """The seed's per-example sums of every mask it evaluated (what a new
+  resample needs): ``masks [M, L, H]``, ``validation_<sum>`` and
+  ``test_<sum>`` ``[M, n]``."""
+  examples = seed["examples"]
+  arrays = {"masks": examples["masks"]}
+  for split in ("validation", "test"):
+    arrays.update({f"{split}_{k}": v for k, v in examples[split].items()})
+  path = os.path.join(out_dir, f"examples_seed{seed['seed']}.npz")
+  np.savez_compressed(path, **arrays)
+  return path
+
+
+def write_outputs(results: Mapping[str, Any], out_dir: str) -> list[str]:
+  """Writes ``results.json``, each seed's ``examples_seed<s>.npz`` (when
+  the results hold them), the plots and ``report.md``; returns the paths."""
+  from mha.pruning.study import report  # Deferred: matplotlib.
+
+  os.makedirs(out_dir, exist_ok=True)
+  written = [_write_examples(s, out_dir) for s in results["seeds"]
+             if "examples" in s]
+  results = dict(results, seeds=[{k: v for k, v in s.items()
+                                  if k != "examples"}
+                                 for s in results["seeds"]])
+  path = os.path.join(out_dir, "results.json")
+  text = json.dumps(jsonable(results), indent=1, allow_nan=False)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(path + ".tmp", path)
+  # The report reads what was written, as a re-render from the file does.
+  return written + [path] + report.write(json.loads(text), out_dir)
+
+
+__all__ = ["jsonable", "write_outputs"]
