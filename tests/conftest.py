@@ -111,7 +111,12 @@ _SLOW_FIRST = ("test_reliability.py", "test_pruning.py", "test_sharding.py",
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-  """Runs the slowest files first (a stable sort: each file keeps its order)."""
+  """Marks ``slow`` every test that runs an entry point as a subprocess (it
+  asks for ``subprocess_env``), and runs the slowest files first (a stable
+  sort: each file keeps its order). ``-m "not slow"`` is the edit loop."""
+  for item in items:
+    if "subprocess_env" in getattr(item, "fixturenames", ()):
+      item.add_marker(pytest.mark.slow)
   def rank(item: pytest.Item) -> int:
     name = os.path.basename(str(item.fspath))
     return _SLOW_FIRST.index(name) if name in _SLOW_FIRST else len(_SLOW_FIRST)

@@ -17,6 +17,7 @@ from mha import checkpoint as ckpt_lib
 from mha import data
 from mha import pruning
 from mha.pruning import study
+from mha.pruning.study import report as report_lib
 from mha.pruning.study import seeds as study_seeds
 from mha.model import Transformer, TransformerConfig
 
@@ -372,6 +373,26 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
     with open(os.path.join(out, png), "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n", png
   _check_beyond_contract(results, out)
+  _check_rerendered_report(out)
+
+
+def _check_rerendered_report(out):
+  """``python -m mha.pruning.study.report OUT`` renders, from results.json
+  alone, the report the study wrote, byte for byte."""
+  path = os.path.join(out, "report.md")
+  with open(path, "rb") as f:
+    written = f.read()
+  os.remove(path)
+  assert report_lib.main([out]) == 0
+  with open(path, "rb") as f:
+    assert f.read() == written
+
+
+def test_report_of_a_folder_without_results_exits_2(tmp_path, capsys):
+  assert report_lib.main([str(tmp_path)]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "results.json" in err[0], err
+  assert os.listdir(tmp_path) == []
 
 
 def _check_beyond_contract(results, out):
@@ -406,7 +427,7 @@ def test_oracle_skipped_above_oracle_max_heads(tiny_run, tmp_path):
                                num_bootstrap=20, num_random_orders=1,
                                reestimate=False, batch_size=64)
   results = study.run(tiny_run.workdir, str(tmp_path / "out"), options,
-                           log=lambda _: None)
+                      log=lambda _: None)
   seed = results["seeds"][0]
   assert seed["oracle"] == [] and "oracle_max_heads=3" in seed[
       "oracle_skipped"]
@@ -415,6 +436,7 @@ def test_oracle_skipped_above_oracle_max_heads(tiny_run, tmp_path):
   assert "oracle" not in seed["curve_summary"]
   report = (tmp_path / "out" / "report.md").read_text()
   assert "oracle_max_heads=3" in report
+  _check_rerendered_report(str(tmp_path / "out"))  # NaNs are nulls in JSON
 
 
 def _write_seed_config(out, config, **changes):
