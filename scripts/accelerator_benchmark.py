@@ -1,8 +1,10 @@
-r"""The accelerator section of ``scripts/benchmark.py`` (issue 16).
+r"""The accelerator benchmark: the layer on a GPU, the fused path, vmapped seeds.
 
-    python scripts/benchmark.py --gpu             # on a GPU: everything below
-    python scripts/benchmark.py --gpu --quick     # tiny shapes, any device
-    python scripts/benchmark.py --vmapped_seeds   # the vmapped-seeds rows only
+    python scripts/accelerator_benchmark.py                  # on a GPU: everything below
+    python scripts/accelerator_benchmark.py --quick          # tiny shapes, any device
+    python scripts/accelerator_benchmark.py --vmapped_seeds  # the vmapped-seeds rows only
+
+(``python scripts/benchmark.py --gpu`` and ``--vmapped_seeds`` run this.)
 
 On the default device, for float32 and bfloat16 and self-attention lengths up
 to 4096 (width 512, 8 heads of 64, batch x length = 16384 tokens):
@@ -22,7 +24,7 @@ to 4096 (width 512, 8 heads of 64, batch x length = 16384 tokens):
    against ``num_seeds`` models trained together in one vmapped program
    (stacked parameters and optimizer states, one batch each).
 
-The compared functions run interleaved (``benchmark.time_interleaved``,
+The compared functions run interleaved (``mha.benchmarking.time_interleaved``,
 passed in as ``timer``); figures are medians; a ratio is ours / theirs.
 """
 
@@ -31,9 +33,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
+import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+from absl import app
+from absl import flags
+from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -41,24 +47,15 @@ import numpy as np
 
 from configs import default
 from mha import attention_kernels
+from mha import cli
 from mha import build
 from mha import train
+from mha.aliases import Log
 from mha.attention import MultiHeadAttention, fused_dot_product_attention
+from mha.benchmarking import (LayerShape, Timer, environment, header_lines,
+                              load_average, max_relative_diff, median_ms,
+                              output_path, time_interleaved, write_results)
 
-Timer = Callable[[Mapping[str, Callable[[], Any]], int], dict[str, list]]
-Log = Callable[[str], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerShape:
-  """A self-attention layer's input ``[batch, length, width]`` and heads."""
-  batch: int
-  length: int
-  width: int
-  heads: int
-
-  def __str__(self) -> str:
-    return f"{self.batch} / {self.length} / {self.width} / {self.heads}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,20 +96,6 @@ QUICK = AcceleratorPlan(name="quick", shapes=(LayerShape(2, 16, 32, 4),),
                         seeds_config="tiny", num_seeds=2,
                         seeds_window_s=0.01, seeds_windows=2)
 SEEDS = AcceleratorPlan(name="seeds", shapes=(), dtypes=(), repeats=0)
-
-
-def _ms(seconds: Sequence[float]) -> float:
-  return 1e3 * statistics.median(seconds)
-
-
-def _max_relative_diff(a: Any, b: Any) -> float:
-  a, b = (np.asarray(x, np.float32) for x in (a, b))
-  return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
-
-
-# --------------------------------------------------------------------------
-# torch.nn.MultiheadAttention on the same parameters.
-# --------------------------------------------------------------------------
 
 
 def torch_device() -> tuple[Any, str | None]:
@@ -227,18 +210,18 @@ def layer_rows(shape: LayerShape, dtype: str, repeats: int,
   result = {"shape": dataclasses.asdict(shape), "dtype": dtype,
             "torch": device if torch is not None else None,
             "torch_note": None if torch is not None else device,
-            "ms": {name: _ms(t) for name, t in times.items()},
+            "ms": {name: median_ms(t) for name, t in times.items()},
             "times_ms": {name: [1e3 * s for s in t]
                          for name, t in times.items()}}
   ours_w = outputs["fwd_bwd/ours"][1]
   result["max_relative_diff"] = {
-      "weights_flax": _max_relative_diff(ours_w, outputs["fwd_bwd/flax"][1]),
-      "weights_lse": _max_relative_diff(outputs["fwd_bwd/ours_lse"][1],
+      "weights_flax": max_relative_diff(ours_w, outputs["fwd_bwd/flax"][1]),
+      "weights_lse": max_relative_diff(outputs["fwd_bwd/ours_lse"][1],
                                         ours_w),
-      "inference_flax": _max_relative_diff(outputs["inference/ours"],
+      "inference_flax": max_relative_diff(outputs["inference/ours"],
                                            outputs["inference/flax"])}
   if torch is not None:
-    result["max_relative_diff"]["weights_torch"] = _max_relative_diff(
+    result["max_relative_diff"]["weights_torch"] = max_relative_diff(
         outputs["fwd_bwd/torch"][1].float().cpu().numpy(), ours_w)
   return result
 
@@ -278,13 +261,13 @@ def fused_vs_direct(shape: LayerShape, dtype: str, repeats: int,
           jax.jit(jax.grad(loss(f), argnums=(0, 1, 2))), q, k, v, n)
   outputs = {name: call() for name, call in calls.items()}
   times = timer(calls, repeats)
-  diff = {name.replace("/ours", ""): _max_relative_diff(
+  diff = {name.replace("/ours", ""): max_relative_diff(
       outputs[name], outputs[name.replace("ours", "direct")])
           for name in calls if name.endswith("/ours")
           and name.startswith("forward")}
   return {"shape": dataclasses.asdict(shape), "dtype": dtype,
           "implementation": choice,
-          "ms": {name: _ms(t) for name, t in times.items()},
+          "ms": {name: median_ms(t) for name, t in times.items()},
           "max_relative_diff": diff}
 
 
@@ -437,3 +420,70 @@ def format_tables(results: Mapping[str, Any]) -> list[str]:
             f"{s['config_arg'] or 'default'} | {s['single_steps_per_s']:.1f} | "
             f"{s['vmapped_steps_per_s']:.1f} | {s['throughput_ratio']:.2f}x |"]
   return lines
+
+
+# --------------------------------------------------------------------------
+# Command line.
+# --------------------------------------------------------------------------
+
+_PROG = "accelerator_benchmark.py"
+
+
+def _define_flags() -> dict[str, flags.FlagHolder]:
+  """The command line's flags, defined only when run as a script (the tests
+  import this module beside ``cpu_benchmark``, whose flags share names)."""
+  return {
+      "quick": flags.DEFINE_bool(
+          "quick", False, "Tiny shapes on any device: a smoke test of "
+          "seconds whose numbers mean nothing."),
+      "out": flags.DEFINE_string(
+          "out", "runs/benchmark/benchmark.json",
+          "JSON output path; the markdown tables go next to it (.md)."),
+      "repeats": flags.DEFINE_integer(
+          "repeats", None, "Timed rounds per comparison (default: the "
+          "plan's).", lower_bound=1),
+      "vmapped_seeds": flags.DEFINE_bool(
+          "vmapped_seeds", False, "Run only the vmapped-seeds rows: the "
+          "default config's train step, one model vs 4 trained together (any "
+          "device)."),
+  }
+
+
+def main(argv: list[str], flag: Mapping[str, flags.FlagHolder]) -> None:
+  """Runs the plan the flags choose; writes and prints its tables."""
+  del argv
+  try:
+    out = output_path(flag["out"].value)
+  except ValueError as e:
+    cli.fail(_PROG, e)
+  logging.set_verbosity(logging.WARNING)
+  if not flag["vmapped_seeds"].value and not flag["quick"].value and (
+      jax.devices()[0].platform != "gpu"):
+    cli.fail(_PROG, f"--gpu needs a GPU (this device is "
+             f"{jax.devices()[0].platform}); --gpu --quick runs a smoke test "
+             "on any device")
+  if flag["quick"].value:
+    jax.config.update("jax_disable_most_optimizations", True)
+  plan = (SEEDS if flag["vmapped_seeds"].value else
+          QUICK if flag["quick"].value else GPU)
+  if flag["repeats"].value is not None:
+    plan = dataclasses.replace(plan, repeats=flag["repeats"].value)
+  log = lambda message: print(message, file=sys.stderr, flush=True)
+  results = {"environment": environment() | {
+      "dtype": ", ".join(plan.dtypes) or "float32"},
+             "load_average_start": load_average(), "plan": {"name": plan.name},
+             "repeats": plan.repeats}
+  results["accelerator"] = run(plan, time_interleaved, log)
+  results["load_average_end"] = load_average()
+  lines = header_lines(results)
+  if plan is SEEDS:
+    lines[1] = (f"Train steps/s: medians of {plan.seeds_windows} windows of "
+                f"about {plan.seeds_window_s:g} s.")
+  lines += format_tables(results["accelerator"])
+  write_results(out, results, "\n".join(lines) + "\n", log)
+
+
+if __name__ == "__main__":
+  _FLAGS = _define_flags()
+  app.run(functools.partial(main, flag=_FLAGS),
+          flags_parser=cli.flags_parser(_PROG))

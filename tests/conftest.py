@@ -110,12 +110,25 @@ _SLOW_FIRST = ("test_reliability.py", "test_pruning.py", "test_sharding.py",
                "test_attention.py", "test_train.py")
 
 
+# End-to-end files: whole training runs, resumes, kills, meshes of devices,
+# the benchmarks, the browser. Every test in them is ``slow``.
+_END_TO_END_FILES = ("test_reliability.py", "test_sharding.py",
+                     "test_startup.py", "test_benchmark.py",
+                     "test_finetune.py", "test_spell.py", "test_explorer.py",
+                     "test_train.py", "test_pruned_models.py",
+                     "test_readme.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-  """Marks ``slow`` every test that runs an entry point as a subprocess (it
-  asks for ``subprocess_env``), and runs the slowest files first (a stable
-  sort: each file keeps its order). ``-m "not slow"`` is the edit loop."""
+  """Marks ``slow`` every test of an end-to-end file and every test that runs
+  an entry point as a subprocess (it asks for ``subprocess_env``); others
+  that run a whole study carry ``@pytest.mark.slow`` themselves. Runs the
+  slowest files first (a stable sort: each file keeps its order).
+  ``-m "not slow"`` is the edit loop."""
   for item in items:
-    if "subprocess_env" in getattr(item, "fixturenames", ()):
+    name = os.path.basename(str(item.fspath))
+    if (name in _END_TO_END_FILES
+        or "subprocess_env" in getattr(item, "fixturenames", ())):
       item.add_marker(pytest.mark.slow)
   def rank(item: pytest.Item) -> int:
     name = os.path.basename(str(item.fspath))

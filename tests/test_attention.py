@@ -433,6 +433,7 @@ def test_softmax_derivatives_with_masked_keys_and_fully_masked_rows():
                              **SOFTMAX_TOL)
 
 
+@pytest.mark.slow  # seconds of compiling or training: the full suite only
 def test_softmax_second_derivatives_equal_jax_nn_softmax():
   mask = _softmax_mask()[0, 0]  # [5]: the last two keys masked
   x = 2.0 * _inputs(5)

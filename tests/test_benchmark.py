@@ -1,4 +1,5 @@
-"""Tests of scripts/benchmark.py: it runs and reports; none asserts a time."""
+"""Tests of the benchmark scripts (scripts/benchmark.py dispatches to them):
+they run and report; none asserts a time."""
 
 import json
 import os
@@ -8,15 +9,17 @@ import sys
 import jax
 import pytest
 
+from mha import benchmarking
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "benchmark.py")
 
 
 @pytest.fixture(scope="module")
 def bench():
-  """The script as a module (its flags are defined once per process)."""
-  from scripts import benchmark  # Defines its flags: import it once, here.
-  return benchmark
+  """The CPU benchmark as a module (its flags are defined once per process)."""
+  from scripts import cpu_benchmark  # Defines its flags: import it once, here.
+  return cpu_benchmark
 
 
 def _run(*args, cwd=ROOT):
@@ -88,10 +91,10 @@ def test_out_must_not_be_a_directory(tmp_path):
   assert "is a directory" in res.stderr
 
 
-def test_time_interleaved_alternates_the_order(bench):
+def test_time_interleaved_alternates_the_order():
   calls = []
   fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
-  times = bench.time_interleaved(fns, repeats=4)
+  times = benchmarking.time_interleaved(fns, repeats=4)
   assert calls[:3] == list("abc")  # untimed warm-up (compilation)
   assert calls[3:] == list("abccbaabccba")
   assert {k: len(v) for k, v in times.items()} == {"a": 4, "b": 4, "c": 4}
@@ -110,17 +113,17 @@ def test_forward_flops_count_the_matmuls_xla_counts(bench):
   assert analytic <= xla <= 1.1 * analytic
 
 
-def test_accelerator_section_compares_the_same_function(bench):
+def test_accelerator_section_compares_the_same_function():
   # A tiny plan in-process: every side computes the same attention on the
   # same parameters, and the tables name every row. (The vmapped-seeds part
   # is left out: compiling its two train steps took 20 s on the loaded
   # 2-core machine, more than the rest; `benchmark.py --vmapped_seeds` runs
   # it.)
-  acc = bench.accelerator
+  from scripts import accelerator_benchmark as acc
   plan = acc.AcceleratorPlan(
       name="quick", shapes=(acc.LayerShape(2, 8, 16, 2),),
       dtypes=("bfloat16",), repeats=1, num_seeds=0, fused_masks=("lengths",))
-  results = acc.run(plan, bench.time_interleaved)
+  results = acc.run(plan, benchmarking.time_interleaved)
   (layer,), (fused,) = results["layers"], results["fused"]
   diffs = layer["max_relative_diff"]
   # bfloat16 keeps 8 significant bits: weights agree to ~2 ulps (1e-2).

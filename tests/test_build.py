@@ -96,6 +96,7 @@ print("differ:", bool(np.any(np.asarray(outputs[0]) != np.asarray(outputs[1]))))
 """
 
 
+@pytest.mark.slow  # seconds of compiling or training: the full suite only
 def test_a_new_model_field_needs_only_model_py_and_default_py(tmp_path):
   # In a copy of the package, add one hyperparameter the way the issue
   # promises it can be added: a dataclass field (used by the model) and one
@@ -193,6 +194,7 @@ def test_schedule_warms_up_to_the_peak_then_decays_to_zero():
   assert np.all(np.diff(values[warmup:]) <= 0)
 
 
+@pytest.mark.slow  # seconds of compiling or training: the full suite only
 def test_model_dtype_key_trains_in_bfloat16():
   assert default.get_config().model.dtype == "float32"
   config = default.get_config("tiny,model.dtype=bfloat16")

@@ -7,6 +7,7 @@ so a deferred import cannot hide a cycle.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 
 import pytest
@@ -48,6 +49,7 @@ def _imports(path: str, module: str, known: set[str]) -> set[str]:
   return {m for m in found if m in known and m != module}
 
 
+@functools.lru_cache(maxsize=1)
 def _graph() -> dict[str, set[str]]:
   modules = _modules()
   known = set(modules)

@@ -30,6 +30,7 @@ def test_shapes_and_attention_per_layer():
   np.testing.assert_allclose(a[:, :5].sum(-1), 1.0, **TOL)
 
 
+@pytest.mark.slow  # seconds of compiling or training: the full suite only
 def test_unbatched_and_vmapped_calls_equal_batched():
   params = _init()
   model = Transformer(CFG)
@@ -149,6 +150,7 @@ def test_bad_inputs():
     model.apply(params, TOKENS, head_mask=[jnp.ones(4)] * 3)
 
 
+@pytest.mark.slow  # seconds of compiling or training: the full suite only
 def test_bfloat16_compute_dtype():
   cfg = TransformerConfig(**{**CFG.__dict__, "dtype": "bfloat16"})
   params = _init()  # the float32 model's parameters: the same tree

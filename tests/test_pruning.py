@@ -70,6 +70,7 @@ def _planted(seed, planted=(1, 1)):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # seconds of compiling or training: the full suite only
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_planted_head_ranks_first_by_every_measure(seed):
   planted = (1, 1)
@@ -126,6 +127,7 @@ def test_gradients_are_per_example():
   assert (mean_abs - abs_mean).flat[worst] > 0.1 * mean_abs.flat[worst]
 
 
+@pytest.mark.slow  # seconds of compiling or training: the full suite only
 def test_vmapped_masks_equal_the_loop_and_jit_vmap_pass_through():
   model, params = _init()
   rng = np.random.default_rng(1)
@@ -422,6 +424,7 @@ def _check_beyond_contract(results, out):
     assert os.path.getsize(os.path.join(out, png)) > 10_000
 
 
+@pytest.mark.slow
 def test_oracle_skipped_above_oracle_max_heads(tiny_run, tmp_path):
   options = study.StudyOptions(num_seeds=1, speed=False, oracle_max_heads=3,
                                num_bootstrap=20, num_random_orders=1,
@@ -452,6 +455,7 @@ def _write_seed_config(out, config, **changes):
   return directory
 
 
+@pytest.mark.slow
 def test_mismatched_seed_directory_is_refused(tiny_run, tmp_path,
                                                subprocess_env):
   out = tmp_path / "out"
@@ -529,6 +533,7 @@ def test_option_defaults():
   assert (options.num_seeds, options.oracle_max_heads) == (5, 12)
 
 
+@pytest.mark.slow  # seconds of compiling or training: the full suite only
 def test_bad_input_is_refused_before_any_work(tiny_workdir, tmp_path):
   out = str(tmp_path / "out")
   options = study.StudyOptions(num_seeds=1)

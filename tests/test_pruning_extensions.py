@@ -22,6 +22,9 @@ from mha.pruning import mean_ablation
 from mha.pruning import oracle
 from mha.pruning.study import StudyOptions
 
+# Gates, retraining and mean ablation train or evaluate many models.
+pytestmark = pytest.mark.slow
+
 CONFIG = TransformerConfig(vocab_size=8, num_layers=2, num_heads=2, d_model=8,
                            mlp_dim=8, max_len=6)
 PLANTED = (1, 0)

@@ -54,6 +54,7 @@ def test_subset_masks_follow_the_bit_convention():
     dict(num_layers=3, num_heads=(2, 0, 1), head_dim=4),  # an empty layer
     dict(num_layers=2, num_heads=2, pre_norm=False, positional="sinusoidal"),
 ])
+@pytest.mark.slow  # seconds of compiling or training: the full suite only
 def test_subsets_equal_masked_models(kwargs):
   """Layer by layer with shared prefixes == the full model under each mask
   (float32 sums over a few hundred tokens: 1e-5 relative)."""

@@ -1,0 +1,279 @@
+r"""The default run end to end, from process start, beside the PyTorch peer.
+
+    python scripts/end_to_end_benchmark.py            # 3 rounds, about 2 minutes
+    python scripts/end_to_end_benchmark.py --quick    # the tiny config, one round
+
+Spawns ``train.py`` processes, cold (a fresh compilation cache) and warm (the
+same config again), beside the import floor (a process that imports JAX,
+Flax, optax and orbax) and the PyTorch peer (``scripts/torch_peer.py``, run
+when torch can be imported: a plain ``nn.TransformerEncoder`` of the same
+shape on the same arrays, batches, optimizer, schedule and evaluation
+cadence), and times them from process start: to the end of the first step, to
+the first validation with exact match >= 99%, and to exit. Prints the tables,
+writes them to ``<out>.md`` and every run to ``--out`` (JSON). A bad flag is
+one line on stderr and exit code 2. (``python scripts/benchmark.py
+--end_to_end`` runs this.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from absl import app
+from absl import flags
+from absl import logging
+import numpy as np
+
+from configs import default
+from mha import build
+from mha import cli
+from mha import data
+from mha.benchmarking import (environment, header_lines, load_average,
+                              output_path, write_results)
+
+_QUICK = flags.DEFINE_bool(
+    "quick", False, "The tiny config, one round: a smoke test of seconds "
+    "whose numbers mean nothing.")
+_OUT = flags.DEFINE_string(
+    "out", "runs/benchmark/end_to_end.json",
+    "JSON output path; the markdown tables go next to it (.md).")
+_ROUNDS = flags.DEFINE_integer(
+    "end_to_end_rounds", None, "Rounds (default 3; 1 with --quick); the "
+    "figures are medians over them.", lower_bound=1)
+_PEER = flags.DEFINE_bool(
+    "peer", True, "Also run the PyTorch peer (scripts/torch_peer.py) when "
+    "torch can be imported.")
+_DATA_DIR = flags.DEFINE_string(
+    "data_dir", None, "The TFDS data directory (default: the config's "
+    "data.data_dir); the data is prepared before any run is timed.")
+
+_PROG = "end_to_end_benchmark.py"
+
+# --------------------------------------------------------------------------
+# End to end: train.py processes from start to exit.
+# --------------------------------------------------------------------------
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXACT_MATCH_GOAL = 0.99  # "trained": validation exact match at least this
+
+
+def _spawn(command: Sequence[str], what: str) -> tuple[float, str]:
+  """Runs ``command`` from the repository root; returns its start (Unix
+  seconds, just before the fork) and its stdout. Raises if it fails."""
+  start = time.time()
+  result = subprocess.run(list(command), cwd=_ROOT, capture_output=True,
+                          text=True, check=False)
+  if result.returncode:
+    raise RuntimeError(f"{what} exited with {result.returncode}: "
+                       f"{result.stderr.strip()[-2000:]}")
+  return start, result.stdout
+
+
+def _timeline(start: float, end: float, workdir: str) -> dict[str, Any]:
+  """Seconds from ``start`` to the end of the first step, to the first
+  validation with exact match >= ``EXACT_MATCH_GOAL``, and to ``end``, read
+  off ``workdir/metrics.jsonl`` (every row has its ``time``)."""
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  first = next(r for r in rows if "startup/seconds_since_process_start" in r)
+  trained = next((r for r in rows if r.get("validation/exact_match", 0)
+                  >= EXACT_MATCH_GOAL), None)
+  return {
+      "first_step_s": first["time"] - start,
+      "trained_s": None if trained is None else trained["time"] - start,
+      "trained_step": None if trained is None else trained["step"],
+      "exit_s": end - start,
+      "programs": first.get("startup/programs_compiled"),
+      "programs_from_cache": first.get("startup/programs_from_cache"),
+  }
+
+
+def _compiled(stdout: str) -> dict[str, int] | None:
+  """The counts of train.py's line "Compiled in this run: ..."."""
+  match = re.search(r"Compiled in this run: (\d+) programs?"
+                    r"(?:, (all|\d+) of them loaded)?", stdout)
+  if match is None:
+    return None
+  programs = int(match.group(1))
+  hits = match.group(2)
+  return {"programs": programs, "from_cache": programs if hits == "all"
+          else int(hits or 0)}
+
+
+def _train_run(arg: str, workdir: str, cache_dir: str,
+               data_dir: str) -> dict[str, Any]:
+  """One ``python train.py`` of ``get_config(arg)``, timed."""
+  start, stdout = _spawn(
+      [sys.executable, "train.py", f"--workdir={workdir}",
+       f"--config=configs/default.py:{arg}",
+       f"--config.compilation_cache_dir={cache_dir}",
+       f"--config.data.data_dir={data_dir}"], "train.py")
+  end = time.time()
+  return {**_timeline(start, end, workdir), "run": _compiled(stdout)}
+
+
+def _floor_run() -> dict[str, Any]:
+  """The import floor: a process that imports JAX, Flax, optax and orbax."""
+  start, _ = _spawn([sys.executable, "-c",
+                     "import jax, flax, optax, orbax.checkpoint"], "floor")
+  return {"exit_s": time.time() - start}
+
+
+def _peer_inputs(config, splits: Mapping[str, Any], directory: str
+                 ) -> tuple[str, str]:
+  """The data (``.npz``) and config (JSON) of the PyTorch peer."""
+  arrays = {f"{name}_{key}": getattr(split, key)
+            for name, split in splits.items() for key in ("inputs", "targets")}
+  data_path = os.path.join(directory, "peer_data.npz")
+  np.savez(data_path, **arrays)
+  keys = ("seed", "batch_size", "eval_batch_size", "num_train_steps",
+          "learning_rate", "warmup_steps", "weight_decay", "adam_b2",
+          "grad_clip_norm", "eval_every_steps")
+  peer = {key: config[key] for key in keys}
+  peer["model"] = config.model.to_dict()
+  peer["vocab_size"] = data.vocab_size(config.task, config.data.num_symbols,
+                                       config.data.max_len)
+  config_path = os.path.join(directory, "peer_config.json")
+  with open(config_path, "w", encoding="utf-8") as f:
+    json.dump(peer, f)
+  return data_path, config_path
+
+
+def _peer_run(inputs: tuple[str, str], out: str) -> dict[str, Any]:
+  """One run of ``scripts/torch_peer.py``, timed like ``train.py``."""
+  data_path, config_path = inputs
+  start, _ = _spawn([sys.executable, os.path.join("scripts", "torch_peer.py"),
+                     f"--data={data_path}", f"--config={config_path}",
+                     f"--out={out}"], "torch_peer.py")
+  return _timeline(start, time.time(), out)
+
+
+def _median(runs: Sequence[Mapping[str, Any]], key: str) -> float | None:
+  values = [r[key] for r in runs if r.get(key) is not None]
+  return statistics.median(values) if len(values) == len(runs) else None
+
+
+def end_to_end(arg: str, rounds: int, data_dir: str | None, peer: bool,
+               log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+  """Cold and warm ``train.py`` runs of ``get_config(arg)``, the import floor
+  and (``peer`` and torch importable) the PyTorch peer, ``rounds`` times.
+
+  The data is prepared first. A cold run gets a fresh compilation cache
+  directory, the warm run right after it the same one; every run a fresh
+  workdir. The floor, the cold-warm pair and the peer take turns, in the
+  reverse order every other round. Times are from just before the fork.
+  """
+  config = default.get_config(arg)
+  data_dir = data_dir or config.data.data_dir
+  splits = data.load_splits(build.data_spec(config), data_dir)
+  peer = peer and importlib.util.find_spec("torch") is not None
+  runs: dict[str, list[dict[str, Any]]] = {
+      "floor": [], "cold": [], "warm": [], **({"peer": []} if peer else {})}
+  with tempfile.TemporaryDirectory(prefix="mha-end-to-end-") as tmp:
+    inputs = _peer_inputs(config, splits, tmp) if peer else None
+    for r in range(rounds):
+      cache = os.path.join(tmp, f"cache{r}")
+      steps = {
+          "floor": _floor_run,
+          "cold": lambda: _train_run(arg, os.path.join(tmp, f"cold{r}"),
+                                     cache, data_dir),
+          "warm": lambda: _train_run(arg, os.path.join(tmp, f"warm{r}"),
+                                     cache, data_dir),
+          "peer": lambda: _peer_run(inputs, os.path.join(tmp, f"peer{r}")),
+      }
+      # A warm run right after its cold one; the rest in turns.
+      blocks = [["floor"], ["cold", "warm"], *([["peer"]] if peer else [])]
+      for block in blocks if r % 2 == 0 else reversed(blocks):
+        for kind in block:
+          log(f"end to end, round {r + 1}/{rounds}: {kind}")
+          runs[kind].append(steps[kind]())
+  return {"config_arg": arg, "rounds": rounds, "runs": runs,
+          "summary": _end_to_end_summary(runs)}
+
+
+def _end_to_end_summary(runs: Mapping[str, Sequence[Mapping[str, Any]]]
+                        ) -> dict[str, Any]:
+  """Medians of every kind and the ratios the goals are stated in."""
+  medians = {kind: {key: _median(rs, key) for key in
+                    ("first_step_s", "trained_s", "exit_s") if key in rs[0]}
+             for kind, rs in runs.items() if rs}
+  ratio = lambda a, b: None if None in (a, b) else a / b
+  warm, cold, floor = medians["warm"], medians["cold"], medians["floor"]
+  summary = {"medians": medians, "ratios": {
+      "warm_first_step_over_floor": ratio(warm["first_step_s"],
+                                          floor["exit_s"]),
+      "cold_first_step_over_floor": ratio(cold["first_step_s"],
+                                          floor["exit_s"])}}
+  if "peer" in medians:
+    peer = medians["peer"]["trained_s"]
+    summary["ratios"]["warm_trained_over_peer"] = ratio(warm["trained_s"],
+                                                        peer)
+    summary["ratios"]["cold_trained_over_peer"] = ratio(cold["trained_s"],
+                                                        peer)
+  return summary
+
+
+def format_end_to_end(results: Mapping[str, Any]) -> str:
+  """The markdown report of :func:`end_to_end` (header from ``run``'s)."""
+  e2e = results["end_to_end"]
+  summary = e2e["summary"]
+  lines = header_lines({**results, "plan": {"name": results["plan_name"]},
+                         "repeats": e2e["rounds"]})[:1] + [
+      f"End to end: `python train.py --config configs/default.py:"
+      f"{e2e['config_arg']}`, data prepared; medians of {e2e['rounds']} "
+      f"rounds, seconds from process start. Trained = the first validation "
+      f"with exact match >= {EXACT_MATCH_GOAL}.", "",
+      "| process | to end of first step | to trained | to exit | each run "
+      "(to trained; floor: to exit) |",
+      "| --- | ---: | ---: | ---: | --- |"]
+  labels = {"floor": "import floor (`import jax, flax, optax, "
+                     "orbax.checkpoint`)",
+            "cold": "train.py, cold (empty compilation cache)",
+            "warm": "train.py, warm (same config again)",
+            "peer": "PyTorch peer (`nn.TransformerEncoder`)"}
+  cell = lambda v: "" if v is None else f"{v:.2f}"
+  for kind, median in summary["medians"].items():
+    per_run = " / ".join(cell(r.get("trained_s", r["exit_s"]))
+                         for r in e2e["runs"][kind])
+    lines.append(f"| {labels[kind]} | {cell(median.get('first_step_s'))} | "
+                 f"{cell(median.get('trained_s'))} | "
+                 f"{cell(median['exit_s'])} | {per_run} |")
+  lines += ["", "| ratio | median |", "| --- | ---: |"]
+  for name, value in summary["ratios"].items():
+    lines.append(f"| {name.replace('_', ' ')} | {cell(value)} |")
+  compiled = [(kind, r["run"]) for kind in ("cold", "warm")
+              for r in e2e["runs"][kind][:1]]
+  lines += ["", "Programs compiled: " + "; ".join(
+      f"{kind} {c['programs']} ({c['from_cache']} from the cache)"
+      for kind, c in compiled if c) + "."]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  try:
+    out = output_path(_OUT.value)
+  except ValueError as e:
+    cli.fail(_PROG, e)
+  logging.set_verbosity(logging.WARNING)
+  log = lambda message: print(message, file=sys.stderr, flush=True)
+  rounds = _ROUNDS.value or (1 if _QUICK.value else 3)
+  results = {"environment": environment(), "load_average_start":
+             load_average(), "plan_name": "quick" if _QUICK.value else "full"}
+  results["end_to_end"] = end_to_end("tiny" if _QUICK.value else "", rounds,
+                                     _DATA_DIR.value, _PEER.value, log)
+  results["load_average_end"] = load_average()
+  write_results(out, results, format_end_to_end(results), log)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=cli.flags_parser(_PROG))
