@@ -262,8 +262,10 @@ class TrainCheckpoints:
     self._unlogged = contextlib.ExitStack()
     self._unlogged.enter_context(write_failures.orbax_failures_unlogged())
     # A failed write ends orbax's event loop while tensorstore still finishes
-    # its other writes (as a failed read does, see _drop_closed_loop_reports).
+    # its other writes (as a failed read does, see _drop_closed_loop_reports),
+    # and asyncio logs each failed write task it collects.
     _drop_closed_loop_reports()
+    write_failures.drop_unretrieved_orbax_failures()
 
   @property
   def directory(self) -> str:

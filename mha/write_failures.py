@@ -28,6 +28,7 @@ import errno
 import logging
 import os
 import re
+import traceback
 from typing import Iterator, Sequence
 
 #: The errnos of a write failure, each with what the user can do about it.
@@ -126,7 +127,17 @@ class DropReportedFailures(logging.Filter):
   one line); every other record passes."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if f"{os.sep}orbax{os.sep}" not in record.pathname:
+    orbax = f"{os.sep}orbax{os.sep}"
+    # asyncio's "Task exception was never retrieved" (or a gathering
+    # future's), logged when one of orbax's write tasks is collected (at the
+    # latest at exit) after the save failed: the coroutine it names, its
+    # traceback or the folder it wrote to is orbax's.
+    unretrieved = record.name == "asyncio" and (
+        orbax in record.getMessage()
+        or ".orbax-checkpoint-tmp" in record.getMessage() or any(
+            orbax in frame.filename for frame in traceback.extract_tb(
+                record.exc_info[2] if record.exc_info else None)))
+    if orbax not in record.pathname and not unretrieved:
       return True
     error = record.exc_info[1] if record.exc_info else None
     return (write_errno(error) is None
@@ -144,3 +155,13 @@ def orbax_failures_unlogged() -> Iterator[None]:
     yield
   finally:
     logger.removeFilter(dropper)
+
+
+def drop_unretrieved_orbax_failures() -> None:
+  """:class:`DropReportedFailures` on asyncio's logger, for the rest of the
+  process (once): orbax's write tasks that failed with the run's write
+  failure are collected after the run reported it, up to the interpreter's
+  exit, and asyncio logs each with its traceback."""
+  logger = logging.getLogger("asyncio")
+  if not any(isinstance(f, DropReportedFailures) for f in logger.filters):
+    logger.addFilter(DropReportedFailures())

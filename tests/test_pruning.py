@@ -13,9 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mha import build
 from mha import checkpoint as ckpt_lib
 from mha import data
+from mha import head_masks
 from mha import pruning
+from mha.pruning import core
 from mha.pruning import study
 from mha.pruning.study import report as report_lib
 from mha.pruning.study import seeds as study_seeds
@@ -320,6 +323,14 @@ def _check_seed_contract(seed, num_heads):
       # ordered pair inside the range of an AUC of accuracies.
       low, high = summary[f"auc_{metric}_ci"]
       assert 0.0 <= low <= high <= 1.0, name
+  # Every subset evaluated: exact Shapley values and every pair's
+  # interaction, largest magnitude first.
+  assert seed["shapley_method"] == "exact"
+  pairs = seed["interactions"]["pairs"]
+  assert len(pairs) == num_heads * (num_heads - 1) // 2
+  assert [abs(p["value"]) for p in pairs] == sorted(
+      (abs(p["value"]) for p in pairs), reverse=True)
+  assert all(len(p["heads"]) == 2 for p in pairs)
   oracle_auc = seed["curve_summary"]["oracle"]["auc_token_accuracy"]
   assert seed["curve_summary"]["oracle"]["auc_token_accuracy_minus_random"] \
       == pytest.approx(oracle_auc -
@@ -434,12 +445,44 @@ def test_oracle_skipped_above_oracle_max_heads(tiny_run, tmp_path):
   seed = results["seeds"][0]
   assert seed["oracle"] == [] and "oracle_max_heads=3" in seed[
       "oracle_skipped"]
-  assert "shapley" not in seed["orders"]
-  assert np.all(np.isnan(seed["importance"]["shapley_token_accuracy"]))
+  # Above the exhaustive limit the Shapley values are sampled, with
+  # intervals, and order the heads as the exact ones would.
+  assert seed["shapley_method"] == "sampled" and "interactions" not in seed
+  values = np.asarray(seed["importance"]["shapley_token_accuracy"])
+  ci = np.asarray(seed["importance"]["shapley_token_accuracy_ci"])
+  assert ci.shape == values.shape + (2,)
+  assert np.all(ci[..., 0] <= values) and np.all(values <= ci[..., 1])
+  # Efficiency holds for every sampled order, so for their mean: v(all) -
+  # v(none) on validation (float64 sums of per-example shares).
+  assert values.sum() == pytest.approx(
+      seed["validation"]["token_accuracy"] - _none_accuracy(tiny_run),
+      abs=1e-6)
+  assert sorted(seed["orders"]["shapley"]) == list(range(4))
   assert "oracle" not in seed["curve_summary"]
   report = (tmp_path / "out" / "report.md").read_text()
   assert "oracle_max_heads=3" in report
   _check_rerendered_report(str(tmp_path / "out"))  # NaNs are nulls in JSON
+
+
+def _none_accuracy(tiny_run):
+  """Validation token accuracy of the tiny model with every head removed."""
+  model, params = build.make_model(tiny_run.config), tiny_run.state.params
+  splits = data.load_splits(build.data_spec(tiny_run.config),
+                            tiny_run.config.data.data_dir)
+  none = np.zeros((1,) + head_masks.existing_heads(model.config).shape,
+                  np.float32)
+  return float(core.evaluate_masks(model, params, splits["validation"],
+                                   none)["token_accuracy"][0])
+
+
+@pytest.mark.slow
+def test_exact_shapley_above_the_oracle_limit_is_refused(tiny_workdir,
+                                                         tmp_path):
+  options = study.StudyOptions(num_seeds=1, oracle_max_heads=3,
+                               shapley="exact")
+  with pytest.raises(ValueError, match="--shapley=exact needs every subset"):
+    study.check_inputs(tiny_workdir, str(tmp_path / "out"), options)
+  assert not (tmp_path / "out").exists()
 
 
 def _write_seed_config(out, config, **changes):

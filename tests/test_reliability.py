@@ -592,13 +592,31 @@ def _mount(*args):
                 "covers the same paths without")
 
 
+def _allocated_kib(directory):
+  """KiB that ``directory``'s files and folders take on a tmpfs (whole 4 KiB
+  pages)."""
+  pages = 0
+  for folder, dirs, files in os.walk(directory):
+    pages += 1  # the folder itself
+    for name in files:
+      pages += -(-os.path.getsize(os.path.join(folder, name)) // 4096)
+  return 4 * pages
+
+
 @pytest.fixture
-def small_disk(tmp_path):
-  """A folder on a tmpfs of 800 KiB (two checkpoints of the run fit, not
-  three), and a function that grows it."""
+def small_disk(tmp_path, reference):
+  """A folder on a tmpfs that holds two checkpoints of the run, not three
+  (2.5 times the largest checkpoint of the reference run: orbax's files
+  differ in size from run to run, so a fixed size held two on one machine
+  and one on another), and a function that grows it."""
+  _, workdir, _ = reference
+  root = os.path.join(workdir, "checkpoints")
+  largest = max(_allocated_kib(os.path.join(root, step))
+                for step in os.listdir(root) if step.isdigit())
   disk = tmp_path / "disk"
   disk.mkdir()
-  _mount("-t", "tmpfs", "-o", "size=800k", "tmpfs", str(disk))
+  _mount("-t", "tmpfs", "-o", f"size={int(2.5 * largest) + 16}k", "tmpfs",
+         str(disk))
 
   def grow():
     subprocess.run(["mount", "-o", "remount,size=16m", str(disk)],

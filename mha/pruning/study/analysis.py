@@ -27,6 +27,7 @@ from mha.progress import timed
 from mha.pruning import core
 from mha.pruning import oracle
 from mha.pruning import orderings
+from mha.pruning import shapley as shapley_lib
 from mha.pruning import stats
 from mha.pruning.study import summary
 from mha.pruning.study.options import StudyOptions
@@ -232,6 +233,16 @@ def _measure_seed(model: Transformer, params: Params,
       timings=timings, table=table)
   validation = importance.pop("validation")
   importance["shapley_token_accuracy"] = shapley
+  method = "exact" if table is not None and options.shapley != "sampled" else (
+      "sampled" if options.shapley != "exact" else None)
+  if method == "sampled":
+    (importance["shapley_token_accuracy"],
+     importance["shapley_token_accuracy_ci"]), timings["shapley_s"] = timed(
+         log, f"Shapley values sampled: {options.shapley_pairs} antithetic "
+         "pairs of permutations",
+         lambda: sampled_shapley(model, params, val, options))
+  interactions = (None if table is None else
+                  _interactions(config, core.summarize_examples(table)))
   orders = orderings.orders_from_importance(importance)
   if options.reestimate:
     orders["gradient_iterative"], timings["gradient_iterative_s"] = timed(
@@ -253,7 +264,46 @@ def _measure_seed(model: Transformer, params: Params,
   return {"importance": importance, "validation": validation,
           "orders": {**orders, "random": random_orders}, "plan": plan,
           "val_sums": val_sums, "test_sums": test_sums, "num_heads": n,
-          "oracle_ran": table is not None}
+          "oracle_ran": table is not None, "shapley_method": method,
+          "interactions": interactions}
+
+
+def sampled_shapley(model: Transformer, params: Params, split: data.Split,
+                    options: StudyOptions) -> tuple[np.ndarray, np.ndarray]:
+  """Shapley values of validation token accuracy by antithetic permutation
+  sampling (:func:`mha.pruning.shapley.sampled_shapley`): ``[L, H]`` values
+  and ``[L, H, 2]`` 95% intervals (sampling and examples), NaN where no
+  head."""
+  config = model.config
+  exists = head_masks.existing_heads(config)
+  flat = np.flatnonzero(exists)
+  tokens = float(np.sum(split.inputs != 0))
+
+  def value_fn(kept: np.ndarray) -> np.ndarray:
+    masks = np.zeros((len(kept), exists.size), np.float32)
+    masks[:, flat] = kept
+    sums = core.evaluate_masks(
+        model, params, split, masks.reshape((-1,) + exists.shape),
+        batch_size=options.batch_size, per_example=True)
+    # Each example's share of the split's token accuracy: their mean is it.
+    return np.asarray(sums["correct"], np.float64) * len(split) / tokens
+
+  phi, ci = shapley_lib.sampled_shapley(
+      value_fn, len(flat), num_pairs=options.shapley_pairs,
+      rng=np.random.default_rng([options.seed, 2]))
+  grid = core.heads_to_array(config, phi)
+  intervals = np.stack([core.heads_to_array(config, ci[:, 0]),
+                        core.heads_to_array(config, ci[:, 1])], axis=-1)
+  return grid, intervals
+
+
+def _interactions(config: TransformerConfig,
+                  subsets: Mapping[str, np.ndarray]) -> dict[str, Any]:
+  """Pairwise Shapley interaction indices of validation token accuracy,
+  from every subset: every pair, largest magnitude first, and whether the
+  redundant (most negative) pairs lie within a layer."""
+  pairs = shapley_lib.interaction_pairs(subsets["token_accuracy"], config)
+  return {"pairs": pairs, "summary": shapley_lib.layer_summary(pairs)}
 
 
 def analyze_seed(model: Transformer, params: Params,
@@ -266,7 +316,7 @@ def analyze_seed(model: Transformer, params: Params,
 
   Returns:
     ``(result, statistics)``: the JSON-able result of the seed, and its
-    bootstrap statistics (:func:`mha.core.study.summary.seed_statistics`) for
+    bootstrap statistics (:func:`mha.pruning.study.summary.seed_statistics`) for
     :func:`aggregate`.
   """
   config = model.config
@@ -301,6 +351,10 @@ def analyze_seed(model: Transformer, params: Params,
   # What each head attends to, on the split of the importance measures.
   out["head_roles"] = head_roles.head_roles(
       model, params, splits["validation"], options.batch_size)
+  if m["shapley_method"] is not None:
+    out["shapley_method"] = m["shapley_method"]
+  if m["interactions"] is not None:
+    out["interactions"] = m["interactions"]
   if not m["oracle_ran"]:
     out["oracle_skipped"] = (
         f"{m['num_heads']} heads > --oracle_max_heads="

@@ -34,6 +34,7 @@ from mha import data
 from mha.aliases import Log
 from mha.progress import timed
 from mha.pruning import core
+from mha.pruning import oracle
 from mha.pruning import orderings
 from mha.pruning import speed
 from mha.pruning.study import analysis
@@ -58,6 +59,13 @@ def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
   seeds_lib.check_seeds(first, out_dir, options.num_seeds, options.retrain_seeds)
   if options.remove_heads:
     core.prune_heads(first.params, first.model_config, options.remove_heads)
+  heads = oracle.num_heads(first.model_config)
+  if options.shapley == "exact" and not oracle.oracle_applies(
+      first.model_config, options.oracle_max_heads):
+    raise ValueError(
+        f"--shapley=exact needs every subset of heads: the model has {heads} "
+        f"heads > --oracle_max_heads={options.oracle_max_heads}; use "
+        "--shapley=sampled or a larger --oracle_max_heads")
   return first
 
 

@@ -21,6 +21,9 @@ from mha.head_masks import parse_heads
 from mha.pruning import speed
 from mha.pruning.orderings import ORDERINGS
 
+#: ``--shapley``: how the Shapley values are computed.
+SHAPLEY_METHODS = ("auto", "exact", "sampled")
+
 
 def _option(default: Any, help: str, *, flag: bool = True) -> Any:  # pylint: disable=redefined-builtin
   """A field of :class:`StudyOptions` with its command line help."""
@@ -44,6 +47,12 @@ class StudyOptions:
   oracle_max_heads: int = _option(
       12, "Evaluate every subset of heads (the oracle, Shapley values) up to "
       "this many heads; skipped above it.")
+  shapley: str = _option(
+      "auto", "Shapley values: exact (from every subset; needs at most "
+      "--oracle_max_heads heads), sampled (antithetic permutations, with "
+      "intervals), or auto (exact where the oracle runs, sampled above).")
+  shapley_pairs: int = _option(
+      32, "Antithetic pairs of permutations of the sampled Shapley values.")
   num_bootstrap: int = _option(
       1000, "Bootstrap resamples of every 95% interval.")
   num_random_orders: int = _option(
@@ -108,6 +117,12 @@ class StudyOptions:
                  "num_random_orders", "speed_repeats", "batch_size"):
       if getattr(self, name) < 1:
         raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+    if self.shapley not in SHAPLEY_METHODS:
+      raise ValueError(f"--shapley {self.shapley!r} is not one of: "
+                       f"{', '.join(SHAPLEY_METHODS)}")
+    if self.shapley_pairs < 2:
+      raise ValueError(
+          f"--shapley_pairs must be >= 2, got {self.shapley_pairs}")
     if not 0.0 <= self.step_fraction <= 1.0:
       raise ValueError(
           f"--step_fraction must be in [0, 1], got {self.step_fraction}")

@@ -191,6 +191,7 @@ def report_lines(results: Mapping[str, Any]) -> list[str]:
   lines += _no_layer_emptied_section(results)
   lines += _spearman_section(results)
   lines += _importance_section(results)
+  lines += _interactions_section(results)
   lines += roles_section(results)
   lines += _ablation_section(results)
   if results.get("speed"):
@@ -445,7 +446,12 @@ def _importance_section(results: Mapping[str, Any]) -> list[str]:
       f"## Importance of each head (seed {first['seed']}, validation)", "",
       f"![importance](importance_seed{first['seed']}.png)", "",
       "Shapley value of each head for v(S) = validation token accuracy with "
-      "exactly the heads of S kept (they sum to v(all) - v(none)):", "",
+      "exactly the heads of S kept (they sum to v(all) - v(none))"
+      + (":" if first.get("shapley_method") != "sampled" else
+         ", sampled from antithetic pairs of random orders of the heads "
+         f"({results['options'].get('shapley_pairs')} pairs; each value's "
+         "95% interval, over the orders and the examples, is "
+         "`importance.shapley_token_accuracy_ci` in results.json):"), "",
   ]
   shapley = md.grid(first["importance"]["shapley_token_accuracy"])
   lines += (md.heads_table(shapley) if not np.all(np.isnan(shapley)) else
@@ -454,6 +460,42 @@ def _importance_section(results: Mapping[str, Any]) -> list[str]:
   lines += md.heads_table(md.grid(first["importance"]["leave_one_out"]))
   lines += ["Gradient importance E|dL/dξ|:", ""]
   return lines + md.heads_table(md.grid(first["importance"]["gradient"]), "{:.3g}")
+
+
+def _interactions_section(results: Mapping[str, Any]) -> list[str]:
+  """The pairwise Shapley interactions (when every subset was evaluated):
+  the strongest pairs of the first seed, and whether redundant pairs lie
+  within a layer, per seed."""
+  seeds = [s for s in results["seeds"] if "interactions" in s]
+  if not seeds:
+    return []
+  first = seeds[0]
+  lines = [
+      "## Interactions between heads", "",
+      "Pairwise Shapley interaction index of validation token accuracy "
+      "(Grabisch 1997; from every subset, through the Möbius transform): "
+      "negative, either head of the pair does the other's job (redundant); "
+      "positive, they are worth more together. Seed "
+      f"{first['seed']}, the strongest pairs:", ""]
+  rows = [[f"{a[0]}:{a[1]}", f"{b[0]}:{b[1]}", md.fmt(p["value"], 4, True)]
+          for p in first["interactions"]["pairs"][:6]
+          for a, b in [p["heads"]]]
+  lines += md.table(["head", "head", "interaction"], rows)
+  rows = []
+  for s in seeds:
+    summary = s["interactions"]["summary"]
+    rows.append([s["seed"], md.fmt(summary.get("mean_within_layer"), 4, True),
+                 md.fmt(summary.get("mean_across_layers"), 4, True),
+                 md.fmt(summary.get("redundant_decile_within_layer"), 2),
+                 md.fmt(summary.get("all_pairs_within_layer"), 2)])
+  lines += ["Do redundant heads come in pairs within a layer? Per seed: the "
+            "mean interaction of pairs within a layer and across layers, and "
+            "the share of the most negative tenth of pairs that lie within a "
+            "layer beside the share of all pairs that do:", ""]
+  return lines + md.table(["seed", "mean within a layer",
+                           "mean across layers",
+                           "most redundant tenth: within a layer",
+                           "all pairs: within a layer"], rows)
 
 
 #: Importance measures set beside the heads' roles: results key -> label.
