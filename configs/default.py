@@ -6,9 +6,10 @@ Train it (about 15 s on 2 CPU cores to >= 99% exact match on test):
 
 Variants come from the argument after the colon, comma-separated: a task name
 (`reverse`, `sort`, `histogram`, `spell`: the last one also sets its
-`data.max_len` and training steps), `wide` (8 heads per layer), `tiny` (a
-seconds-long smoke-test model), or `key=value` pairs; any field can also be
-overridden with a flag:
+`data.max_len` and training steps), a model with more heads than the task
+needs (`wide`: 2 x 8 heads; `deep`: 3 x 4; `wide6`: 2 x 6; `deep8`: 4 x 8),
+`tiny` (a seconds-long smoke-test model), or `key=value` pairs; any field can
+also be overridden with a flag:
 
     python train.py --config configs/default.py:sort --workdir runs/sort
     python train.py --config configs/default.py:spell --workdir runs/spell
@@ -112,6 +113,22 @@ def _apply_variant(config: ml_collections.ConfigDict, part: str) -> None:
     config.model.num_heads = 8
     config.model.d_model = 64
     config.learning_rate = 5e-3
+  elif part == "deep":
+    # 3 layers x 4 heads (12): more heads than reverse needs, and still
+    # within the exhaustive oracle's default reach.
+    config.model.num_layers = 3
+  elif part == "wide6":
+    # 2 layers x 6 heads of width 8 (12 heads).
+    config.model.num_heads = 6
+    config.model.d_model = 48
+    config.learning_rate = 5e-3
+  elif part == "deep8":
+    # 4 layers x 8 heads of width 8 (32 heads): beyond the exhaustive
+    # oracle, for the searches and the sampled Shapley values.
+    config.model.num_layers = 4
+    config.model.num_heads = 8
+    config.model.d_model = 64
+    config.learning_rate = 3e-3
   elif part == "tiny":
     # A model that compiles and trains in seconds: for tests and smoke runs.
     config.batch_size = 32
@@ -149,4 +166,4 @@ def _apply_variant(config: ml_collections.ConfigDict, part: str) -> None:
   else:
     raise ValueError(
         f"unknown config variant {part!r}: expected one of {TASKS}, 'wide', "
-        "'tiny', or key=value")
+        "'deep', 'wide6', 'deep8', 'tiny', or key=value")

@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import traceback
+import warnings
 from typing import Iterator, Sequence
 
 #: The errnos of a write failure, each with what the user can do about it.
@@ -161,7 +162,23 @@ def drop_unretrieved_orbax_failures() -> None:
   """:class:`DropReportedFailures` on asyncio's logger, for the rest of the
   process (once): orbax's write tasks that failed with the run's write
   failure are collected after the run reported it, up to the interpreter's
-  exit, and asyncio logs each with its traceback."""
-  logger = logging.getLogger("asyncio")
-  if not any(isinstance(f, DropReportedFailures) for f in logger.filters):
-    logger.addFilter(DropReportedFailures())
+  exit, and asyncio logs each with its traceback (orbax's own threads log
+  theirs through absl, also after the manager closed); and no warning for
+  the write coroutines orbax never awaited once one had failed."""
+  installed = False
+  for name in ("asyncio", "absl"):  # absl: orbax's threads log after close
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, _DropForGood) for f in logger.filters):
+      logger.addFilter(_DropForGood())
+      installed = True
+  if installed:
+    # The writes orbax never started once one failed: Python warns of each
+    # such coroutine when it is collected.
+    warnings.filterwarnings(
+        "ignore", category=RuntimeWarning,
+        message=r"coroutine 'async_serialize_from_host\.<locals>\."
+                r"write_fragment' was never awaited")
+
+
+class _DropForGood(DropReportedFailures):
+  """:class:`DropReportedFailures` installed for the rest of the process."""

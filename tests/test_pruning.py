@@ -485,6 +485,25 @@ def test_exact_shapley_above_the_oracle_limit_is_refused(tiny_workdir,
   assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
+def test_an_oracle_beyond_the_machines_memory_is_refused(tiny_workdir,
+                                                         tmp_path,
+                                                         monkeypatch):
+  from mha.pruning import oracle  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(oracle, "machine_memory_bytes", lambda: 1000)
+  with pytest.raises(ValueError) as raised:
+    study.check_inputs(tiny_workdir, str(tmp_path / "out"),
+                       study.StudyOptions(num_seeds=1))
+  message = str(raised.value)
+  assert message.startswith("--oracle_max_heads=12: every subset of this "
+                            "model's 4 heads needs about ")
+  assert "more than this machine's 0.0 GiB" in message
+  # A limit below the model's heads evaluates no subset: nothing to refuse.
+  study.check_inputs(tiny_workdir, str(tmp_path / "out"),
+                     study.StudyOptions(num_seeds=1, oracle_max_heads=3))
+  assert not (tmp_path / "out").exists()
+
+
 def _write_seed_config(out, config, **changes):
   """A seed directory whose recorded config is ``config`` changed."""
   saved = config.to_dict()

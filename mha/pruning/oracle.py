@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Mapping
 
 import jax
@@ -324,6 +325,20 @@ SUBSET_COST = 0.85
 VARIANTS = ("all", "no_layer_emptied")
 
 
+def table_bytes(config: TransformerConfig, num_examples: int) -> int:
+  """About the bytes the study's per-example table of every subset takes:
+  five sums ``[2**N, n]``, held as float64 while they are summarised."""
+  return 2 ** num_heads(config) * num_examples * 5 * 8
+
+
+def machine_memory_bytes() -> int | None:
+  """This machine's physical memory, or None where it cannot be read."""
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (AttributeError, OSError, ValueError):
+    return None
+
+
 def oracle_applies(config: TransformerConfig, max_heads: int) -> bool:
   """Whether every subset of the model's heads is evaluated: at most
   ``max_heads`` heads (``--oracle_max_heads``)."""
@@ -400,5 +415,6 @@ def evaluate_oracle(model: Transformer, params: Params,
 __all__ = ["subset_masks", "subset_index", "kept_counts", "num_heads",
            "subset_metric_sums", "evaluate_subsets", "best_removals",
            "ranked_removals", "shapley_values", "ORACLE_CANDIDATES",
-           "SUBSET_COST", "VARIANTS", "oracle_applies", "subset_values",
+           "SUBSET_COST", "VARIANTS", "table_bytes", "machine_memory_bytes",
+           "oracle_applies", "subset_values",
            "removals_by_variant", "oracle_removals", "evaluate_oracle"]
