@@ -128,7 +128,8 @@ def _apply_variant(config: ml_collections.ConfigDict, part: str) -> None:
     config.model.num_layers = 4
     config.model.num_heads = 8
     config.model.d_model = 64
-    config.learning_rate = 3e-3
+    config.learning_rate = 5e-3
+    config.num_train_steps = 1000  # 500 steps reached 0.905 test exact match
   elif part == "tiny":
     # A model that compiles and trains in seconds: for tests and smoke runs.
     config.batch_size = 32
