@@ -1,6 +1,7 @@
 """Default config: a 2-layer, 4-head encoder learning to reverse sequences.
 
-Train it (about 15 s on 2 CPU cores to >= 99% exact match on test):
+Train it (about 10 s on 2 CPU cores to 100% exact match on test; 11 s cold,
+measured 2026-11-24 on an AMD EPYC):
 
     python train.py --config configs/default.py --workdir runs/reverse
 

@@ -385,7 +385,7 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
   for png in pngs:
     with open(os.path.join(out, png), "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n", png
-  _check_beyond_contract(results, out)
+  _check_extensions_contract(results, out)
   _check_rerendered_report(out)
 
 
@@ -408,7 +408,7 @@ def test_report_of_a_folder_without_results_exits_2(tmp_path, capsys):
   assert os.listdir(tmp_path) == []
 
 
-def _check_beyond_contract(results, out):
+def _check_extensions_contract(results, out):
   """``--full``'s keys in results.json, its report sections and plots."""
   rows = results["gates"]["all"]
   assert [r["lambda"] for r in rows] == [0.01, 1.0]

@@ -15,7 +15,9 @@ study (:mod:`mha.pruning.study`) that composes them:
 * :mod:`mha.pruning.gates`: hard-concrete head gates;
 * :mod:`mha.pruning.mean_ablation`: mean instead of zero ablation, folded
   into the output bias;
-* :mod:`mha.pruning.retrain`: many pruned models fine-tuned at once.
+* :mod:`mha.pruning.retrain`: many pruned models fine-tuned at once;
+* :mod:`mha.pruning.shapley`: sampled Shapley values, pairwise interactions;
+* :mod:`mha.pruning.searches`: the layer-additive surrogate and beam search.
 
 So ``from mha import pruning; pruning.prune_heads(...)`` works.
 """
