@@ -585,6 +585,8 @@ def test_bad_option_exits_2_writing_nothing(tiny_workdir, tmp_path,
     ({"speed_repeats": 0}, "--speed_repeats must be >= 1"),
     ({"batch_sizes": (1, 0)}, "--batch_sizes"),
     ({"speed_order": "random"}, "--speed_order 'random'"),
+    ({"shapley": "maybe"}, "--shapley 'maybe' is not one of: auto, exact"),
+    ({"shapley_pairs": 1}, "--shapley_pairs must be >= 2"),
 ])
 def test_bad_options_are_refused(changes, message):
   with pytest.raises(ValueError) as raised:

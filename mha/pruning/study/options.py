@@ -176,6 +176,11 @@ def _field_types() -> dict[str, Any]:
   return typing.get_type_hints(StudyOptions)
 
 
+#: The absl flag of each scalar field type.
+_DEFINERS = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer,
+             float: flags.DEFINE_float, str: flags.DEFINE_string}
+
+
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS
                  ) -> dict[str, flags.FlagHolder]:
   """Defines one flag per :class:`StudyOptions` field (but those with
@@ -192,18 +197,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS
       holders[name] = flags.DEFINE_string(
           name, ",".join(f"{l}:{h}" for l, h in default), text,
           flag_values=flag_values)
-    elif kind is bool:
-      holders[name] = flags.DEFINE_bool(name, default, text,
-                                        flag_values=flag_values)
-    elif kind is int:
-      holders[name] = flags.DEFINE_integer(name, default, text,
-                                           flag_values=flag_values)
-    elif kind is float:
-      holders[name] = flags.DEFINE_float(name, default, text,
-                                         flag_values=flag_values)
-    elif kind is str:
-      holders[name] = flags.DEFINE_string(name, default, text,
-                                          flag_values=flag_values)
+    elif kind in _DEFINERS:
+      holders[name] = _DEFINERS[kind](name, default, text,
+                                      flag_values=flag_values)
     else:  # tuple[int, ...] or tuple[float, ...]
       holders[name] = flags.DEFINE_list(name, [f"{v:g}" for v in default],
                                         text, flag_values=flag_values)
