@@ -185,7 +185,8 @@ def _heads_of_order(ckpt, order: str, fraction: float
 def _print_summary(results, out: str, seconds: float) -> None:
   agg = results["aggregate"]["curve_summary"]
   labels = results["curve_labels"]
-  print("\ncurve                      AUC tok.acc [95% CI]   prunable heads "
+  width = max(len(label) for key, label in labels.items() if key in agg) + 2
+  print(f"\n{'curve':<{width + 2}}AUC tok.acc [95% CI]   prunable heads "
         "(validation) [95% CI]")
   for key, label in labels.items():
     if key in agg:
@@ -193,7 +194,7 @@ def _print_summary(results, out: str, seconds: float) -> None:
           "auc_token_accuracy_ci"]
       heads = agg[key]["prunable_heads_token_accuracy"]
       hci = agg[key]["prunable_heads_token_accuracy_ci"]
-      print(f"  {label:<25}{auc:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]   "
+      print(f"  {label:<{width}}{auc:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]   "
             f"{heads:.1f} [{hci[0]:.1f}, {hci[1]:.1f}]")
   rho = results["aggregate"]["spearman"]
   print(f"Spearman gradient vs leave-one-out (Fisher mean over seeds): "

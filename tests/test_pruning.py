@@ -357,6 +357,22 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
   num_heads = 4  # tiny: 2 layers x 2 heads
   seed = results["seeds"][0]
   _check_seed_contract(seed, num_heads)
+  # Both searches always run: one subset per k, entries like the oracle's,
+  # a curve each with its gap to the oracle, their cost recorded.
+  for name in ("surrogate", "beam"):
+    entries = seed["searches"][name]
+    assert [e["k"] for e in entries] == list(range(num_heads + 1))
+    for e in entries:
+      assert len(e["removed"]) == e["k"]
+      assert set(e["test"]) == {"loss", "token_accuracy", "exact_match"}
+    # Never better on validation than the oracle, which saw every subset.
+    for e, o in zip(entries, seed["oracle"]):
+      assert (e["validation"]["token_accuracy"] <=
+              o["validation"]["token_accuracy"] + 1e-12)
+    assert len(results["aggregate"]["curve_summary"][name][
+        "auc_token_accuracy_minus_oracle_ci"]) == 2
+    assert seed["timings"][f"{name}_s"] > 0
+    assert seed["search_evaluations"][name] > 0
   for name in ("gradient", "gradient_l2", "gradient_iterative", "shapley",
                "leave_one_out", "confidence", "entropy", "reverse_gradient"):
     assert sorted(seed["orders"][name]) == list(range(num_heads)), name
@@ -429,7 +445,7 @@ def _check_extensions_contract(results, out):
   with open(os.path.join(out, "report.md"), encoding="utf-8") as f:
     report = f.read()
   for section in ("## Learned gates", "## Retraining after pruning",
-                  "## Mean ablation"):
+                  "## Mean ablation", "## Searches for the best subset"):
     assert section in report
   for png in ("curves_mean_ablation.png", "retraining.png"):
     assert os.path.getsize(os.path.join(out, png)) > 10_000
@@ -610,6 +626,13 @@ def test_bad_input_is_refused_before_any_work(tiny_workdir, tmp_path):
         options, remove_heads=((0, 7),)))
   with pytest.raises(FileNotFoundError, match="steps saved: 10, 20"):
     study.check_inputs(tiny_workdir, out, options, step=15)
+  for bad, message in ((dict(beam_width=0), "--beam_width must be >= 1"),
+                       (dict(surrogate_top=0), "--surrogate_top must be >= 1"),
+                       (dict(search_polish_rounds=-1),
+                        "--search_polish_rounds must be >= 0")):
+    with pytest.raises(ValueError, match=message):
+      study.check_inputs(tiny_workdir, out, dataclasses.replace(options,
+                                                                **bad))
   empty = tmp_path / "empty"
   empty.mkdir()
   with pytest.raises(FileNotFoundError, match="no checkpoints"):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mha import data
+from mha import evaluate as eval_lib
 from mha.model import Transformer, TransformerConfig
 from mha import head_masks
 from mha.pruning import core
@@ -78,6 +79,82 @@ def test_subsets_equal_masked_models(kwargs):
       model, p, split.inputs, split.targets)))(stacked)
   np.testing.assert_array_equal(sums["correct"][0].sum(-1),
                                 examples["correct"].sum(-1))
+
+
+@pytest.mark.slow  # seconds of compiling: the full suite only
+def test_streamed_oracle_equals_the_per_example_table():
+  """The streamed oracle (sums over the examples only, O(2**N) memory, the
+  last layer reformulated: see ``oracle._last_layer_sums``) is the oracle of
+  the per-example table, on an 8-head model: the integer sums bitwise, so
+  token accuracy, exact match, the oracle's candidates and Shapley values
+  too; the loss sums to float32 rounding (other programs add the same
+  terms in another order). Also when calls split layer 0's masks (how 16
+  heads fit in memory), and under mean ablation's bias shifts."""
+  config = TransformerConfig(vocab_size=7, num_layers=2, num_heads=4,
+                             d_model=16, mlp_dim=16, max_len=6)
+  model, params, split = _random_model(config, n=40)
+  table = oracle.evaluate_subsets(model, params, split, per_example=True,
+                                  batch_size=16)
+  old = core.summarize_examples(table)
+  for rows in (oracle.ROWS_PER_CALL, 64):  # all subsets a call; chunks
+    totals = oracle.subset_totals(model, params, split, batch_size=16,
+                                  rows=rows)
+    for key in ("correct", "exact", "tokens", "sequences"):
+      np.testing.assert_array_equal(
+          totals[key], np.sum(np.asarray(table[key], np.float64), axis=-1))
+    np.testing.assert_allclose(
+        totals["loss_sum"],
+        np.sum(np.asarray(table["loss_sum"], np.float64), axis=-1),
+        rtol=1e-6)
+    new = eval_lib.summarize(totals)
+    np.testing.assert_array_equal(new["token_accuracy"], old["token_accuracy"])
+    np.testing.assert_array_equal(new["exact_match"], old["exact_match"])
+    for variant, ranked in oracle.removals_by_variant(
+        oracle.subset_values(new), config).items():
+      want = oracle.removals_by_variant(oracle.subset_values(old),
+                                        config)[variant]
+      assert [[r.tolist() for r in k] for k in ranked] == [
+          [r.tolist() for r in k] for k in want], variant
+    np.testing.assert_array_equal(
+        oracle.shapley_values(new["token_accuracy"], config),
+        oracle.shapley_values(old["token_accuracy"], config))
+  # Mean ablation: the bias shifts are affine in the mask too.
+  shifts = jnp.asarray(np.random.default_rng(3).normal(
+      size=(2, 4, 16)).astype(np.float32))
+  shifted = oracle.evaluate_subsets(model, params, split, per_example=True,
+                                    batch_size=16, bias_shifts=shifts)
+  totals = oracle.subset_totals(model, params, split, batch_size=16,
+                                bias_shifts=shifts)
+  np.testing.assert_array_equal(totals["correct"],
+                                np.sum(shifted["correct"], axis=-1))
+  np.testing.assert_allclose(totals["loss_sum"],
+                             np.sum(shifted["loss_sum"], axis=-1), rtol=1e-6)
+  # The study's entry point streams: its metrics are the table's.
+  metrics, _, removals = oracle.evaluate_oracle(
+      model, params, split, batch_size=16, max_heads=8)
+  np.testing.assert_array_equal(metrics["token_accuracy"],
+                                old["token_accuracy"])
+  assert removals["all"][3][0].tolist() == oracle.ranked_removals(
+      oracle.subset_values(old), config)[3][0].tolist()
+
+
+@pytest.mark.parametrize("heads, batch_size, rows, want", [
+    ((4, 4), 1000, 8192, (512, 1)),  # examples first: one mask of layer 0
+    ((4, 4), 8, 8192, (8, 16)),      # a small batch: all 16 masks a call
+    ((4, 4), 100, 4096, (100, 2)),   # then a power of two of them
+    ((4, 4, 4), 1000, 4096, (16, 1)),
+    ((8, 8), 1000, 4096, (16, 1)),   # 65,536 subsets, 16 examples a call
+    ((8, 8, 8), 1000, 4096, (1, 1)),  # 2**24: rows exceeded, one by one
+    ((2, 2), 3, 8192, (3, 4)),       # a small split: all of it
+])
+def test_call_shape_bounds_the_rows_of_a_call(heads, batch_size, rows, want):
+  config = TransformerConfig(vocab_size=7, num_layers=len(heads),
+                             num_heads=heads, d_model=16, head_dim=2,
+                             mlp_dim=16, max_len=6)
+  examples, chunk = oracle.call_shape(config, batch_size, rows)
+  assert (examples, chunk) == want
+  rest = 2 ** (sum(heads) - heads[0])
+  assert examples * chunk * rest <= max(rows, rest)
 
 
 def test_best_removals_by_hand():

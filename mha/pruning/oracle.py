@@ -18,8 +18,9 @@ projections and the attention weights do not depend on the layer's own mask
 and XLA computes them once per prefix. The cost is about one MLP and one
 read-out per subset, not ``L`` full layers.
 
-    values = evaluate_subsets(model, params, splits["validation"])
-    removed = best_removals(values["token_accuracy"], model.config)
+    totals = subset_totals(model, params, splits["validation"])  # streamed
+    values = subset_values(mha.evaluate.summarize(totals))   # [2**N]
+    removed = best_removals(values, model.config)
 
 Every oracle helper lives here: which models it applies to
 (:func:`oracle_applies`), the value of a subset (:func:`subset_values`),
@@ -33,25 +34,34 @@ from __future__ import annotations
 import functools
 import math
 import os
+import time
 from typing import Mapping
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from mha import data
 from mha import evaluate as eval_lib
 from mha import head_masks
 from mha.aliases import Array, Log, Params
-from mha.attention import padding_mask_from_tokens
+from mha.attention import MultiHeadAttention, padding_mask_from_tokens
 from mha.model import EncoderBlock, Transformer, TransformerConfig
 from mha.progress import quiet, timed
 from mha.pruning import core
 
 
-#: Rows (subsets x examples) of one jitted call: enough to amortise a call,
-#: few enough that the activations of one layer stay near the cache.
-ROWS_PER_CALL = 1 << 13
+#: Seconds after which :func:`subset_totals` reports its progress.
+PROGRESS_AFTER_S = 10.0
+#: Rows (subsets x examples) of one call of :func:`subset_totals`: enough to
+#: amortise a call, few enough that its activations stay near the cache
+#: (4096 measured fastest of 2048-16384 on 2 CPU cores, 12 and 16 heads).
+ROWS_PER_CALL = 1 << 12
+#: Rows of one call of the per-example table (:func:`evaluate_subsets` with
+#: ``per_example``), the shapes it has always had.
+TABLE_ROWS_PER_CALL = 1 << 13
 
 
 # --------------------------------------------------------------------------
@@ -113,18 +123,101 @@ def _block(model: Transformer, params: Params, layer: int, x: Array,
   """Block ``layer`` of the model under its ``[H_l]`` head mask; with
   ``shift`` ``[H, D]`` (mean ablation), each removed head's row is added to
   the output bias."""
-  cfg = model.config
-  count = cfg.heads_per_layer[layer]
-  block = EncoderBlock(cfg, count)
+  block = EncoderBlock(model.config, model.config.heads_per_layer[layer])
+  y, _ = block.apply({"params": _block_params(model, params, layer,
+                                              layer_mask, shift)},
+                     x, attention_mask, layer_mask, deterministic=True,
+                     return_weights=False)
+  return y
+
+
+def _block_params(model: Transformer, params: Params, layer: int,
+                  layer_mask: Array, shift: Array | None) -> Params:
+  """Block ``layer``'s parameters; with ``shift`` (mean ablation), each
+  removed head's row of ``shift`` added to the out-projection's bias."""
+  count = model.config.heads_per_layer[layer]
   block_params = params[f"layer_{layer}"]
   if shift is not None and count:
     out = block_params["attention"]["out"]
     out = dict(out, bias=out["bias"] + (1.0 - layer_mask) @ shift[:count])
     block_params = dict(block_params, attention=dict(
         block_params["attention"], out=out))
-  y, _ = block.apply({"params": block_params}, x, attention_mask,
-                     layer_mask, deterministic=True, return_weights=False)
-  return y
+  return block_params
+
+
+def _attention_outputs(model: Transformer, params: Params, layer: int,
+                       x: Array, attention_mask: Array, masks: Array,
+                       shift: Array | None) -> Array:
+  """``[M, B, T, D]``: the attention sublayer's output of block ``layer``
+  (what is added to the residual stream) under each of ``masks``."""
+  block = EncoderBlock(model.config, model.config.heads_per_layer[layer])
+
+  def one(m):
+    _, captured = block.apply(
+        {"params": _block_params(model, params, layer, m, shift)}, x,
+        attention_mask, m, deterministic=True, return_weights=False,
+        capture_intermediates=lambda mdl, _: isinstance(
+            mdl, MultiHeadAttention),
+        mutable=["intermediates"])
+    return captured["intermediates"]["attention"]["__call__"][0][0]
+  return jax.vmap(one)(masks)
+
+
+def _last_layer_sums(model: Transformer, params: Params, xs: Array,
+                     attention_mask: Array, codes: Array, positions: Array,
+                     weights: Array, targets: Array, tokens: Array,
+                     shift: Array | None) -> tuple[Array, Array, Array]:
+  """Per-example sums ``[prefixes, M, B]`` (loss, correct, exact) of the
+  last block under each of its masks ``codes`` ``[M, H]`` and the read-out.
+
+  Exact reformulation of running the block once per mask: the attention
+  sublayer's output is affine in the head mask (the mask gates each head's
+  context before the out-projection; mean ablation's bias shift is affine
+  too), so it is computed for the empty mask and each single head, once per
+  prefix, and combined per mask by one matmul. What follows it (residual,
+  MLP, norms, read-out) acts on each position alone and runs only on the
+  valid positions (``positions`` ``[P]`` into the flattened batch, padded
+  with ``weights`` 0): the block's own code, with its attention replaced by
+  the combined output (``nn.intercept_methods``).
+  """
+  cfg = model.config
+  layer = cfg.num_layers - 1
+  count = cfg.heads_per_layer[layer]
+  block = EncoderBlock(cfg, count)
+  batch = targets.shape[0]
+  basis = jnp.concatenate([jnp.zeros((1, count)), jnp.eye(count)])
+  onehot = (jax.nn.one_hot(positions // targets.shape[1], batch) *
+            weights[:, None])  # [P, B]: each valid position's example
+  flat_targets = targets.reshape(-1)[positions]
+
+  def per_prefix(x):
+    outs = _attention_outputs(model, params, layer, x, attention_mask, basis,
+                              shift)  # [1 + H, B, T, D]
+    outs = outs.reshape(outs.shape[:1] + (-1, outs.shape[-1]))[:, positions]
+    base, heads = outs[0], outs[1:] - outs[:1]  # [P, D], [H, P, D]
+    residual = x.reshape(-1, x.shape[-1])[positions][None]  # [1, P, D]
+
+    def per_mask(m):
+      added = base + jnp.tensordot(m, heads, axes=1)  # [P, D]
+
+      def intercept(next_fun, args, kwargs, context):
+        if (isinstance(context.module, MultiHeadAttention)
+            and context.method_name == "__call__"):
+          return added[None].astype(args[0].dtype), None
+        return next_fun(*args, **kwargs)
+      with nn.intercept_methods(intercept):
+        y, _ = block.apply(
+            {"params": _block_params(model, params, layer, m, shift)},
+            residual, None, m, deterministic=True, return_weights=False)
+      logits = _readout(model, params, y)[0].astype(jnp.float32)  # [P, V]
+      ce = optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                           flat_targets)
+      right = (jnp.argmax(logits, -1) == flat_targets).astype(jnp.float32)
+      correct = right @ onehot
+      return ce @ onehot, correct, ((correct == tokens) & (tokens > 0)
+                                     ).astype(jnp.int32)
+    return jax.vmap(per_mask)(codes)
+  return jax.vmap(per_prefix)(xs)
 
 
 def _readout(model: Transformer, params: Params, x: Array) -> Array:
@@ -134,44 +227,65 @@ def _readout(model: Transformer, params: Params, x: Array) -> Array:
 
 def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
                        targets: Array,
-                       bias_shifts: Array | None = None) -> dict[str, Array]:
+                       bias_shifts: Array | None = None,
+                       first_codes: Array | None = None,
+                       positions: Array | None = None,
+                       position_weights: Array | None = None
+                       ) -> dict[str, Array]:
   """Per-example :func:`eval_lib.example_metric_sums` under every subset.
 
   Pure (``jit``, ``vmap`` over stacked parameters). Layer ``l`` runs once
   per distinct mask of the layers below it (see the module docstring).
   ``bias_shifts`` ``[L, H, D]``: mean ablation
   (:func:`mha.pruning.mean_ablation.bias_shifts`) instead of zero ablation.
+  ``first_codes`` ``[C, H_0]``: only these masks of layer 0 (a chunk of the
+  rows of ``_bits(H_0)``, see :func:`subset_totals`); all ``2**H_0`` when
+  None. ``positions`` ``[P]`` (flat indices of the batch's valid positions,
+  padded, with ``position_weights`` 1 for a valid one and 0 for padding):
+  the last layer runs the fast way (:func:`_last_layer_sums`, the same
+  sums to float32 rounding), else as every other layer.
 
   Returns:
-    ``loss_sum``, ``correct``, ``exact``: ``[2**N, B]``; ``tokens``,
-    ``sequences``: ``[B]``.
+    ``loss_sum``, ``correct``, ``exact``: ``[2**N, B]`` (with
+    ``first_codes``: ``[2**(N - H_0) * C, B]``, subset ``first + 2**H_0 *
+    rest`` at row ``rest * C + j`` for the ``j``-th of the chunk);
+    ``tokens``, ``sequences``: ``[B]``.
   """
   cfg = model.config
   attention_mask = padding_mask_from_tokens(inputs)
   xs = _embed(model, params, inputs)[None]  # [prefixes, B, T, D]
+  valid = inputs != 0
+  fast = positions is not None and cfg.heads_per_layer[-1] > 0
+  sizes = []
   for layer, count in enumerate(cfg.heads_per_layer):
-    codes = jnp.asarray(_bits(count))
+    codes = (jnp.asarray(first_codes) if layer == 0 and first_codes is not None
+             else jnp.asarray(_bits(count)))
+    sizes.append(codes.shape[0])
+    shift = None if bias_shifts is None else bias_shifts[layer]
+    if fast and layer == cfg.num_layers - 1:
+      per_subset = _last_layer_sums(
+          model, params, xs, attention_mask, codes, positions,
+          position_weights, targets, jnp.sum(valid, axis=-1), shift)
+      per_subset = tuple(v.reshape((-1,) + v.shape[2:]) for v in per_subset)
+      break
     run = functools.partial(
         _block, model, params, layer, attention_mask=attention_mask,
-        shift=None if bias_shifts is None else bias_shifts[layer])
+        shift=shift)
     per_prefix = lambda x, run=run, codes=codes: jax.vmap(
         lambda m: run(x=x, layer_mask=m))(codes)
     xs = jax.vmap(per_prefix)(xs).reshape((-1,) + xs.shape[1:])
-
-  def metrics(x):
-    sums = eval_lib.example_metric_sums(_readout(model, params, x), targets,
-                                    inputs)
-    return sums["loss_sum"], sums["correct"], sums["exact"]
-
-  per_subset = jax.vmap(metrics)(xs)
+  else:
+    def metrics(x):
+      sums = eval_lib.example_metric_sums(_readout(model, params, x), targets,
+                                          inputs)
+      return sums["loss_sum"], sums["correct"], sums["exact"]
+    per_subset = jax.vmap(metrics)(xs)
   # xs is ordered C-style over (m_0, ..., m_{L-1}); subset s has layer 0 in
   # its lowest bits: reverse the layer axes.
-  sizes = [2 ** c for c in cfg.heads_per_layer]
   axes = tuple(reversed(range(len(sizes)))) + (len(sizes),)
   loss, correct, exact = (
       jnp.transpose(v.reshape(sizes + [v.shape[-1]]), axes).reshape(
           (-1, v.shape[-1])) for v in per_subset)
-  valid = inputs != 0
   return {"loss_sum": loss, "correct": correct, "exact": exact,
           "tokens": jnp.sum(valid, axis=-1),
           "sequences": jnp.any(valid, axis=-1).astype(jnp.int32)}
@@ -179,8 +293,10 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
 
 @functools.partial(jax.jit, static_argnames=("model", "per_example"))
 def _subset_sums(model, params, inputs, targets, per_example,
-                 bias_shifts=None):
-  sums = subset_metric_sums(model, params, inputs, targets, bias_shifts)
+                 bias_shifts=None, first_codes=None, positions=None,
+                 position_weights=None):
+  sums = subset_metric_sums(model, params, inputs, targets, bias_shifts,
+                            first_codes, positions, position_weights)
   if per_example:
     return sums
   return {k: jnp.sum(v.astype(jnp.float32), axis=-1) for k, v in sums.items()}
@@ -203,33 +319,162 @@ def evaluate_subsets(model: Transformer, params: Params, split: data.Split, *,
     model, params: the model.
     split: the examples (select on validation, report on test).
     batch_size: at most this many examples per jitted call (fewer when
-      ``2**N`` subsets x examples would exceed :data:`ROWS_PER_CALL`).
+      ``2**N`` subsets x examples would exceed :data:`ROWS_PER_CALL`, or
+      :data:`TABLE_ROWS_PER_CALL` with ``per_example``).
     per_example: return per-example sums instead of metrics.
 
   Returns:
-    ``loss``, ``token_accuracy``, ``exact_match``: ``[2**N]``. With
-    ``per_example``: the :func:`eval_lib.example_metric_sums` of every example,
+    ``loss``, ``token_accuracy``, ``exact_match``: ``[2**N]`` (streamed,
+    :func:`subset_totals`). With ``per_example`` (every layer run as the
+    model runs it; ``[2**N, n]`` per metric: small ``N`` only): the :func:`eval_lib.example_metric_sums` of every example,
     ``loss_sum``, ``correct``, ``exact``, ``tokens``, ``sequences``, each
     ``[2**N, n]``; :func:`mha.evaluate.summarize` of their sums over the
     examples (any resample of them) gives the metrics.
   """
+  if not per_example:
+    return eval_lib.summarize(subset_totals(
+        model, params, split, batch_size=batch_size, bias_shifts=bias_shifts))
   subsets = 2 ** num_heads(model.config)
-  examples = max(1, min(batch_size, ROWS_PER_CALL // subsets))
+  examples = max(1, min(batch_size, TABLE_ROWS_PER_CALL // subsets))
   parts: dict[str, list[np.ndarray]] = {}
   for inputs, targets in core.batches(split, examples):
     out = jax.device_get(_subset_sums(model, params, inputs, targets,
                                       per_example, bias_shifts))
     for key, value in out.items():
       parts.setdefault(key, []).append(np.asarray(value))
-  if not per_example:
-    totals = {k: np.sum(np.stack(v), axis=0, dtype=np.float64)
-              for k, v in parts.items()}
-    return eval_lib.summarize(totals)
   n = len(split)
   out = {k: np.concatenate(v, axis=-1)[..., :n] for k, v in parts.items()}
   for key in ("tokens", "sequences"):
     out[key] = np.broadcast_to(out[key], (subsets, n))
   return out
+
+
+def call_shape(config: TransformerConfig, batch_size: int,
+               rows: int = ROWS_PER_CALL) -> tuple[int, int]:
+  """``(examples, first)`` of one call of :func:`subset_totals`: examples
+  per call and layer-0 masks per call, about ``rows`` subsets x examples.
+
+  Examples first (up to ``batch_size``): the more examples a call has, the
+  less its valid positions are padded (:func:`_valid_width`); then as many
+  of layer 0's masks (a power of two) as still fit. A call's memory is that
+  of about ``rows`` rows whatever ``N``.
+  """
+  first = 2 ** config.heads_per_layer[0]
+  rest = 2 ** (num_heads(config) - config.heads_per_layer[0])
+  examples = max(1, min(batch_size, rows // rest))
+  chunk = max(1, rows // (examples * rest))
+  return examples, min(first, 1 << (chunk.bit_length() - 1))
+
+
+def subset_totals(model: Transformer, params: Params, split: data.Split, *,
+                  batch_size: int = 1000, bias_shifts: Array | None = None,
+                  rows: int = ROWS_PER_CALL,
+                  log: Log = quiet) -> dict[str, np.ndarray]:
+  """The metric sums of every subset of heads over ``split``, streamed.
+
+  The exhaustive oracle without its per-example table: each call evaluates
+  a block of subsets on a batch of examples (:func:`call_shape`) and only
+  the sums over the examples are kept, ``[2**N]`` float64 per metric. The
+  memory is ``O(2**N)`` numbers plus one call's activations, so 16 heads
+  (65,536 subsets) fit where a per-example table (``[2**N, n]`` per metric)
+  would not. The per-example values of each call are those of
+  :func:`evaluate_subsets` (the same program and batches up to ``2**N <=
+  rows``); only the order in which they are added differs.
+
+  Returns:
+    ``loss_sum``, ``correct``, ``exact``, ``tokens``, ``sequences``:
+    ``[2**N]`` sums over the examples; :func:`mha.evaluate.summarize` gives
+    the metrics.
+  """
+  config = model.config
+  n = num_heads(config)
+  examples, chunk = call_shape(config, batch_size, rows)
+  first = 2 ** config.heads_per_layer[0]
+  rest = 2 ** n // first
+  codes = _bits(config.heads_per_layer[0])
+  totals = {k: np.zeros((rest, first)) for k in ("loss_sum", "correct",
+                                                 "exact")}
+  counts = {"tokens": 0.0, "sequences": 0.0}
+  calls, started = 0, time.perf_counter()
+  num_batches = -(-len(split) // examples)
+  batches = list(core.batches(_balanced(split, examples), examples))
+  width = _valid_width(batches)
+  for b, (inputs, targets) in enumerate(batches):
+    positions, weights = _valid_positions(inputs, width)
+    for start in range(0, first, chunk):
+      out = jax.device_get(_subset_sums(
+          model, params, inputs, targets, True, bias_shifts,
+          None if chunk == first else codes[start:start + chunk],
+          positions, weights))
+      for key, total in totals.items():
+        block = np.sum(np.asarray(out[key], np.float64), axis=-1)
+        total[:, start:start + chunk] += block.reshape(rest, chunk)
+      calls += 1
+    for key in counts:
+      counts[key] += float(np.sum(out[key], dtype=np.float64))
+    elapsed = time.perf_counter() - started
+    if ((b + 1) % max(1, num_batches // 10) == 0 and b + 1 < num_batches
+        and elapsed > PROGRESS_AFTER_S):  # Long work only: a line a tenth.
+      log(f"    subsets: {b + 1}/{num_batches} batches of {examples} "
+          f"examples, {elapsed:.0f} s, ETA "
+          f"{elapsed * (num_batches - b - 1) / (b + 1):.0f} s")
+  out = {k: v.reshape(-1) for k, v in totals.items()}
+  return {**out, **{k: np.full(2 ** n, v) for k, v in counts.items()}}
+
+
+def _balanced(split: data.Split, examples: int) -> data.Split:
+  """``split`` reordered (and padded with empty examples, which count
+  nothing) so that consecutive batches of ``examples`` hold about the same
+  number of valid positions: examples dealt by length in snake order. Sums
+  over the examples do not depend on the batches."""
+  n = len(split)
+  count = -(-n // examples)
+  if count <= 1:
+    return split
+  lengths = np.sum(np.asarray(split.inputs) != 0, axis=1)
+  order = np.argsort(-lengths, kind="stable")
+  rank = np.arange(n)
+  lap, seat = rank // count, rank % count
+  batch = np.where(lap % 2 == 0, seat, count - 1 - seat)
+  slots = batch * examples + lap  # each batch's examples side by side
+  inputs = np.zeros((count * examples,) + split.inputs.shape[1:],
+                    split.inputs.dtype)
+  targets = np.zeros_like(inputs, shape=(count * examples,) +
+                      split.targets.shape[1:], dtype=split.targets.dtype)
+  inputs[slots] = split.inputs[order]
+  targets[slots] = split.targets[order]
+  return data.Split(inputs, targets)
+
+
+def _valid_width(batches: list[tuple[Array, Array]]) -> int:
+  """The most valid positions of any batch, rounded up to a multiple of 8:
+  one static shape for every call."""
+  most = max(int(np.sum(np.asarray(inputs) != 0)) for inputs, _ in batches)
+  return max(8, -(-most // 8) * 8)
+
+
+def _valid_positions(inputs: Array, width: int) -> tuple[Array, Array]:
+  """``[width]`` flat indices of the valid positions of ``inputs``, padded
+  with index 0, and their weights (1 valid, 0 padding)."""
+  flat = np.flatnonzero(np.asarray(inputs).reshape(-1) != 0)
+  positions = np.zeros(width, np.int32)
+  positions[:len(flat)] = flat
+  weights = np.zeros(width, np.float32)
+  weights[:len(flat)] = 1.0
+  return jnp.asarray(positions), jnp.asarray(weights)
+
+
+def oracle_bytes(config: TransformerConfig,
+                 rows: int = ROWS_PER_CALL) -> int:
+  """About the bytes :func:`subset_totals` and the oracle's selection need
+  beyond the model: five float64 sums and a few bookkeeping arrays per
+  subset (``O(2**N)``), the bits of every subset, and one call's
+  activations (``rows`` rows)."""
+  n = num_heads(config)
+  per_subset = 8 * (5 + 3 + 3) + 4 * n
+  act = rows * max(config.max_len, 1) * 4 * 4 * max(
+      config.d_model, config.mlp_dim, config.vocab_size)
+  return 2 ** n * per_subset + act
 
 
 def ranked_removals(values: np.ndarray, config: TransformerConfig, *,
@@ -320,6 +565,10 @@ ORACLE_CANDIDATES = 5
 #: ``pruning_masks``, ``subsets.speedup`` is its inverse). Every subset is
 #: evaluated instead of ``M`` masks when ``M >= SUBSET_COST * 2**N``.
 SUBSET_COST = 0.85
+#: Largest per-example table of every subset (:func:`table_bytes`) kept in
+#: memory where one is handy (mean ablation's curves look their masks up in
+#: it); larger ones are streamed (:func:`subset_totals`).
+PER_EXAMPLE_BYTES = 1 << 26
 #: The two oracles: among all subsets, and among those keeping at least one
 #: head in every layer that has heads.
 VARIANTS = ("all", "no_layer_emptied")
@@ -372,14 +621,16 @@ def oracle_removals(model: Transformer, params: Params,
   the ``top`` best subsets by :func:`subset_values`, the best first;
   ``[k][0]`` is the oracle's choice.
 
-  ``table``: the per-example sums of every subset on ``validation``
-  (``evaluate_subsets(..., per_example=True)``) when already evaluated;
-  otherwise they are evaluated here.
+  ``table``: the sums of every subset on ``validation`` (per example,
+  ``[2**N, n]``, from ``evaluate_subsets(..., per_example=True)``, or
+  totals ``[2**N]`` from :func:`subset_totals`) when already evaluated;
+  otherwise they are streamed here (:func:`subset_totals`).
   """
   if table is None:
-    table = evaluate_subsets(model, params, validation,
-                             batch_size=batch_size, per_example=True)
-  values = subset_values(core.summarize_examples(table))
+    table = subset_totals(model, params, validation, batch_size=batch_size)
+  values = subset_values(core.summarize_examples(
+      {k: np.asarray(v)[..., None] if np.ndim(v) == 1 else v
+       for k, v in table.items()}))
   return ranked_removals(values, model.config,
                          no_layer_emptied=no_layer_emptied, top=top)
 
@@ -390,10 +641,12 @@ def evaluate_oracle(model: Transformer, params: Params,
                     timings: dict[str, float] | None = None
                     ) -> tuple[dict[str, np.ndarray] | None, np.ndarray,
                                dict[str, list[list[np.ndarray]]]]:
-  """Every subset on validation (per example), exact Shapley values
-  ``[L, H]`` of token accuracy, and the oracle's candidates per variant
-  (:func:`removals_by_variant`); ``(None, NaN, {})`` above ``max_heads``.
-  ``timings["oracle_s"]`` receives the seconds it took."""
+  """Every subset on validation, streamed (:func:`subset_totals`): the
+  metrics of every subset (``loss``, ``token_accuracy``, ``exact_match``,
+  ``[2**N]`` each), exact Shapley values ``[L, H]`` of token accuracy, and
+  the oracle's candidates per variant (:func:`removals_by_variant`);
+  ``(None, NaN, {})`` above ``max_heads``. ``timings["oracle_s"]``
+  receives the seconds it took."""
   config = model.config
   n = num_heads(config)
   if not oracle_applies(config, max_heads):
@@ -401,20 +654,20 @@ def evaluate_oracle(model: Transformer, params: Params,
         f"--oracle_max_heads={max_heads}")
     return None, np.full(head_masks.existing_heads(config).shape, np.nan), {}
   timings = {} if timings is None else timings
-  table, timings["oracle_s"] = timed(
+  totals, timings["oracle_s"] = timed(
       log, f"oracle: all {2 ** n} subsets of heads on validation, layer by "
-      "layer", lambda: evaluate_subsets(
-          model, params, validation, per_example=True,
-          batch_size=batch_size))
-  summary = core.summarize_examples(table)
-  removals = removals_by_variant(subset_values(summary), config)
-  shapley = shapley_values(summary["token_accuracy"], config)
-  return table, shapley, removals
+      "layer, streamed", lambda: subset_totals(
+          model, params, validation, batch_size=batch_size, log=log))
+  metrics = eval_lib.summarize(totals)
+  removals = removals_by_variant(subset_values(metrics), config)
+  shapley = shapley_values(metrics["token_accuracy"], config)
+  return metrics, shapley, removals
 
 
 __all__ = ["subset_masks", "subset_index", "kept_counts", "num_heads",
-           "subset_metric_sums", "evaluate_subsets", "best_removals",
+           "subset_metric_sums", "evaluate_subsets", "call_shape",
+           "subset_totals", "oracle_bytes", "best_removals",
            "ranked_removals", "shapley_values", "ORACLE_CANDIDATES",
-           "SUBSET_COST", "VARIANTS", "table_bytes", "machine_memory_bytes",
+           "SUBSET_COST", "PER_EXAMPLE_BYTES", "TABLE_ROWS_PER_CALL", "VARIANTS", "table_bytes", "machine_memory_bytes",
            "oracle_applies", "subset_values",
            "removals_by_variant", "oracle_removals", "evaluate_oracle"]

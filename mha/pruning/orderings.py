@@ -22,6 +22,7 @@ from typing import Any, Collection, Mapping
 import numpy as np
 
 from mha import data
+from mha import evaluate as eval_lib
 from mha.aliases import Log, Params
 from mha.model import Transformer
 from mha.progress import quiet, timed
@@ -53,14 +54,19 @@ def halves(split: data.Split) -> tuple[data.Split, data.Split]:
 
 def _leave_one_out(model: Transformer, params: Params, validation: data.Split,
                    batch_size: int,
-                   table: Mapping[str, np.ndarray] | None) -> dict[str, Any]:
-  """:func:`core.leave_one_out`, looked up in the subset ``table`` (per
-  example, every subset) when there is one."""
+                   table: Mapping[str, np.ndarray] | None,
+                   subsets: Mapping[str, np.ndarray] | None
+                   ) -> dict[str, Any]:
+  """:func:`core.leave_one_out`, looked up in the metrics of every subset
+  (``subsets``) or in the per-example subset ``table`` when there is one."""
+  config = model.config
+  ids = oracle.subset_index(config, core.leave_one_out_masks_with_full(config))
+  if subsets is not None:
+    return core.leave_one_out_from_metrics(
+        config, {k: np.asarray(v)[ids] for k, v in subsets.items()})
   if table is None:
     return core.leave_one_out(model, params, validation,
                               batch_size=batch_size)
-  config = model.config
-  ids = oracle.subset_index(config, core.leave_one_out_masks_with_full(config))
   return core.leave_one_out_from_metrics(config, core.summarize_examples(
       {k: np.asarray(v)[ids] for k, v in table.items()}))
 
@@ -69,11 +75,13 @@ def measure_importance(model: Transformer, params: Params,
                        validation: data.Split, *, batch_size: int,
                        log: Log = quiet,
                        timings: dict[str, float] | None = None,
-                       table: Mapping[str, np.ndarray] | None = None
+                       table: Mapping[str, np.ndarray] | None = None,
+                       subsets: Mapping[str, np.ndarray] | None = None
                        ) -> dict[str, Any]:
   """Every per-head measure on ``validation``: ``[L, H]`` arrays (NaN where
-  no head), and ``validation``, the unpruned metrics. ``table``: the
-  per-example sums of every subset on ``validation``, when evaluated.
+  no head), and ``validation``, the unpruned metrics. ``subsets``: the
+  metrics of every subset on ``validation`` (``[2**N]`` each, from the
+  streamed oracle), or ``table``, their per-example sums, when evaluated.
   ``timings`` receives the seconds of each measure."""
   timings = {} if timings is None else timings
   half_a, half_b = halves(validation)
@@ -87,9 +95,11 @@ def measure_importance(model: Transformer, params: Params,
       log, "gradient importance (vmap of grad, per-example |.|), two halves",
       gradients)
   loo, timings["leave_one_out_s"] = timed(
-      log, "leave-one-out" + (" (from the subsets)" if table is not None
-                              else " (every head's mask, vmapped)"),
-      lambda: _leave_one_out(model, params, validation, batch_size, table))
+      log, "leave-one-out" + (
+          " (from the subsets)" if table is not None or subsets is not None
+          else " (every head's mask, vmapped)"),
+      lambda: _leave_one_out(model, params, validation, batch_size, table,
+                             subsets))
   attn, timings["confidence_s"] = timed(
       log, "attention confidence and entropy",
       lambda: core.attention_confidence(model, params, validation,
@@ -143,16 +153,16 @@ def compute_orders(model: Transformer, params: Params, validation: data.Split,
   asked for. The cheap measures come back regardless.
   """
   wanted = lambda name: names is None or name in names
-  table = None
+  subsets = None
   if wanted("shapley") and oracle.oracle_applies(model.config,
                                                  oracle_max_heads):
-    table = oracle.evaluate_subsets(model, params, validation,
-                                    batch_size=batch_size, per_example=True)
+    subsets = eval_lib.summarize(oracle.subset_totals(
+        model, params, validation, batch_size=batch_size))
   importance = measure_importance(model, params, validation,
-                                  batch_size=batch_size, table=table)
-  if table is not None:
+                                  batch_size=batch_size, subsets=subsets)
+  if subsets is not None:
     importance["shapley_token_accuracy"] = oracle.shapley_values(
-        core.summarize_examples(table)["token_accuracy"], model.config)
+        subsets["token_accuracy"], model.config)
   orders = orders_from_importance(importance)
   if reestimate and wanted("gradient_iterative"):
     orders["gradient_iterative"] = core.iterative_gradient_order(

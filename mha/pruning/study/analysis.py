@@ -27,14 +27,20 @@ from mha.progress import timed
 from mha.pruning import core
 from mha.pruning import oracle
 from mha.pruning import orderings
+from mha.pruning import searches as searches_lib
 from mha.pruning import shapley as shapley_lib
 from mha.pruning import stats
 from mha.pruning.study import summary
 from mha.pruning.study.options import StudyOptions
 
-#: The curves: every ordering and the oracle (not an ordering: its subsets
-#: for k and k + 1 heads removed need not be nested).
-CURVE_LABELS = {**orderings.ORDERINGS, "oracle": "oracle (best subset)"}
+#: The searches for the best subset per number of heads removed
+#: (:mod:`mha.pruning.searches`), each a curve and ``searches.<name>``.
+SEARCH_LABELS = {"surrogate": "surrogate search (layer-additive)",
+                 "beam": "beam search"}
+#: The curves: every ordering, the oracle and the searches (not orderings:
+#: their subsets for k and k + 1 heads removed need not be nested).
+CURVE_LABELS = {**orderings.ORDERINGS, "oracle": "oracle (best subset)",
+                **SEARCH_LABELS}
 
 
 @dataclasses.dataclass
@@ -49,6 +55,7 @@ class Plan:
       default_factory=dict)
   counts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
   oracle: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  searches: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
   single: np.ndarray | None = None
   all_but_one: np.ndarray | None = None
 
@@ -73,12 +80,16 @@ class Plan:
 
 def plan_masks(config: TransformerConfig, orders: Mapping[str, np.ndarray],
                random_orders: np.ndarray, oracle_removals: Mapping[str, Any],
-               counts: np.ndarray) -> Plan:
+               counts: np.ndarray,
+               searches: Mapping[str, Sequence[Sequence[int]]] | None = None
+               ) -> Plan:
   """Every curve of both variants (``all``; ``no_layer_emptied``, which
   skips a layer's last head and stops at ``N - layers with heads``), the
   full mask (id 0) and the single-head and all-but-one masks.
   ``oracle_removals``: variant -> for each ``k`` the removals of the best
-  subsets on validation, best first (the oracle's candidates)."""
+  subsets on validation, best first (the oracle's candidates).
+  ``searches``: name -> for each ``k`` the removal a search found (curves
+  of the ``all`` variant; their layers may be emptied)."""
   plan = Plan()
   plan.add(head_masks.full_head_mask(config))
   limit = core.removable_keeping_layers(config)
@@ -98,6 +109,10 @@ def plan_masks(config: TransformerConfig, orders: Mapping[str, np.ndarray],
                         for k in points])
       plan.oracle[variant] = np.asarray(
           [plan.add(head_masks.mask_without(config, r[0])) for r in ranked])
+  for name, removals in (searches or {}).items():
+    plan.add_curve("all", name, config, [removals[k] for k in counts])
+    plan.searches[name] = np.asarray(
+        [plan.add(head_masks.mask_without(config, r)) for r in removals])
   plan.single = np.asarray([plan.add(m) for m in
                             head_masks.leave_one_out_masks(config)])
   plan.all_but_one = np.asarray([plan.add(m) for m in
@@ -128,11 +143,13 @@ def _per_example(model: Transformer, params: Params, split: data.Split,
 
 def _oracle_entries(config: TransformerConfig, plan: Plan, variant: str,
                     val: Mapping[str, np.ndarray],
-                    test: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
-  """The ``oracle`` list of ``results.json``: for every ``k`` the removed
-  heads and their validation and test metrics."""
+                    test: Mapping[str, np.ndarray],
+                    ids: np.ndarray | None = None) -> list[dict[str, Any]]:
+  """The ``oracle`` list of ``results.json`` (or a search's, ``ids``): for
+  every ``k`` the removed heads and their validation and test metrics."""
   entries = []
-  for k, mask_id in enumerate(plan.oracle.get(variant, [])):
+  ids = plan.oracle.get(variant, []) if ids is None else ids
+  for k, mask_id in enumerate(ids):
     removed = np.flatnonzero(plan.masks[mask_id].reshape(-1) == 0)
     removed = removed[head_masks.existing_heads(config).reshape(-1)[removed]]
     entries.append({
@@ -225,15 +242,15 @@ def _measure_seed(model: Transformer, params: Params,
   the seed's curves and tables need, on validation and test."""
   config = model.config
   val, test = splits["validation"], splits["test"]
-  table, shapley, removals = oracle.evaluate_oracle(
+  subsets, shapley, removals = oracle.evaluate_oracle(
       model, params, val, batch_size=options.batch_size,
       max_heads=options.oracle_max_heads, log=log, timings=timings)
   importance = orderings.measure_importance(
       model, params, val, batch_size=options.batch_size, log=log,
-      timings=timings, table=table)
+      timings=timings, subsets=subsets)
   validation = importance.pop("validation")
   importance["shapley_token_accuracy"] = shapley
-  method = "exact" if table is not None and options.shapley != "sampled" else (
+  method = "exact" if subsets is not None and options.shapley != "sampled" else (
       "sampled" if options.shapley != "exact" else None)
   if method == "sampled":
     (importance["shapley_token_accuracy"],
@@ -241,8 +258,8 @@ def _measure_seed(model: Transformer, params: Params,
          log, f"Shapley values sampled: {options.shapley_pairs} antithetic "
          "pairs of permutations",
          lambda: sampled_shapley(model, params, val, options))
-  interactions = (None if table is None else
-                  _interactions(config, core.summarize_examples(table)))
+  interactions = (None if subsets is None else
+                  _interactions(config, subsets))
   orders = orderings.orders_from_importance(importance)
   if options.reestimate:
     orders["gradient_iterative"], timings["gradient_iterative_s"] = timed(
@@ -252,20 +269,63 @@ def _measure_seed(model: Transformer, params: Params,
   random_orders = core.random_orders(config, options.num_random_orders,
                                         rng)
   n = oracle.num_heads(config)
+  evaluations: dict[str, int] = {}
+  found = run_searches(model, params, val, options, log, timings,
+                       evaluations)
   plan = plan_masks(config, orders, random_orders, removals,
-                    core.pruning_counts(n, options.step_fraction))
+                    core.pruning_counts(n, options.step_fraction),
+                    {name: [e["removed"] for e in entries]
+                     for name, entries in found.items()})
   masks = np.stack(plan.masks)
   val_sums, timings["validation_masks_s"] = timed(
       log, f"{len(masks)} distinct masks on validation",
-      lambda: _per_example(model, params, val, masks, table, options))
+      lambda: _per_example(model, params, val, masks, None, options))
   test_sums, timings["test_masks_s"] = timed(
       log, f"{len(masks)} distinct masks on test (curves, oracle, tables)",
       lambda: _per_example(model, params, test, masks, None, options))
   return {"importance": importance, "validation": validation,
           "orders": {**orders, "random": random_orders}, "plan": plan,
           "val_sums": val_sums, "test_sums": test_sums, "num_heads": n,
-          "oracle_ran": table is not None, "shapley_method": method,
+          "oracle_ran": subsets is not None, "shapley_method": method,
+          "search_evaluations": evaluations,
           "interactions": interactions}
+
+
+def run_searches(model: Transformer, params: Params, validation: data.Split,
+                 options: StudyOptions, log: Log,
+                 timings: dict[str, float],
+                 evaluations: dict[str, int]
+                 ) -> dict[str, list[dict[str, Any]]]:
+  """Both searches of :mod:`mha.pruning.searches` on ``validation`` (the
+  oracle's value: :func:`mha.pruning.oracle.subset_values`, every subset
+  evaluated through the model), unless ``options.searches`` is off:
+  name -> for each ``k`` the search's entry (``removed``, flat indices).
+  ``timings["<name>_s"]`` receives each search's seconds and
+  ``evaluations[name]`` its number of subsets evaluated."""
+  if not options.searches:
+    return {}
+  config = model.config
+  out = {}
+  for name, search in (
+      ("surrogate", lambda fn: searches_lib.layer_surrogate(
+          fn, config, top=options.surrogate_top,
+          polish_rounds=options.search_polish_rounds)),
+      ("beam", lambda fn: searches_lib.beam_search(
+          fn, config, width=options.beam_width))):
+    evaluated = [0]
+
+    def value_fn(masks: np.ndarray, evaluated=evaluated) -> np.ndarray:
+      evaluated[0] += len(masks)
+      # Padded to whole chunks of 8: one compiled program for every call.
+      padded = np.concatenate([masks, np.repeat(masks[:1], -len(masks) % 8,
+                                                axis=0)])
+      return oracle.subset_values(core.evaluate_masks(
+          model, params, validation, padded, batch_size=options.batch_size,
+          chunk_size=8))[:len(masks)]
+    out[name], timings[f"{name}_s"] = timed(
+        log, f"{SEARCH_LABELS[name]}", lambda: search(value_fn))
+    evaluations[name] = evaluated[0]
+  return out
 
 
 def sampled_shapley(model: Transformer, params: Params, split: data.Split,
@@ -348,6 +408,11 @@ def analyze_seed(model: Transformer, params: Params,
       **_ablations(config, plan, val, test, m["test_sums"]),
       "timings": timings,
   }
+  if plan.searches:
+    out["searches"] = {
+        name: _oracle_entries(config, plan, "all", val, test, ids)
+        for name, ids in plan.searches.items()}
+    out["search_evaluations"] = m["search_evaluations"]
   # What each head attends to, on the split of the importance measures.
   out["head_roles"] = head_roles.head_roles(
       model, params, splits["validation"], options.batch_size)
@@ -410,5 +475,5 @@ def aggregate(seed_results: Sequence[Mapping[str, Any]],
   return out
 
 
-__all__ = ["CURVE_LABELS", "Plan", "plan_masks", "Resamples", "analyze_seed",
+__all__ = ["CURVE_LABELS", "SEARCH_LABELS", "Plan", "run_searches", "plan_masks", "Resamples", "analyze_seed",
            "custom_pruning", "aggregate"]

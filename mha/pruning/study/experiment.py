@@ -60,17 +60,16 @@ def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
   if options.remove_heads:
     core.prune_heads(first.params, first.model_config, options.remove_heads)
   heads = oracle.num_heads(first.model_config)
-  needed = oracle.table_bytes(first.model_config,
-                              first.config.data.num_eval_examples)
+  needed = oracle.oracle_bytes(first.model_config)
   memory = oracle.machine_memory_bytes()
   if (oracle.oracle_applies(first.model_config, options.oracle_max_heads)
       and memory is not None and needed > memory):
     raise ValueError(
         f"--oracle_max_heads={options.oracle_max_heads}: every subset of this "
         f"model's {heads} heads needs about {needed / 2**30:.1f} GiB (2**"
-        f"{heads} subsets x {first.config.data.num_eval_examples} validation "
-        f"examples), more than this machine's {memory / 2**30:.1f} GiB; "
-        f"lower --oracle_max_heads below {heads}")
+        f"{heads} subsets, streamed over the examples), more than this "
+        f"machine's {memory / 2**30:.1f} GiB; lower --oracle_max_heads below "
+        f"{heads}")
   if options.shapley == "exact" and not oracle.oracle_applies(
       first.model_config, options.oracle_max_heads):
     raise ValueError(

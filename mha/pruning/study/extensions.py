@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from mha import data
+from mha import evaluate as eval_lib
 from mha import head_masks
 from mha.aliases import Log, Params
 from mha.model import Transformer
@@ -104,18 +105,28 @@ def mean_ablation_seed(seed: SeedInputs, options: StudyOptions, log: Log
   shifts = mean_ablation.bias_shifts(params, config, means)
   tables, removals = {}, {}
   if oracle.oracle_applies(config, options.oracle_max_heads):
-    for name, split in (("validation", val), ("test", test)):
-      tables[name] = oracle.evaluate_subsets(
-          model, params, split, per_example=True, bias_shifts=shifts,
-          batch_size=options.batch_size)
-    removals = oracle.removals_by_variant(oracle.subset_values(
-        core.summarize_examples(tables["validation"])), config)
+    if oracle.table_bytes(config, len(val)) <= oracle.PER_EXAMPLE_BYTES:
+      for name, split in (("validation", val), ("test", test)):
+        tables[name] = oracle.evaluate_subsets(
+            model, params, split, per_example=True, bias_shifts=shifts,
+            batch_size=options.batch_size)
+      subsets = core.summarize_examples(tables["validation"])
+    else:  # Too many subsets for a per-example table: streamed.
+      subsets = eval_lib.summarize(oracle.subset_totals(
+          model, params, val, bias_shifts=shifts,
+          batch_size=options.batch_size))
+    removals = oracle.removals_by_variant(oracle.subset_values(subsets),
+                                          config)
   orders = dict(seed.result["orders"])
   random_orders = np.asarray(orders.pop("random"))
   n = oracle.num_heads(config)
+  # The searches' subsets (found under zero ablation) as they are.
+  found = {name: [[layer * config.max_heads + head
+                   for layer, head in e["removed"]] for e in entries]
+           for name, entries in seed.result.get("searches", {}).items()}
   plan = analysis.plan_masks(
       config, {k: np.asarray(v) for k, v in orders.items()}, random_orders,
-      removals, core.pruning_counts(n, options.step_fraction))
+      removals, core.pruning_counts(n, options.step_fraction), found)
   masks = np.stack(plan.masks)
   sums = {}
   for name, split in (("validation", val), ("test", test)):
@@ -257,9 +268,9 @@ def gates_seed(seed: SeedInputs, options: StudyOptions, log: Log
                            "train_seconds": trained["seconds"]}
   by_loss = {}
   if seed.result["oracle"]:  # Every subset's validation loss: the gates'
-    loss = core.summarize_examples(oracle.evaluate_subsets(  # criterion
-        seed.model, seed.params, seed.splits["validation"],  # (the study's
-        batch_size=options.batch_size, per_example=True))["loss"]  # program)
+    loss = eval_lib.summarize(oracle.subset_totals(  # criterion (the
+        seed.model, seed.params, seed.splits["validation"],  # study's program)
+        batch_size=options.batch_size))["loss"]
     by_loss = {v: oracle.ranked_removals(
         -loss, seed.model.config, no_layer_emptied=v == "no_layer_emptied")
         for v in ("all", "no_layer_emptied")}

@@ -53,6 +53,18 @@ class StudyOptions:
       "intervals), or auto (exact where the oracle runs, sampled above).")
   shapley_pairs: int = _option(
       32, "Antithetic pairs of permutations of the sampled Shapley values.")
+  searches: bool = _option(
+      True, "Search for the best subset per number of heads removed, on "
+      "validation: the layer-additive surrogate and beam search "
+      "(searches.surrogate, searches.beam; curves 'surrogate' and 'beam'). "
+      "Where the oracle runs, their gap to it is measured.")
+  beam_width: int = _option(
+      8, "Subsets kept per level of the beam search.")
+  surrogate_top: int = _option(
+      8, "Combinations per number of heads removed that the layer-additive "
+      "surrogate evaluates exactly.")
+  search_polish_rounds: int = _option(
+      2, "Rounds of swap local search polishing each surrogate subset.")
   num_bootstrap: int = _option(
       1000, "Bootstrap resamples of every 95% interval.")
   num_random_orders: int = _option(
@@ -114,9 +126,13 @@ class StudyOptions:
   def validate(self) -> None:
     """Raises ValueError naming the first bad setting."""
     for name in ("num_seeds", "oracle_max_heads", "num_bootstrap",
-                 "num_random_orders", "speed_repeats", "batch_size"):
+                 "num_random_orders", "speed_repeats", "batch_size",
+                 "beam_width", "surrogate_top"):
       if getattr(self, name) < 1:
         raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+    if self.search_polish_rounds < 0:
+      raise ValueError("--search_polish_rounds must be >= 0, got "
+                       f"{self.search_polish_rounds}")
     if self.shapley not in SHAPLEY_METHODS:
       raise ValueError(f"--shapley {self.shapley!r} is not one of: "
                        f"{', '.join(SHAPLEY_METHODS)}")

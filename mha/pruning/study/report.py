@@ -188,6 +188,7 @@ def report_lines(results: Mapping[str, Any]) -> list[str]:
   lines += _findings_section(results)
   lines += _curves_section(results)
   lines += _oracle_section(results)
+  lines += _searches_section(results)
   lines += _no_layer_emptied_section(results)
   lines += _spearman_section(results)
   lines += _importance_section(results)
@@ -274,7 +275,9 @@ def _findings_section(results: Mapping[str, Any]) -> list[str]:
   """The claims the intervals carry, each with its interval."""
   agg, labels = results["aggregate"], _labels(results)
   summary = agg["curve_summary"]
-  orderings = [k for k in labels if k in summary and k != "oracle"]
+  searches = _search_names(results)
+  orderings = [k for k in labels if k in summary and k != "oracle"
+               and k not in searches]
   key = "auc_token_accuracy"
   lines = ["## Findings (test token accuracy; 95% intervals)", ""]
   by_sign = {s: [k for k in orderings if k != "random" and
@@ -394,6 +397,88 @@ def _oracle_section(results: Mapping[str, Any]) -> list[str]:
       "split, among the few best subsets of the full split for each number "
       "of heads removed, so the oracle's intervals include the variability "
       "of its choice.", ""]
+
+
+def _search_names(results: Mapping[str, Any]) -> list[str]:
+  """The searches every seed ran (``searches.<name>``), in label order."""
+  names = set(results["seeds"][0].get("searches", {}))
+  return [k for k in results["curve_labels"] if k in names]
+
+
+def _heads_text(removed: Sequence[Sequence[int]]) -> str:
+  return ", ".join(f"{l}:{h}" for l, h in removed) or "-"
+
+
+def _searches_section(results: Mapping[str, Any]) -> list[str]:
+  """Each search's AUC and its gap to the oracle (intervals over examples
+  and seeds), its cost, and per number of heads removed (first seed) the
+  subset it found against the best ordering's there."""
+  names = _search_names(results)
+  if not names:
+    return []
+  summary = results["aggregate"]["curve_summary"]
+  labels, opts, seeds = _labels(results), results["options"], results["seeds"]
+  key = "auc_token_accuracy"
+  lines = [
+      "## Searches for the best subset", "",
+      "Each search chooses, on validation, one subset of heads for each "
+      "number removed, evaluating subsets through the model (the oracle's "
+      "value: validation token accuracy). The layer-additive surrogate "
+      "evaluates every removal set of each layer alone, combines them by a "
+      f"knapsack over the layers, evaluates the {opts['surrogate_top']} best "
+      "combinations of each size exactly and polishes the best by "
+      f"{opts['search_polish_rounds']} round(s) of swaps; beam search keeps "
+      f"the {opts['beam_width']} best subsets of each size. Test token "
+      "accuracy; 95% intervals over examples and seeds; seconds and subsets "
+      "evaluated are means over seeds.", ""]
+  has_oracle = "oracle" in summary
+  rows = []
+  for name in names:
+    entry = summary[name]
+    rows.append([
+        labels[name], md.ci(entry, key),
+        md.ci(entry, f"{key}_minus_oracle", sign=True) if has_oracle else
+        "n/a", md.ci(entry, "prunable_heads_token_accuracy", 1),
+        md.fmt(float(np.mean([s["timings"][f"{name}_s"] for s in seeds])), 1),
+        f"{np.mean([s['search_evaluations'][name] for s in seeds]):,.0f}"])
+  lines += md.table(["search", "AUC token acc.", "Δ vs oracle",
+                     "prunable heads (val.)", "seconds", "subsets evaluated"],
+                    rows)
+  if has_oracle:
+    verdicts = []
+    for name in names:
+      sign = _sign(summary[name], f"{key}_minus_oracle")
+      verdicts.append(f"{labels[name]}: " + (
+          "its AUC gap to the oracle has an interval containing 0" if sign == 0
+          else "its AUC gap to the oracle has an interval excluding 0, "
+          + ("above" if sign > 0 else "below") + " it"))
+    lines += ["- " + "; ".join(verdicts) + ".", ""]
+  first = seeds[0]
+  orderings = [k for k in labels if k in first.get("curves", {})
+               and k not in names and k != "oracle"]
+  counts = list(first["counts"])
+  rows = []
+  for k in counts:
+    at = counts.index(k)
+    best_name = max(orderings, key=lambda o: first["curves"][o][
+        "token_accuracy"][at])
+    best = first["curves"][best_name]["token_accuracy"][at]
+    row = [k]
+    for name in names:
+      e = first["searches"][name][k]
+      row += [_heads_text(e["removed"]), md.fmt(e["test"]["token_accuracy"]),
+              "yes" if e["test"]["token_accuracy"] > best else (
+                  "ties" if e["test"]["token_accuracy"] == best else "no")]
+    rows.append(row + [f"{labels[best_name]} {md.fmt(best)}"])
+  header = ["heads removed"]
+  for name in names:
+    header += [f"{name}: removed (layer:head)", "test token acc.",
+               "beats every ordering"]
+  lines += [f"Seed {first['seed']}, at each number of heads removed: the "
+            "subset each search found, its test token accuracy, and whether "
+            "that is above every ordering's at the same number (point "
+            "estimates on test, without intervals).", ""]
+  return lines + md.table(header + ["best ordering there"], rows)
 
 
 def _no_layer_emptied_section(results: Mapping[str, Any]) -> list[str]:

@@ -1,0 +1,146 @@
+r"""Time and memory of the exhaustive oracle: streamed against the table.
+
+    python scripts/oracle_benchmark.py --workdir runs/deep --workdir runs/wide
+    python scripts/oracle_benchmark.py --workdir runs/wide --rounds 1 --nobaseline
+
+For each workdir's model, on its validation split, every subset of heads is
+evaluated once per round by each method, each run in a process of its own
+(so that its peak memory is its own), the methods alternating in order from
+round to round:
+
+* ``streamed``: :func:`mha.pruning.oracle.subset_totals`, the study's oracle
+  (sums over the examples only, ``O(2**N)`` memory), then the metrics, the
+  oracle's candidates and exact Shapley values from them;
+* ``table``: the per-example table the study used before
+  (``evaluate_subsets(..., per_example=True)``, ``[2**N, n]`` per metric),
+  then the same selection from its sums: the peer.
+
+Per method it reports the median seconds (the oracle, compiling included, as
+the study's ``timings.oracle_s``), the median peak resident memory of the
+whole process (``ru_maxrss``), and for ``streamed`` the seconds per subset and
+example, the number that says how the cost grows with ``N`` (it is ``2**N``
+times that per example). Writes everything to ``--out`` (JSON) and the table beside it (.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+from mha import benchmarking
+
+_WORKDIRS = flags.DEFINE_multi_string(
+    "workdir", None, "A trained run's workdir (repeat the flag for several).")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds (a process per method "
+                               "and round); the figures are medians.")
+_BASELINE = flags.DEFINE_boolean(
+    "baseline", True, "Also time the per-example table (the peer).")
+_OUT = flags.DEFINE_string("out", "runs/benchmarks/oracle.json",
+                           "Results file (JSON); the table goes beside it "
+                           "(.md).")
+_ONE = flags.DEFINE_string("one", None, "Internal: run one method, print "
+                           "JSON (method:workdir).")
+
+METHODS = ("streamed", "table")
+
+
+def _one(method: str, workdir: str) -> dict:
+  """One method on one model in this process: seconds, peak memory."""
+  # pylint: disable=import-outside-toplevel
+  import numpy as np
+  from mha import checkpoint
+  from mha import data
+  from mha import build
+  from mha import evaluate as eval_lib
+  from mha.pruning import core
+  from mha.pruning import oracle
+  ckpt = checkpoint.load_checkpoint(workdir)
+  splits = data.load_splits(build.data_spec(ckpt.config),
+                            ckpt.config.data.data_dir)
+  val = splits["validation"]
+  start = time.perf_counter()
+  if method == "streamed":
+    metrics = eval_lib.summarize(oracle.subset_totals(
+        ckpt.model, ckpt.params, val, batch_size=1000))
+  else:
+    metrics = core.summarize_examples(oracle.evaluate_subsets(
+        ckpt.model, ckpt.params, val, batch_size=1000, per_example=True))
+  oracle.removals_by_variant(oracle.subset_values(metrics),
+                             ckpt.model_config)
+  oracle.shapley_values(metrics["token_accuracy"], ckpt.model_config)
+  seconds = time.perf_counter() - start
+  n = oracle.num_heads(ckpt.model_config)
+  return {"method": method, "workdir": workdir, "heads": n,
+          "examples": len(val), "seconds": seconds,
+          "peak_rss_mb": resource.getrusage(
+              resource.RUSAGE_SELF).ru_maxrss / 1024,
+          "best_k1": float(np.max(metrics["token_accuracy"][
+              oracle.kept_counts(ckpt.model_config) == n - 1]))}
+
+
+def _spawn(method: str, workdir: str) -> dict:
+  result = subprocess.run(
+      [sys.executable, os.path.abspath(__file__), f"--one={method}:{workdir}"],
+      capture_output=True, text=True, check=False)
+  if result.returncode:
+    raise RuntimeError(f"{method} on {workdir} failed:\n{result.stderr[-2000:]}")
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main(argv):
+  del argv
+  if _ONE.value:
+    method, workdir = _ONE.value.split(":", 1)
+    print(json.dumps(_one(method, workdir)))
+    return
+  if not _WORKDIRS.value:
+    raise app.UsageError("give at least one --workdir")
+  methods = METHODS if _BASELINE.value else METHODS[:1]
+  runs: list[dict] = []
+  for workdir in _WORKDIRS.value:
+    for r in range(_ROUNDS.value):
+      order = methods if r % 2 == 0 else methods[::-1]
+      for method in order:
+        run = _spawn(method, workdir)
+        runs.append(run)
+        print(f"  {workdir} {method} round {r + 1}: {run['seconds']:.1f} s, "
+              f"peak {run['peak_rss_mb']:.0f} MB", flush=True)
+  rows = ["| model (heads) | method | oracle s (median) | runs | peak memory "
+          "MB (median) | us per subset x example |", "|---|---|---:|---|---:|---:|"]
+  summary = []
+  for workdir in _WORKDIRS.value:
+    for method in methods:
+      mine = [r for r in runs if r["workdir"] == workdir and r["method"] == method]
+      s = statistics.median(r["seconds"] for r in mine)
+      mem = statistics.median(r["peak_rss_mb"] for r in mine)
+      per = s / (2 ** mine[0]["heads"] * mine[0]["examples"]) * 1e6
+      summary.append({"workdir": workdir, "method": method,
+                      "heads": mine[0]["heads"], "median_s": s,
+                      "median_peak_rss_mb": mem, "us_per_row": per})
+      rows.append(f"| {os.path.basename(workdir)} ({mine[0]['heads']}) | "
+                  f"{method} | {s:.1f} | "
+                  f"{' / '.join(format(r['seconds'], '.1f') for r in mine)} | "
+                  f"{mem:.0f} | {per:.2f} |")
+  results = {"environment": benchmarking.environment(), "runs": runs,
+             "summary": summary}
+  env = results["environment"]
+  header = [f"Device: {env['platform']} ({env['cpu']}, {env['threads']} "
+            f"threads); JAX {env['jax']}; {env['date_utc']} UTC; 1-min load "
+            f"{benchmarking.load_average()}. Medians of {_ROUNDS.value} "
+            "rounds, a process per method and round, methods alternating.",
+            ""]
+  table = "\n".join(header + rows) + "\n"
+  benchmarking.write_results(benchmarking.output_path(_OUT.value),
+                             {"oracle": results}, table, print)
+
+
+if __name__ == "__main__":
+  app.run(main)
