@@ -515,7 +515,7 @@ def test_an_oracle_beyond_the_machines_memory_is_refused(tiny_workdir,
     study.check_inputs(tiny_workdir, str(tmp_path / "out"),
                        study.StudyOptions(num_seeds=1))
   message = str(raised.value)
-  assert message.startswith("--oracle_max_heads=12: every subset of this "
+  assert message.startswith("--oracle_max_heads=16: every subset of this "
                             "model's 4 heads needs about ")
   assert "more than this machine's 0.0 GiB" in message
   # A limit below the model's heads evaluates no subset: nothing to refuse.
@@ -611,10 +611,12 @@ def test_bad_options_are_refused(changes, message):
 
 
 def test_option_defaults():
-  # Issue 14: at least 10 timing repeats, 5 seeds, a 12-head oracle.
+  # Issue 14: at least 10 timing repeats, 5 seeds; issue 23: a 16-head
+  # oracle (streamed) and both searches.
   options = study.StudyOptions()
   assert options.speed_repeats == pruning.speed.REPEATS >= 10
-  assert (options.num_seeds, options.oracle_max_heads) == (5, 12)
+  assert (options.num_seeds, options.oracle_max_heads) == (5, 16)
+  assert options.searches and options.beam_width >= 1
 
 
 @pytest.mark.slow  # seconds of compiling or training: the full suite only

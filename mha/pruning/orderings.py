@@ -11,7 +11,7 @@ as a sanity baseline. Random orders come from
 :func:`mha.pruning.core.random_orders`.
 
     orders = compute_orders(model, params, splits["validation"],
-                            batch_size=1000, oracle_max_heads=12)
+                            batch_size=1000, oracle_max_heads=16)
     orders["gradient"]  # e.g. array([5, 2, 0, ...])
 """
 

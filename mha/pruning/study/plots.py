@@ -75,6 +75,13 @@ ORDERING_STYLES: dict[str, dict[str, object]] = {
     "reverse gradient": dict(color="#000000", marker="x", linestyle=":"),
     "Shapley value": dict(color="#7A5195", marker="*", linestyle="-"),
     "oracle (best subset)": dict(color="#000000", marker="", linestyle="-"),
+    # The searches lie on or near the oracle: dashed and hollow-marked, in
+    # colours no ordering has, so that the black line shows beneath them.
+    "surrogate search (layer-additive)": dict(color="#E4007C", marker="o",
+                                              linestyle="--",
+                                              fillstyle="none"),
+    "beam search": dict(color="#00A6A6", marker="s", linestyle=(0, (1, 1.5)),
+                        fillstyle="none"),
 }
 #: Runs up to this many get a min-max band; more get a percentile band.
 MINMAX_MAX_RUNS = 5
