@@ -85,10 +85,11 @@ def test_subsets_equal_masked_models(kwargs):
 def test_streamed_oracle_equals_the_per_example_table():
   """The streamed oracle (sums over the examples only, O(2**N) memory, the
   last layer reformulated: see ``oracle._last_layer_sums``) is the oracle of
-  the per-example table, on an 8-head model: the integer sums bitwise, so
-  token accuracy, exact match, the oracle's candidates and Shapley values
-  too; the loss sums to float32 rounding (other programs add the same
-  terms in another order). Also when calls split layer 0's masks (how 16
+  the per-example table, on an 8-head model: the loss sums to float32
+  rounding (other programs add the same terms in another order); on this
+  model no token is near enough a tie for rounding to flip it, so the
+  integer sums, token accuracy, exact match, the oracle's candidates and
+  Shapley values are equal exactly. Also when calls split layer 0's masks (how 16
   heads fit in memory), and under mean ablation's bias shifts."""
   config = TransformerConfig(vocab_size=7, num_layers=2, num_heads=4,
                              d_model=16, mlp_dim=16, max_len=6)

@@ -380,9 +380,11 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
   the sums over the examples are kept, ``[2**N]`` float64 per metric. The
   memory is ``O(2**N)`` numbers plus one call's activations, so 16 heads
   (65,536 subsets) fit where a per-example table (``[2**N, n]`` per metric)
-  would not. The per-example values of each call are those of
-  :func:`evaluate_subsets` (the same program and batches up to ``2**N <=
-  rows``); only the order in which they are added differs.
+  would not. The last layer runs in an exact reformulation
+  (:func:`_last_layer_sums`), so the sums equal those of
+  :func:`evaluate_subsets` to float32 rounding: the loss in its last bits,
+  and a token whose two best logits lie within rounding of each other can be
+  counted the other way.
 
   Returns:
     ``loss_sum``, ``correct``, ``exact``, ``tokens``, ``sequences``:
