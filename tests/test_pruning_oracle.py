@@ -272,12 +272,14 @@ def planted_fixture():
   """The planted model, its split, the metrics of every subset and every
   ordering of :func:`orderings.compute_orders` (built once per module)."""
   model, params, split = _planted()
-  metrics = oracle.evaluate_subsets(model, params, split)
+  # The batch size of compute_orders below: one compiled program for both.
+  metrics = oracle.evaluate_subsets(model, params, split, batch_size=32)
   orders = orderings.compute_orders(model, params, split, batch_size=32,
                                     oracle_max_heads=12, reestimate=True)
   return model, params, split, metrics, orders
 
 
+@pytest.mark.slow  # the planted fixture: seconds of compiling
 def test_planted_model_has_the_designed_accuracies(planted):
   _, _, _, metrics, _ = planted
   acc = metrics["token_accuracy"]
@@ -290,6 +292,7 @@ def test_planted_model_has_the_designed_accuracies(planted):
   assert acc[0] == 0.0
 
 
+@pytest.mark.slow  # the planted fixture: seconds of compiling
 def test_oracle_finds_the_pair_the_greedy_orders_miss(planted):
   model, params, split, metrics, orders = planted
   a, b, c = 0, 1, 2  # flat head indices
@@ -316,6 +319,7 @@ def test_oracle_finds_the_pair_the_greedy_orders_miss(planted):
   np.testing.assert_allclose(shapley[0], [0.25, 0.25, 0.2, 0.3], atol=1e-6)
 
 
+@pytest.mark.slow  # the planted fixture: seconds of compiling
 def test_compute_orders_computes_only_what_is_asked(planted):
   model, params, split, _, full = planted
   orders = orderings.compute_orders(model, params, split, batch_size=32,
