@@ -116,3 +116,17 @@ def test_mobius_inverts_to_the_table():
   m = shapley.mobius(values)
   back = [sum(m[t] for t in range(16) if t & s == t) for s in range(16)]
   np.testing.assert_allclose(back, values, atol=1e-12)
+
+
+@pytest.mark.slow  # a per-example table of the tiny model: seconds
+def test_coverage_script_counts_intervals_holding_the_exact_values(tiny_run):
+  from scripts import shapley_coverage  # pylint: disable=import-outside-toplevel
+  result = shapley_coverage.coverage(tiny_run.workdir, repeats=20, pairs=4,
+                                     examples=None)
+  assert result["heads"] == 4 and result["repeats"] == 20
+  low, high = result["coverage_ci_repeats"]
+  assert 0.0 <= low <= result["coverage"] <= high <= 1.0
+  assert result["coverage_min_head"] <= result["coverage"]
+  # 20 seeded repeats on the tiny model (deterministic): most intervals
+  # hold the exact value.
+  assert result["coverage"] >= 0.8
