@@ -36,6 +36,9 @@ from absl import app
 from absl import flags
 
 from mha import benchmarking
+from mha import cli
+
+_PROG = "oracle_benchmark.py"
 
 _WORKDIRS = flags.DEFINE_multi_string(
     "workdir", None, "A trained run's workdir (repeat the flag for several).")
@@ -102,7 +105,14 @@ def main(argv):
     print(json.dumps(_one(method, workdir)))
     return
   if not _WORKDIRS.value:
-    raise app.UsageError("give at least one --workdir")
+    cli.fail(_PROG, "give at least one --workdir")
+  for workdir in _WORKDIRS.value:
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+      cli.fail(_PROG, f"--workdir {workdir} holds no checkpoints")
+  try:
+    out = benchmarking.output_path(_OUT.value)
+  except ValueError as e:
+    cli.fail(_PROG, e)
   methods = METHODS if _BASELINE.value else METHODS[:1]
   runs: list[dict] = []
   for workdir in _WORKDIRS.value:
@@ -138,9 +148,8 @@ def main(argv):
             "rounds, a process per method and round, methods alternating.",
             ""]
   table = "\n".join(header + rows) + "\n"
-  benchmarking.write_results(benchmarking.output_path(_OUT.value),
-                             {"oracle": results}, table, print)
+  benchmarking.write_results(out, {"oracle": results}, table, print)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.flags_parser(_PROG))

@@ -31,19 +31,26 @@ from absl import app
 from absl import flags
 import numpy as np
 
-_WORKDIRS = flags.DEFINE_multi_string(
-    "workdir", None, "A trained run's workdir (repeat for several).")
-_REPEATS = flags.DEFINE_integer("repeats", 200, "Sampled estimates per "
-                                "model.", lower_bound=2)
-_PAIRS = flags.DEFINE_integer("pairs", 32, "Antithetic pairs of "
-                              "permutations per estimate (the study's "
-                              "--shapley_pairs).", lower_bound=2)
-_EXAMPLES = flags.DEFINE_integer(
-    "examples", None, "Use the first N validation examples (default: all).",
-    lower_bound=1)
-_OUT = flags.DEFINE_string("out", "runs/benchmarks/shapley_coverage.json",
-                           "Results file (JSON); the table goes beside it "
-                           "(.md).")
+from mha import benchmarking
+from mha import cli
+
+_PROG = "shapley_coverage.py"
+
+def _define_flags() -> None:
+  """The command line's flags, defined only when run as a program (the
+  tests import :func:`coverage` beside other scripts' flags)."""
+  flags.DEFINE_multi_string(
+      "workdir", None, "A trained run's workdir (repeat for several).")
+  flags.DEFINE_integer("repeats", 200, "Sampled estimates per model.",
+                       lower_bound=2)
+  flags.DEFINE_integer("pairs", 32, "Antithetic pairs of permutations per "
+                       "estimate (the study's --shapley_pairs).",
+                       lower_bound=2)
+  flags.DEFINE_integer(
+      "examples", None, "Use the first N validation examples (default: "
+      "all).", lower_bound=1)
+  flags.DEFINE_string("out", "runs/benchmarks/shapley_coverage.json",
+                      "Results file (JSON); the table goes beside it (.md).")
 
 
 def _bootstrap(per_repeat: np.ndarray, resamples: int = 4000
@@ -110,11 +117,19 @@ def coverage(workdir: str, repeats: int, pairs: int,
 
 def main(argv):
   del argv
-  if not _WORKDIRS.value:
-    raise app.UsageError("give at least one --workdir")
+  args = flags.FLAGS
+  if not args.workdir:
+    cli.fail(_PROG, "give at least one --workdir")
+  for workdir in args.workdir:
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+      cli.fail(_PROG, f"--workdir {workdir} holds no checkpoints")
+  try:
+    out = benchmarking.output_path(args.out)
+  except ValueError as e:
+    cli.fail(_PROG, e)
   rows = []
-  for workdir in _WORKDIRS.value:
-    result = coverage(workdir, _REPEATS.value, _PAIRS.value, _EXAMPLES.value)
+  for workdir in args.workdir:
+    result = coverage(workdir, args.repeats, args.pairs, args.examples)
     rows.append(result)
     print(f"  {workdir}: {result['heads']} heads, coverage "
           f"{result['coverage']:.3f}", flush=True)
@@ -130,7 +145,6 @@ def main(argv):
         f"{r['coverage_min_head']:.3f} | {r['mean_interval_width']:.4f} |")
   table = "\n".join(lines) + "\n"
   print(table, end="")
-  out = os.path.abspath(_OUT.value)
   os.makedirs(os.path.dirname(out), exist_ok=True)
   with open(out, "w", encoding="utf-8") as f:
     json.dump({"results": rows}, f, indent=1)
@@ -139,4 +153,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _define_flags()
+  app.run(main, flags_parser=cli.flags_parser(_PROG))

@@ -139,3 +139,21 @@ def test_accelerator_section_compares_the_same_function():
           in table)
   assert "| fwd_bwd | bfloat16 | 2 / 8 / 16 / 2 | xla | lengths |" in table
   assert "seeds trained together" not in table
+
+
+@pytest.mark.parametrize("script", ["oracle_benchmark.py",
+                                    "shapley_coverage.py"])
+@pytest.mark.parametrize("args, message", [
+    ((), "give at least one --workdir"),
+    (("--workdir=/nowhere",), "--workdir /nowhere holds no checkpoints"),
+    (("--workdir=/nowhere", "--no_such_flag"), "no_such_flag"),
+])
+def test_pruning_benchmarks_refuse_bad_input_in_one_line(script, args, message,
+                                                         tmp_path):
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "scripts", script), *args],
+      cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+  lines = result.stderr.strip().splitlines()
+  assert result.returncode == 2 and len(lines) == 1, result.stderr
+  assert lines[0].startswith(f"{script}: error: ") and message in lines[0]
+  assert os.listdir(tmp_path) == []  # nothing written
