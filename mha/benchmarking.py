@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+from mha import cli
 from mha.aliases import Log
 
 #: The signature of :func:`time_interleaved`.
@@ -149,6 +150,23 @@ def output_path(out: str) -> str:
   return path
 
 
+def checked_workdirs_and_out(prog: str, workdirs: Sequence[str] | None,
+                             out: str) -> str:
+  """The checks of a benchmark over trained runs, before any work: at least
+  one workdir, each holding checkpoints, and ``out`` not a directory. A
+  mistake is one line and exit 2 (:func:`mha.cli.fail`). Returns ``out``
+  made absolute (:func:`output_path`)."""
+  if not workdirs:
+    cli.fail(prog, "give at least one --workdir")
+  for workdir in workdirs:
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+      cli.fail(prog, f"--workdir {workdir} holds no checkpoints")
+  try:
+    return output_path(out)
+  except ValueError as e:
+    cli.fail(prog, e)
+
+
 def write_results(out: str, results: Mapping[str, Any], table: str,
                   log: Log) -> None:
   """Writes ``results`` to ``out`` (JSON) and ``table`` beside it (.md), and
@@ -164,4 +182,4 @@ def write_results(out: str, results: Mapping[str, Any], table: str,
 
 __all__ = ["Timer", "LayerShape", "time_interleaved", "median_ms",
            "max_relative_diff", "load_average", "environment", "header_lines",
-           "output_path", "write_results"]
+           "output_path", "checked_workdirs_and_out", "write_results"]

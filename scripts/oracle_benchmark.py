@@ -104,15 +104,8 @@ def main(argv):
     method, workdir = _ONE.value.split(":", 1)
     print(json.dumps(_one(method, workdir)))
     return
-  if not _WORKDIRS.value:
-    cli.fail(_PROG, "give at least one --workdir")
-  for workdir in _WORKDIRS.value:
-    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-      cli.fail(_PROG, f"--workdir {workdir} holds no checkpoints")
-  try:
-    out = benchmarking.output_path(_OUT.value)
-  except ValueError as e:
-    cli.fail(_PROG, e)
+  out = benchmarking.checked_workdirs_and_out(_PROG, _WORKDIRS.value,
+                                             _OUT.value)
   methods = METHODS if _BASELINE.value else METHODS[:1]
   runs: list[dict] = []
   for workdir in _WORKDIRS.value:

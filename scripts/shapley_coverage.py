@@ -118,15 +118,7 @@ def coverage(workdir: str, repeats: int, pairs: int,
 def main(argv):
   del argv
   args = flags.FLAGS
-  if not args.workdir:
-    cli.fail(_PROG, "give at least one --workdir")
-  for workdir in args.workdir:
-    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-      cli.fail(_PROG, f"--workdir {workdir} holds no checkpoints")
-  try:
-    out = benchmarking.output_path(args.out)
-  except ValueError as e:
-    cli.fail(_PROG, e)
+  out = benchmarking.checked_workdirs_and_out(_PROG, args.workdir, args.out)
   rows = []
   for workdir in args.workdir:
     result = coverage(workdir, args.repeats, args.pairs, args.examples)
