@@ -112,6 +112,13 @@ def flat_to_pairs(config: TransformerConfig,
   return [divmod(int(i), config.max_heads) for i in flat]
 
 
+def pairs_to_flat(config: TransformerConfig,
+                  pairs: Iterable[Sequence[int]]) -> list[int]:
+  """``(layer, head)`` pairs to flat head indices (:func:`flat_to_pairs`'s
+  inverse)."""
+  return [int(layer) * config.max_heads + int(head) for layer, head in pairs]
+
+
 __all__ = ["existing_heads", "full_head_mask", "mask_without",
            "leave_one_out_masks", "all_but_one_masks", "masks_from_order",
-           "masked_logits", "flat_to_pairs", "parse_heads"]
+           "masked_logits", "flat_to_pairs", "pairs_to_flat", "parse_heads"]

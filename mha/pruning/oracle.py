@@ -208,10 +208,9 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
             and context.method_name == "__call__"):
           return added[None].astype(args[0].dtype), None
         return next_fun(*args, **kwargs)
-      with nn.intercept_methods(intercept):
-        y, _ = block.apply(
-            {"params": _block_params(model, params, layer, m, shift)},
-            residual, None, m, deterministic=True, return_weights=False)
+      with nn.intercept_methods(intercept):  # (shift: already in `added`)
+        y, _ = block.apply({"params": params[f"layer_{layer}"]}, residual,
+                           None, m, deterministic=True, return_weights=False)
       logits = _readout(model, params, y)[0].astype(jnp.float32)  # [P, V]
       ce = optax.softmax_cross_entropy_with_integer_labels(logits,
                                                            flat_targets)
@@ -358,7 +357,7 @@ def call_shape(config: TransformerConfig, batch_size: int,
   per call and layer-0 masks per call, about ``rows`` subsets x examples.
 
   Examples first (up to ``batch_size``): the more examples a call has, the
-  less its valid positions are padded (:func:`_valid_width`); then as many
+  less its valid positions are padded (:func:`subset_totals`); then as many
   of layer 0's masks (a power of two) as still fit. A call's memory is that
   of about ``rows`` rows whatever ``N``.
   """
@@ -399,11 +398,17 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
   codes = _bits(config.heads_per_layer[0])
   totals = {k: np.zeros((rest, first)) for k in ("loss_sum", "correct",
                                                  "exact")}
-  counts = {"tokens": 0.0, "sequences": 0.0}
+  valid = np.asarray(split.inputs) != 0
+  counts = {"tokens": float(valid.sum()),
+            "sequences": float(valid.any(axis=-1).sum())}
   started = time.perf_counter()
-  num_batches = -(-len(split) // examples)
-  batches = list(core.batches(_balanced(split, examples), examples))
-  width = _valid_width(batches)
+  balanced = _balanced(split, examples)
+  num_batches = -(-len(balanced) // examples)
+  # The batches' valid positions, from the host copy (core.batches cuts the
+  # same consecutive rows): one width, the most of any batch.
+  host = [balanced.inputs[b * examples:(b + 1) * examples]
+          for b in range(num_batches)]
+  width = max(8, -(-max(int(np.sum(h != 0)) for h in host) // 8) * 8)
   pending: list[tuple[int, dict[str, Array]]] = []
 
   def collect(depth: int) -> None:
@@ -416,17 +421,14 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
         block = np.sum(np.asarray(out[key], np.float64), axis=-1)
         total[:, start:start + chunk] += block.reshape(rest, chunk)
 
-  for b, (inputs, targets) in enumerate(batches):
-    positions, weights = _valid_positions(inputs, width)
+  for b, (inputs, targets) in enumerate(core.batches(balanced, examples)):
+    positions, weights = _valid_positions(host[b], width)
     for start in range(0, first, chunk):
       pending.append((start, _subset_sums(
           model, params, inputs, targets, True, bias_shifts,
           None if chunk == first else codes[start:start + chunk],
           positions, weights)))
       collect(IN_FLIGHT)
-    valid = np.asarray(inputs) != 0
-    counts["tokens"] += float(valid.sum())
-    counts["sequences"] += float(valid.any(axis=-1).sum())
     elapsed = time.perf_counter() - started
     if ((b + 1) % max(1, num_batches // 10) == 0 and b + 1 < num_batches
         and elapsed > PROGRESS_AFTER_S):  # Long work only: a line a tenth.
@@ -455,24 +457,17 @@ def _balanced(split: data.Split, examples: int) -> data.Split:
   slots = batch * examples + lap  # each batch's examples side by side
   inputs = np.zeros((count * examples,) + split.inputs.shape[1:],
                     split.inputs.dtype)
-  targets = np.zeros_like(inputs, shape=(count * examples,) +
-                      split.targets.shape[1:], dtype=split.targets.dtype)
+  targets = np.zeros((count * examples,) + split.targets.shape[1:],
+                     split.targets.dtype)
   inputs[slots] = split.inputs[order]
   targets[slots] = split.targets[order]
   return data.Split(inputs, targets)
 
 
-def _valid_width(batches: list[tuple[Array, Array]]) -> int:
-  """The most valid positions of any batch, rounded up to a multiple of 8:
-  one static shape for every call."""
-  most = max(int(np.sum(np.asarray(inputs) != 0)) for inputs, _ in batches)
-  return max(8, -(-most // 8) * 8)
-
-
-def _valid_positions(inputs: Array, width: int) -> tuple[Array, Array]:
-  """``[width]`` flat indices of the valid positions of ``inputs``, padded
-  with index 0, and their weights (1 valid, 0 padding)."""
-  flat = np.flatnonzero(np.asarray(inputs).reshape(-1) != 0)
+def _valid_positions(inputs: np.ndarray, width: int) -> tuple[Array, Array]:
+  """``[width]`` flat indices of the valid positions of ``inputs`` (a host
+  batch), padded with index 0, and their weights (1 valid, 0 padding)."""
+  flat = np.flatnonzero(inputs.reshape(-1) != 0)
   positions = np.zeros(width, np.int32)
   positions[:len(flat)] = flat
   weights = np.zeros(width, np.float32)
@@ -644,9 +639,9 @@ def oracle_removals(model: Transformer, params: Params,
   """
   if table is None:
     table = subset_totals(model, params, validation, batch_size=batch_size)
-  values = subset_values(core.summarize_examples(
-      {k: np.asarray(v)[..., None] if np.ndim(v) == 1 else v
-       for k, v in table.items()}))
+  per_example = np.ndim(table["correct"]) == 2
+  values = subset_values(core.summarize_examples(table) if per_example
+                         else eval_lib.summarize(table))
   return ranked_removals(values, model.config,
                          no_layer_emptied=no_layer_emptied, top=top)
 

@@ -121,8 +121,8 @@ def mean_ablation_seed(seed: SeedInputs, options: StudyOptions, log: Log
   random_orders = np.asarray(orders.pop("random"))
   n = oracle.num_heads(config)
   # The searches' subsets (found under zero ablation) as they are.
-  found = {name: [[layer * config.max_heads + head
-                   for layer, head in e["removed"]] for e in entries]
+  found = {name: [head_masks.pairs_to_flat(config, e["removed"])
+                  for e in entries]
            for name, entries in seed.result.get("searches", {}).items()}
   plan = analysis.plan_masks(
       config, {k: np.asarray(v) for k, v in orders.items()}, random_orders,
@@ -183,7 +183,7 @@ def _oracle_row(seed: SeedInputs, variant: str, removed: int) -> int | None:
   if removed >= len(entries):
     return None
   config = seed.model.config
-  flat = [l * config.max_heads + h for l, h in entries[removed]["removed"]]
+  flat = head_masks.pairs_to_flat(config, entries[removed]["removed"])
   return _find(seed.result["examples"], head_masks.mask_without(config, flat))
 
 
@@ -350,7 +350,7 @@ def _subsets(seed: SeedInputs, options: StudyOptions, log_alpha: np.ndarray | No
     out.append(("gradient", fraction, 0, np.asarray(orders["gradient"])[:k]))
     if k < len(oracle_entries):
       out.append(("oracle", fraction, 0, np.asarray(
-          [l * config.max_heads + h for l, h in oracle_entries[k]["removed"]],
+          head_masks.pairs_to_flat(config, oracle_entries[k]["removed"]),
           np.int64)))
     if log_alpha is not None:
       removed = [int(np.sum(gates_lib.kept_mask(la, config) == 0)

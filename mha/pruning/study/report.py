@@ -383,7 +383,7 @@ def _oracle_section(results: Mapping[str, Any]) -> list[str]:
   ci = curve.get("token_accuracy_ci")
   if ci is None or len(ci) != len(first["oracle"]):
     ci = [None] * len(first["oracle"])  # Curve points are not every k.
-  rows = [[e["k"], ", ".join(f"{l}:{h}" for l, h in e["removed"]) or "-",
+  rows = [[e["k"], _heads_text(e["removed"]),
            md.fmt(e["validation"]["token_accuracy"]),
            md.ci({"v": e["test"]["token_accuracy"], "v_ci": c}, "v"),
            md.fmt(e["test"]["exact_match"])]
