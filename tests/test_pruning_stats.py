@@ -142,6 +142,33 @@ def test_seed_statistics_of_a_known_curve():
   assert nested["curve_summary"]["a"]["auc_token_accuracy_ci"].shape == (2,)
 
 
+def test_half_split_level_is_chosen_on_one_half_and_checked_on_the_other():
+  # Four validation examples: the first half (0, 1) and the second (2, 3).
+  # Mask 1 (one head removed) is right on the whole first half and wrong on
+  # example 2; mask 2 (two removed) is wrong everywhere. Test: mask 1 right
+  # on 3 of 4 examples.
+  val = {"correct": np.array([[1, 1, 1, 1], [1, 1, 0, 1], [0, 0, 0, 0]]),
+         "tokens": np.ones((3, 4)), "loss_sum": np.zeros((3, 4)),
+         "exact": np.zeros((3, 4)), "sequences": np.ones((3, 4))}
+  test = dict(val, correct=np.array([[1, 1, 1, 1], [1, 1, 1, 0],
+                                     [0, 0, 0, 0]]))
+  curves = {"all": {"a": np.array([[0, 1, 2]])}}
+  weights = np.ones((3, 4))
+  out = summary.seed_statistics(curves, {"all": np.array([0, 1, 2])}, 2, val,
+                                test, weights, weights, tolerance=0.01)
+  get = lambda stat: out[("all", "a", stat)][0]
+  # On the whole of validation, one head removed loses 0.25: not prunable.
+  assert get("prunable_heads_token_accuracy") == 0
+  # On the first half it loses nothing: one head chosen there; the second
+  # half loses 0.5 there, so the level does not hold; test reads 0.75.
+  assert get("prunable_heads_token_accuracy_half_split") == 1
+  assert get("half_split_holds_token_accuracy") == 0
+  assert get("half_split_second_half_loss_token_accuracy") == (
+      pytest.approx(0.5))
+  assert get("test_token_accuracy_at_prunable_half_split") == (
+      pytest.approx(0.75))
+
+
 def test_oracle_is_chosen_again_in_each_replicate():
   # Mask 0 keeps everything; candidates A (mask 1) and B (mask 2) for one
   # head removed. A is right on validation example 0, B on example 1; on

@@ -130,6 +130,15 @@ def _header(workdir: str, first: ckpt_lib.LoadedCheckpoint,
                           "the unpruned validation value (chosen on "
                           "validation; test_<metric>_at_prunable is its test "
                           "value)",
+          "half_split": "prunable_heads_<metric>_half_split: the level "
+                        "chosen on the first half of validation (the oracle "
+                        "chosen there too); half_split_holds_<metric>: 1 "
+                        "when every point up to it is within `tolerance` on "
+                        "the second half as well (mean over orders and "
+                        "seeds); half_split_second_half_loss_<metric>: the "
+                        "second half's loss at that level; "
+                        "test_<metric>_at_prunable_half_split: test's value "
+                        "there",
           "ci": "95% percentile interval of a paired bootstrap over "
                 "validation and test examples (and, across seeds, over "
                 "seeds: two-level)",

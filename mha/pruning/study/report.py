@@ -249,6 +249,23 @@ def _sign(entry: Mapping[str, Any], key: str) -> int:
   return 1 if ci[0] > 0 else (-1 if ci[1] < 0 else 0)
 
 
+def _half_split_finding(oracle: Mapping[str, Any]) -> str:
+  """The oracle's prunable level chosen on one validation half, checked on
+  the other and reported on test."""
+  key = "token_accuracy"
+  if f"prunable_heads_{key}_half_split" not in oracle:
+    return "- (No half-split level in these results.)"
+  return (
+      "- Chosen on the first half of validation instead, checked on the "
+      "second: the oracle prunes "
+      f"{md.ci(oracle, f'prunable_heads_{key}_half_split', 1)} heads; the "
+      "level holds on the second half in "
+      f"{oracle[f'half_split_holds_{key}']:.0%} of seeds (its loss there "
+      f"{md.ci(oracle, f'half_split_second_half_loss_{key}', 3)}); test "
+      "token accuracy there "
+      f"{md.ci(oracle, f'test_{key}_at_prunable_half_split', 3)}.")
+
+
 def _oracle_finding(summary: Mapping[str, Any], orderings: Sequence[str],
                     labels: Mapping[str, str], key: str) -> str:
   """The orderings whose AUC gap to the oracle has an interval containing
@@ -299,6 +316,7 @@ def _findings_section(results: Mapping[str, Any]) -> list[str]:
         "; " + "; ".join(
             f"{labels[k]} {md.ci(summary[k], 'prunable_heads_token_accuracy', 1)}"
             for k in orderings) + ".")
+    lines.append(_half_split_finding(summary["oracle"]))
   else:
     lines.append("- " + results["seeds"][0].get(
         "oracle_skipped", "The oracle was not computed."))

@@ -13,6 +13,14 @@ The prunable level is chosen on *validation* (the largest number of heads
 removed up to which every validation point is within the tolerance of the
 unpruned value) and reported with its *test* accuracy; each replicate
 resamples both splits, so the interval of the level includes the choice.
+Beside it, a *half-split* level guards against choosing and judging on the
+same examples: the level is chosen on the first half of validation (the
+first ``n // 2`` examples, as in :func:`mha.pruning.orderings.halves`),
+checked on the second half (does every point up to it stay within the
+tolerance there too?), and reported on test (``*_half_split`` statistics).
+The orderings and the oracle's candidates are still fitted on the whole of
+validation; test is the split that nothing was fitted on.
+
 The oracle is chosen again in each replicate: among its candidates (the
 best few subsets for each number of heads removed on the full validation
 split), the one of best resampled validation token accuracy; so its
@@ -81,22 +89,48 @@ def _curve_statistics(fractions: np.ndarray, counts: np.ndarray,
 
 
 def _select(ids: np.ndarray, val_m: Mapping[str, np.ndarray],
-            test_m: Mapping[str, np.ndarray], metric: str
-            ) -> tuple[np.ndarray, np.ndarray]:
-  """``[1 + R, 1, P]`` validation and test values of the candidate (a row of
-  ``ids``) with the best validation token accuracy in each replicate (ties:
-  the first, i.e. the best on the full split)."""
+            test_m: Mapping[str, np.ndarray], metric: str,
+            *others: Mapping[str, np.ndarray]) -> tuple[np.ndarray, ...]:
+  """``[1 + R, 1, P]`` validation and test values (and those of ``others``)
+  of the candidate (a row of ``ids``) with the best validation token
+  accuracy in each replicate (ties: the first, i.e. the best on the full
+  split)."""
   choice = np.argmax(val_m["token_accuracy"][:, ids], axis=1)[:, None]
   pick = lambda m: np.take_along_axis(m[metric][:, ids], choice, axis=1)
-  return pick(val_m), pick(test_m)
+  return tuple(pick(m) for m in (val_m, test_m, *others))
 
 
 def _values(name: str, ids: np.ndarray, val_m: Mapping[str, np.ndarray],
             test_m: Mapping[str, np.ndarray], metric: str,
-            select: Collection[str]) -> tuple[np.ndarray, np.ndarray]:
+            select: Collection[str], *others: Mapping[str, np.ndarray]
+            ) -> tuple[np.ndarray, ...]:
+  """The ``[1 + R, orders, P]`` values of curve ``name`` on validation, test
+  and ``others``; a curve in ``select`` is chosen on ``val_m``."""
   if name in select:
-    return _select(ids, val_m, test_m, metric)
-  return val_m[metric][:, ids], test_m[metric][:, ids]
+    return _select(ids, val_m, test_m, metric, *others)
+  return tuple(m[metric][:, ids] for m in (val_m, test_m, *others))
+
+
+def _half_split_statistics(counts: np.ndarray, first: np.ndarray,
+                           second: np.ndarray, test: np.ndarray, metric: str,
+                           tolerance: float) -> dict[str, np.ndarray]:
+  """The level chosen on the first validation half (``[1 + R, orders, P]``
+  each), checked on the second, reported on test: the heads removed there,
+  whether every point up to it holds on the second half (1 or 0, averaged
+  over orders), the second half's loss there, and test's value there."""
+  last = _prunable_index(first, tolerance)
+  ok = second >= second[..., :1] - tolerance - 1e-12
+  points = np.arange(second.shape[-1])
+  holds = np.where(points <= last[..., None], ok, True).all(-1)
+  at = lambda m: np.take_along_axis(m, last[..., None], axis=-1)[..., 0]
+  return {
+      f"prunable_heads_{metric}_half_split":
+          counts[last].astype(np.float64).mean(1),
+      f"half_split_holds_{metric}": holds.astype(np.float64).mean(1),
+      f"half_split_second_half_loss_{metric}":
+          (second[..., 0] - at(second)).mean(1),
+      f"test_{metric}_at_prunable_half_split": at(test).mean(1),
+  }
 
 
 def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
@@ -123,8 +157,12 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
   Returns:
     ``(variant, curve, statistic) -> [1 + R, ...]``.
   """
-  val_m = stats.resampled_metrics(val_sums, with_full_sample(val_weights))
+  val_w = with_full_sample(val_weights)
+  val_m = stats.resampled_metrics(val_sums, val_w)
   test_m = stats.resampled_metrics(test_sums, with_full_sample(test_weights))
+  first_half = np.arange(val_w.shape[1]) < val_w.shape[1] // 2
+  half_m = [stats.resampled_metrics(val_sums, val_w * part)
+            for part in (first_half, ~first_half)]
   out: dict[Key, np.ndarray] = {}
   for variant, by_name in curves.items():
     fractions = counts[variant] / max(num_heads, 1)
@@ -134,6 +172,11 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
         found = _curve_statistics(fractions, counts[variant], val, test,
                                   metric, tolerance,
                                   per_order=name == "random")
+        # The oracle's candidate is chosen on the first half here.
+        first, test_h, second = _values(name, ids, half_m[0], test_m, metric,
+                                        select, half_m[1])
+        found.update(_half_split_statistics(counts[variant], first, second,
+                                            test_h, metric, tolerance))
         out.update({(variant, name, k): v for k, v in found.items()})
     _differences(out, variant, list(by_name))
   _no_layer_emptied_change(out, curves, counts, num_heads, val_m, test_m,

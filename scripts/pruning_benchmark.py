@@ -1,0 +1,128 @@
+r"""Pruning methods against the exact oracle over tasks x models: one table.
+
+    python scripts/pruning_benchmark.py --workdir runs/pruning_benchmark
+    python scripts/pruning_benchmark.py --workdir runs/pruning_benchmark \
+        --models deep,wide6,wide        # the 16-head model added
+
+Each cell (a task of ``--tasks`` with a model variant of ``--models``, both
+from ``configs/default.py``) trains its first seed and runs the pruning
+study (``scripts/prune_heads.py``'s, with its flags: ``--num_seeds``
+defaults to 3 here and the speed table is off) in
+``<workdir>/<task>-<model>/``. Then ``<workdir>/leaderboard.md``,
+``leaderboard.png`` and ``results.json`` rank every method (each ordering,
+the searches, ...) by its AUC gap to the oracle, with the prunable level and
+the seconds per seed.
+
+Run it again and it goes on where it stopped: finished cells are never
+redone. Run it in several shells (or a SLURM job array, or on hosts sharing
+the folder) and the processes share the cells: each claims one through the
+cell folder's lock. A cell that fails is marked in the table and the grid
+goes on; the next run tries it again. See mha/pruning/study/grid.py.
+
+A user's mistake (an unknown task or model, a bad option, a folder holding a
+grid with other settings) is one line on stderr and exit code 2, before
+anything is trained.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+
+from mha import cli
+from mha import compilation_cache
+from mha.pruning.study import grid
+from mha.pruning.study import options as study_options
+
+_PROG = "pruning_benchmark.py"
+_WORKDIR = flags.DEFINE_string(
+    "workdir", "runs/pruning_benchmark",
+    "The grid's folder: a subfolder per cell, the table at the top.")
+_TASKS = flags.DEFINE_list("tasks", list(grid.TASKS), "Tasks of the grid.")
+_MODELS = flags.DEFINE_list(
+    "models", list(grid.MODELS),
+    "Model variants of configs/default.py (deep: 3 x 4 heads, wide6: 2 x 6, "
+    "wide: 2 x 8, deep8: 4 x 8, tiny).")
+_OVERRIDES = flags.DEFINE_list(
+    "overrides", [], "Config variants or key=value pairs applied to every "
+    "cell (e.g. num_train_steps=300).")
+_MAX_CELLS = flags.DEFINE_integer(
+    "max_cells", None, "Run at most this many cells in this process, then "
+    "write the table and stop.", lower_bound=1)
+_TABLE_ONLY = flags.DEFINE_bool(
+    "table_only", False, "Only write the table from the finished cells.")
+_OPTIONS = study_options.define_flags()
+flags.adopt_module_key_flags(study_options)
+flags.FLAGS.set_default("num_seeds", 3)
+flags.FLAGS.set_default("speed", False)
+
+
+def _checked_cells(overrides: list[str]) -> list[grid.Cell]:
+  """Every cell, each config built once to catch a mistake early."""
+  from configs import default  # pylint: disable=import-outside-toplevel
+  from mha import config_validation  # pylint: disable=import-outside-toplevel
+  for task in _TASKS.value:
+    if task not in default.TASKS:
+      cli.fail(_PROG, f"--tasks: unknown task {task!r}; expected some of "
+                      f"{', '.join(default.TASKS)}")
+  if not _TASKS.value or not _MODELS.value:
+    cli.fail(_PROG, "give at least one task and one model")
+  cells = grid.cells(_TASKS.value, _MODELS.value)
+  for cell in cells:
+    try:
+      problems = config_validation.config_problems(
+          default.get_config(cell.config_arg(overrides)))
+    except Exception as e:  # pylint: disable=broad-except
+      cli.fail(_PROG, f"cell {cell.name}: {cli.one_line(e)}")
+    if problems:
+      cli.fail(_PROG, f"cell {cell.name}: {problems[0]}")
+  return cells
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  root = os.path.abspath(os.path.expanduser(_WORKDIR.value))
+  if os.path.exists(root) and not os.path.isdir(root):
+    cli.fail(_PROG, f"--workdir {root} exists and is not a directory")
+  try:
+    options = study_options.from_flags(_OPTIONS)
+  except cli.UsageError as e:
+    cli.fail(_PROG, e)
+  overrides = [o.strip() for o in _OVERRIDES.value if o.strip()]
+  cells = _checked_cells(overrides)
+  try:
+    grid.check_grid(root, grid.grid_settings(options, overrides))
+  except grid.GridMismatchError as e:
+    cli.fail(_PROG, e)
+  if _TABLE_ONLY.value:
+    grid.write_table(root, cells)
+    return
+  compilation_cache.configure(
+      _default_config(overrides).compilation_cache_dir, _PROG)
+  start = time.time()
+  print(f"Pruning benchmark: {len(cells)} cells "
+        f"({', '.join(c.name for c in cells)}) in {root}", flush=True)
+  counts = grid.run_grid(root, cells, options, overrides,
+                         log=lambda m: print(m, flush=True),
+                         max_cells=_MAX_CELLS.value)
+  print(f"This process ran {counts['ran']} cells ({counts['failed']} "
+        f"failed; {counts['done_before']} were done before, "
+        f"{counts['held_elsewhere']} held by another process) in "
+        f"{time.time() - start:.0f} s", flush=True)
+  if counts["failed"]:
+    sys.exit(1)
+
+
+def _default_config(overrides: list[str]):
+  from configs import default  # pylint: disable=import-outside-toplevel
+  return default.get_config(",".join(["reverse", *overrides]))
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=cli.flags_parser(_PROG))

@@ -1,0 +1,142 @@
+"""The benchmark grid (mha/pruning/study/grid.py, scripts/pruning_benchmark.py):
+it resumes cell by cell, processes share it through the cells' locks, a
+failed cell is marked and the grid goes on, and mistakes are one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mha import workdir_lock
+from mha.pruning.study import StudyOptions
+from mha.pruning.study import grid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "pruning_benchmark.py")
+
+
+def _script(*args: str, env: dict[str, str]) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, SCRIPT, *args], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+
+
+def _args(root, data_dir) -> list[str]:
+  # Three tiny cells, one seed each, few resamples: seconds per cell.
+  return [f"--workdir={root}", "--tasks=reverse,sort,histogram",
+          "--models=tiny", "--num_seeds=1", "--num_bootstrap=20",
+          "--num_random_orders=4", f"--overrides=data.data_dir={data_dir}"]
+
+
+def test_an_interrupted_grid_resumes_and_two_processes_share_it(
+    tmp_path, data_dir, subprocess_env):
+  root = tmp_path / "grid"
+  # Stopped after one cell, as if interrupted between cells.
+  first = _script(*_args(root, data_dir), "--max_cells=1", env=subprocess_env)
+  out, err = first.communicate()
+  assert first.returncode == 0, err[-2000:]
+  assert grid.cell_status(str(root), grid.Cell("reverse", "tiny")) == "done"
+  assert grid.cell_status(str(root), grid.Cell("sort", "tiny")) == "pending"
+  table = json.loads((root / "results.json").read_text())
+  assert table["cells"]["sort-tiny"]["status"] == "pending"
+  done_file = root / "reverse-tiny" / "pruning" / "results.json"
+  before = done_file.stat().st_mtime_ns
+  # Two processes run the rest together.
+  both = [_script(*_args(root, data_dir), env=subprocess_env)
+          for _ in range(2)]
+  outputs = [p.communicate() for p in both]
+  for p, (_, err) in zip(both, outputs):
+    assert p.returncode == 0, err[-2000:]
+  started = "".join(o for o, _ in outputs)
+  # No finished cell is redone; each other cell ran exactly once.
+  assert done_file.stat().st_mtime_ns == before
+  assert "reverse-tiny: training and study" not in started
+  for name in ("sort-tiny", "histogram-tiny"):
+    assert started.count(f"{name}: training and study") == 1, started
+  table = json.loads((root / "results.json").read_text())
+  assert {k: v["status"] for k, v in table["cells"].items()} == {
+      "reverse-tiny": "done", "sort-tiny": "done", "histogram-tiny": "done"}
+  board = {r["method"]: r for r in table["leaderboard"]}
+  assert board["oracle"]["gap_to_oracle"] == 0
+  assert board["beam"]["cells"] == 3
+  for row in board.values():  # The oracle is the best subset on validation.
+    assert row["prunable_heads"] <= board["oracle"]["prunable_heads"] + 1e-9
+  text = (root / "leaderboard.md").read_text()
+  assert "3 of 3 cells finished" in text and "## Leaderboard" in text
+  assert (root / "leaderboard.png").stat().st_size > 10_000
+  # A second run finds everything done and only rewrites the table.
+  again = _script(*_args(root, data_dir), env=subprocess_env)
+  out, err = again.communicate()
+  assert again.returncode == 0, err[-2000:]
+  assert "training and study" not in out
+  assert "3 were done before" in out
+
+
+def test_a_failed_cell_is_marked_and_the_grid_goes_on_a_held_one_skipped(
+    tmp_path):
+  root = str(tmp_path / "grid")
+  cells = grid.cells(["reverse", "sort", "histogram"], ["tiny"])
+  ran = []
+
+  def run_cell(root_, cell, options, overrides, log):
+    ran.append(cell.name)
+    if cell.task == "reverse":
+      raise ValueError("first line\nthe reason on its last line")
+
+  holder = workdir_lock.WorkdirLock(os.path.join(root, "sort-tiny"))
+  holder.acquire()  # Another process's cell, as far as the grid can tell.
+  try:
+    counts = grid.run_grid(root, cells, StudyOptions(num_seeds=1),
+                           log=lambda m: None, run_cell=run_cell)
+    table = grid.collect(root, cells)
+  finally:
+    holder.release()
+  assert ran == ["reverse-tiny", "histogram-tiny"]
+  assert counts == {"ran": 1, "done_before": 0, "held_elsewhere": 1,
+                    "failed": 1}
+  assert table["cells"]["reverse-tiny"] == {
+      "task": "reverse", "model": "tiny", "status": "failed",
+      "error": "ValueError: the reason on its last line"}
+  assert table["cells"]["sort-tiny"]["status"] == "running"
+  # The cell ran without writing results: not done, run again next time.
+  assert table["cells"]["histogram-tiny"]["status"] == "pending"
+  text = (tmp_path / "grid" / "leaderboard.md").read_text()
+  assert "failed: ValueError: the reason on its last line" in text
+  # The next run tries the failed cell again.
+  ran.clear()
+  grid.run_grid(root, cells, StudyOptions(num_seeds=1), log=lambda m: None,
+                run_cell=run_cell)
+  assert ran == ["reverse-tiny", "sort-tiny", "histogram-tiny"]
+
+
+def test_a_grid_with_other_settings_is_refused(tmp_path):
+  root = str(tmp_path / "grid")
+  cells = grid.cells(["reverse"], ["tiny"])
+  grid.run_grid(root, cells, StudyOptions(num_seeds=1), log=lambda m: None,
+                run_cell=lambda *a: None)
+  with pytest.raises(grid.GridMismatchError, match="num_seeds"):
+    grid.run_grid(root, cells, StudyOptions(num_seeds=2), log=lambda m: None)
+  with pytest.raises(grid.GridMismatchError, match="config overrides"):
+    grid.run_grid(root, cells, StudyOptions(num_seeds=1), ["seed=3"],
+                  log=lambda m: None)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tasks=nope"], "--tasks: unknown task 'nope'"),
+    (["--models=nope"], "cell reverse-nope: unknown config variant 'nope'"),
+    (["--num_seeds=0"], "--num_seeds must be >= 1"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message,
+                                          subprocess_env):
+  root = tmp_path / "grid"
+  p = _script(f"--workdir={root}", *args, env=subprocess_env)
+  out, err = p.communicate()
+  assert p.returncode == 2
+  assert err.strip().splitlines() == [f"pruning_benchmark.py: error: "
+                                      f"{err.split('error: ', 1)[1].strip()}"]
+  assert message in err
+  assert not root.exists()
