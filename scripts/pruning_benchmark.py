@@ -2,7 +2,7 @@ r"""Pruning methods against the exact oracle over tasks x models: one table.
 
     python scripts/pruning_benchmark.py --workdir runs/pruning_benchmark
     python scripts/pruning_benchmark.py --workdir runs/pruning_benchmark \
-        --models deep,wide6,wide        # the 16-head model added
+        --models deep,deep64,wide   # the 16-head model added
 
 Each cell (a task of ``--tasks`` with a model variant of ``--models``, both
 from ``configs/default.py``) trains its first seed and runs the pruning
@@ -46,8 +46,8 @@ _WORKDIR = flags.DEFINE_string(
 _TASKS = flags.DEFINE_list("tasks", list(grid.TASKS), "Tasks of the grid.")
 _MODELS = flags.DEFINE_list(
     "models", list(grid.MODELS),
-    "Model variants of configs/default.py (deep: 3 x 4 heads, wide6: 2 x 6, "
-    "wide: 2 x 8, deep8: 4 x 8, tiny).")
+    "Model variants of configs/default.py (deep: 3 x 4 heads, deep64: 3 x 4 "
+    "of width 16, wide6: 2 x 6, wide: 2 x 8, deep8: 4 x 8, tiny).")
 _OVERRIDES = flags.DEFINE_list(
     "overrides", [], "Config variants or key=value pairs applied to every "
     "cell (e.g. num_train_steps=300).")

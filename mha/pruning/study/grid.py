@@ -56,10 +56,11 @@ from mha.pruning.study.options import StudyOptions
 
 Log = Callable[[str], None]
 
-#: The default grid: the tasks, and the models of up to 12 heads with spare
-#: heads (``wide``, 16 heads, is added with ``--models deep,wide6,wide``).
+#: The default grid: the tasks, and two models of 12 heads with spare heads
+#: (``wide6``, 2 x 6, and ``wide``, 2 x 8 = 16 heads, are added with
+#: ``--models deep,deep64,wide6,wide``).
 TASKS = ("reverse", "sort", "histogram", "spell")
-MODELS = ("deep", "wide6")
+MODELS = ("deep", "deep64")
 CELL_FILE = "cell.json"
 GRID_FILE = "grid.json"
 TABLE_LOCK_FILE = "table.lock"
