@@ -115,7 +115,8 @@ def copy_workdir(source: str, target: os.PathLike | str) -> str:
 # pytest-xdist (``--dist loadfile``) hands out whole files in collection
 # order, so a slow file collected last would run alone at the end while the
 # other worker idles.
-_SLOW_FIRST = ("test_pruning.py", "test_reliability.py", "test_sharding.py",
+_SLOW_FIRST = ("test_pruning.py", "test_pruning_grid.py",
+               "test_reliability.py", "test_sharding.py",
                "test_startup.py", "test_pruned_models.py", "test_benchmark.py",
                "test_attention.py", "test_train.py", "test_pruning_oracle.py",
                "test_model.py", "test_finetune.py", "test_build.py",
