@@ -98,21 +98,27 @@ def cells(tasks: Sequence[str], models: Sequence[str]) -> list[Cell]:
   return [Cell(t, m) for t in tasks for m in models]
 
 
+@contextlib.contextmanager
+def _replacing(path: str) -> Iterator[str]:
+  """A temporary file beside ``path`` (unique: several processes may write
+  ``path`` at once), renamed to ``path`` when the block ends without error:
+  a reader never sees half a file."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-",
+                             suffix=os.path.splitext(path)[1])
+  os.close(fd)
+  try:
+    yield tmp
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
 def _write_json(path: str, value: Any) -> None:
-  """Writes ``value`` to ``path`` atomically (a temporary file renamed)."""
-  directory = os.path.dirname(path)
-  os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-  with os.fdopen(fd, "w", encoding="utf-8") as f:
+  """Writes ``value`` to ``path`` atomically."""
+  with _replacing(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
     json.dump(value, f, indent=1)
-  os.replace(tmp, path)
-
-
-def _write_text(path: str, text: str) -> None:
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-  with os.fdopen(fd, "w", encoding="utf-8") as f:
-    f.write(text)
-  os.replace(tmp, path)
 
 
 def _read_json(path: str) -> Any:
@@ -225,8 +231,8 @@ def run_grid(root: str, grid_cells: Sequence[Cell], options: StudyOptions,
         run_cell(root, cell, options, overrides, log)
       except Exception as e:  # pylint: disable=broad-except
         counts["failed"] += 1
-        error = (f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}"
-                 if str(e).strip() else type(e).__name__)
+        last = str(e).strip().splitlines()[-1:]
+        error = ": ".join([type(e).__name__, *last])
         log(f"[{i + 1}/{len(grid_cells)}] {cell.name} FAILED ({error}); "
             "the grid goes on")
         _write_json(os.path.join(root, cell.name, CELL_FILE), record | {
@@ -311,10 +317,9 @@ def leaderboard(summaries: Mapping[str, Mapping[str, Any]]
   rows = []
   for name in names:
     entries = [v["methods"][name] for v in with_oracle.values()
-               if name in v["methods"]
-               and v["methods"][name]["gap_to_oracle"] is not None]
-    if name == REFERENCE:
-      entries = [v["methods"][name] for v in with_oracle.values()]
+               if name in v["methods"] and (
+                   name == REFERENCE
+                   or v["methods"][name]["gap_to_oracle"] is not None)]
     if not entries:
       continue
     gaps = np.array([0.0 if name == REFERENCE else e["gap_to_oracle"]
@@ -385,12 +390,6 @@ def _is_held(directory: str) -> bool:
   return False
 
 
-def _ci(value: Any, ci: Any, digits: int, sign: bool = False) -> str:
-  if value is None:
-    return "n/a"
-  return md.ci({"v": value, "v_ci": ci}, "v", digits, sign=sign)
-
-
 def table_markdown(grid: Mapping[str, Any],
                    settings: Mapping[str, Any]) -> str:
   """``leaderboard.md``: the cells, the leaderboard and the gap per cell."""
@@ -417,11 +416,8 @@ def table_markdown(grid: Mapping[str, Any],
     rows.append([
         name, "done", c["num_heads"],
         f"{min(c['test_exact_match']):.3f}",
-        _ci(oracle.get("prunable_heads"), oracle.get("prunable_heads_ci"),
-            1) if oracle else "no oracle",
-        _ci(oracle.get("prunable_heads_half_split"),
-            oracle.get("prunable_heads_half_split_ci"), 1)
-        if oracle else "",
+        md.ci(oracle, "prunable_heads", 1) if oracle else "no oracle",
+        md.ci(oracle, "prunable_heads_half_split", 1) if oracle else "",
         f"{c['seconds']:.0f}" if c.get("seconds") else ""])
   lines += md.table(["cell", "status", "heads", "test exact match (worst "
                      "seed)", "oracle: prunable heads (val.)",
@@ -443,7 +439,7 @@ def table_markdown(grid: Mapping[str, Any],
         ["rank", "method", "AUC gap to the oracle", "cells below 0",
          "prunable heads (val.)", "prunable, half-split", "seconds / seed"],
         [[i + 1, labels.get(r["method"], r["method"]),
-          _ci(r["gap_to_oracle"], r["gap_to_oracle_ci"], 3, sign=True),
+          md.ci(r, "gap_to_oracle", 3, sign=True),
           f"{r['cells_gap_excludes_zero']} of {r['cells']}",
           f"{r['prunable_heads']:.1f}",
           ("n/a" if r["prunable_heads_half_split"] is None
@@ -457,8 +453,7 @@ def table_markdown(grid: Mapping[str, Any],
     lines += md.table(
         ["method"] + with_oracle,
         [[labels.get(n, n)] + [
-            _ci(done[k]["methods"][n]["gap_to_oracle"],
-                done[k]["methods"][n]["gap_to_oracle_ci"], 3, sign=True)
+            md.ci(done[k]["methods"][n], "gap_to_oracle", 3, sign=True)
             if n in done[k]["methods"] else "" for k in with_oracle]
          for n in names])
   return "\n".join(lines) + "\n"
@@ -541,15 +536,14 @@ def _write_table(root: str, grid_cells: Sequence[Cell], log: Log
   grid = collect(root, grid_cells)
   grid["settings"] = settings
   _write_json(os.path.join(root, "results.json"), grid)
-  _write_text(os.path.join(root, "leaderboard.md"),
-              table_markdown(grid, settings))
+  with _replacing(os.path.join(root, "leaderboard.md")) as tmp, open(
+      tmp, "w", encoding="utf-8") as f:
+    f.write(table_markdown(grid, settings))
   written = ["results.json", "leaderboard.md"]
   if grid["leaderboard"]:
-    fig = leaderboard_figure(grid)
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, format="png", bbox_inches="tight", pad_inches=0.1)
-    os.replace(tmp, os.path.join(root, "leaderboard.png"))
+    with _replacing(os.path.join(root, "leaderboard.png")) as tmp:
+      leaderboard_figure(grid).savefig(tmp, format="png",
+                                       bbox_inches="tight", pad_inches=0.1)
     written.append("leaderboard.png")
   log(f"Wrote {', '.join(os.path.join(root, w) for w in written)}")
   return grid
