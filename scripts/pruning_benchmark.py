@@ -112,7 +112,7 @@ def main(argv: list[str]) -> None:
                          log=lambda m: print(m, flush=True),
                          max_cells=_MAX_CELLS.value)
   print(f"This process ran {counts['ran']} cells ({counts['failed']} "
-        f"failed; {counts['done_before']} were done before, "
+        f"failed; {counts['done_before']} already done, "
         f"{counts['held_elsewhere']} held by another process) in "
         f"{time.time() - start:.0f} s", flush=True)
   if counts["failed"]:

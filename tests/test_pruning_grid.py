@@ -26,10 +26,12 @@ def _script(*args: str, env: dict[str, str]) -> subprocess.Popen:
 
 
 def _args(root, data_dir) -> list[str]:
-  # Three tiny cells, one seed each, few resamples: seconds per cell.
+  # Three tiny cells, one seed each, few resamples, no figures but the
+  # leaderboard's: seconds per cell.
   return [f"--workdir={root}", "--tasks=reverse,sort,histogram",
           "--models=tiny", "--num_seeds=1", "--num_bootstrap=20",
-          "--num_random_orders=4", f"--overrides=data.data_dir={data_dir}"]
+          "--num_random_orders=4", "--noplots",
+          f"--overrides=data.data_dir={data_dir}"]
 
 
 def test_an_interrupted_grid_resumes_and_two_processes_share_it(
@@ -68,12 +70,18 @@ def test_an_interrupted_grid_resumes_and_two_processes_share_it(
   text = (root / "leaderboard.md").read_text()
   assert "3 of 3 cells finished" in text and "## Leaderboard" in text
   assert (root / "leaderboard.png").stat().st_size > 10_000
+  # --noplots: each cell's report.md, without figures.
+  cell_out = root / "sort-tiny" / "pruning"
+  assert "## Searches for the best subset" in (
+      cell_out / "report.md").read_text()
+  assert "![" not in (cell_out / "report.md").read_text()
+  assert not list(cell_out.glob("*.png"))
   # A second run finds everything done and only rewrites the table.
   again = _script(*_args(root, data_dir), env=subprocess_env)
   out, err = again.communicate()
   assert again.returncode == 0, err[-2000:]
   assert "training and study" not in out
-  assert "3 were done before" in out
+  assert "3 already done" in out
 
 
 def test_a_failed_cell_is_marked_and_the_grid_goes_on_a_held_one_skipped(
@@ -140,3 +148,22 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message,
                                       f"{err.split('error: ', 1)[1].strip()}"]
   assert message in err
   assert not root.exists()
+
+
+def test_an_option_added_after_the_grid_started_reads_as_its_default(
+    tmp_path):
+  root = str(tmp_path / "grid")
+  cells = grid.cells(["reverse"], ["tiny"])
+  grid.run_grid(root, cells, StudyOptions(num_seeds=1), log=lambda m: None,
+                run_cell=lambda *a: None)
+  path = os.path.join(root, grid.GRID_FILE)
+  with open(path, encoding="utf-8") as f:
+    recorded = json.load(f)
+  del recorded["options"]["plots"]  # as a grid started before --plots
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(recorded, f)
+  grid.run_grid(root, cells, StudyOptions(num_seeds=1), log=lambda m: None,
+                run_cell=lambda *a: None)  # the same settings: accepted
+  with pytest.raises(grid.GridMismatchError, match="plots"):
+    grid.run_grid(root, cells, StudyOptions(num_seeds=1, plots=False),
+                  log=lambda m: None)

@@ -142,6 +142,12 @@ def check_grid(root: str, settings: Mapping[str, Any]) -> None:
   recorded = _read_json(os.path.join(root, GRID_FILE))
   if recorded is None:
     return
+  # An option added to the study after the grid started reads as its
+  # default there (which is what the grid's cells ran with).
+  defaults = grid_settings(StudyOptions(), ())["options"]
+  recorded = dict(recorded, options={
+      **{k: v for k, v in defaults.items() if k not in recorded["options"]},
+      **recorded["options"]})
   for key in ("overrides", "options"):
     if recorded.get(key) != settings[key]:
       if key == "options":

@@ -94,6 +94,10 @@ class StudyOptions:
   batch_size: int = _option(1000, "Examples per evaluation call.")
   seed: int = _option(0, "Seed of the random orders.")
   speed: bool = _option(True, "Run the speed table.")
+  plots: bool = _option(
+      True, "Draw the report's figures (PNG files beside report.md); "
+      "--noplots writes report.md without them, quicker where many studies "
+      "run (a benchmark grid's cells).")
   gates: bool = _option(
       False, "Learn hard-concrete head gates (Voita et al.) for each "
       "--gate_lambdas strength and evaluate their kept heads like every "

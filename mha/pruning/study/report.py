@@ -147,7 +147,16 @@ def _speed_plot(results: Mapping[str, Any], out_dir: str) -> str:
 
 
 def write(results: Mapping[str, Any], out_dir: str) -> list[str]:
-  """Writes the plots and ``report.md`` to ``out_dir``; returns the paths."""
+  """Writes the plots and ``report.md`` to ``out_dir``; returns the paths.
+
+  With the study's ``plots`` option off, ``report.md`` alone, without its
+  figures' lines."""
+  if not results["options"].get("plots", True):
+    report = os.path.join(out_dir, "report.md")
+    with open(report, "w", encoding="utf-8") as f:
+      f.write("\n".join(line for line in report_lines(results)
+                        if not line.startswith("![")))
+    return [report]
   seeds, agg = results["seeds"], results["aggregate"]
   runs = f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''}"
   paths = []
