@@ -86,3 +86,24 @@ def test_beam_of_width_one_is_greedy():
     assert sorted(found[k]["removed"].tolist()) == sorted(removed)
   with pytest.raises(ValueError, match="width"):
     searches.beam_search(value_fn, CONFIG, width=0)
+
+
+def test_long_searches_report_progress(monkeypatch):
+  config = CONFIG
+  rng = np.random.default_rng(0)
+  weights = rng.normal(size=(2, 3))
+  value_fn = lambda masks: (masks * weights).sum(axis=(1, 2))
+  monkeypatch.setattr(searches, "PROGRESS_AFTER_S", -1.0)  # every search
+  lines = []
+  searches.beam_search(value_fn, config, width=2, log=lines.append)
+  assert lines and all(line.startswith("    beam search: ") for line in lines)
+  assert "/6 sizes" in lines[0] and "ETA" in lines[0]
+  lines.clear()
+  searches.layer_surrogate(value_fn, config, top=2, log=lines.append)
+  assert lines and all("surrogate search" in line for line in lines)
+  # Nothing under the threshold.
+  lines.clear()
+  monkeypatch.setattr(searches, "PROGRESS_AFTER_S", 1e9)
+  searches.beam_search(value_fn, config, width=2, log=lines.append)
+  searches.layer_surrogate(value_fn, config, top=2, log=lines.append)
+  assert not lines

@@ -23,12 +23,19 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from typing import Any, Callable
 
 import numpy as np
 
 from mha import head_masks
+from mha.aliases import Log
 from mha.model import TransformerConfig
+from mha.progress import quiet
+
+#: Seconds after which a search reports its progress (a line per tenth of
+#: its sizes ``k``).
+PROGRESS_AFTER_S = 10.0
 
 #: ``value_fn(masks)``: float ``[B, L, H]`` head masks (1 keeps) -> ``[B]``
 #: values, higher is better.
@@ -53,6 +60,23 @@ def _evaluate(value_fn: ValueFn, config: TransformerConfig,
 def _entry(k: int, removal: tuple[int, ...], value: float) -> dict[str, Any]:
   return {"k": k, "removed": np.asarray(sorted(removal), np.int64),
           "value": float(value)}
+
+
+class _Progress:
+  """Lines of a long search: at most one per tenth of the sizes ``k``, and
+  none before :data:`PROGRESS_AFTER_S` seconds."""
+
+  def __init__(self, log: Log, what: str, total: int):
+    self.log, self.what, self.total = log, what, total
+    self.start = time.perf_counter()
+
+  def __call__(self, k: int, evaluated: int) -> None:
+    elapsed = time.perf_counter() - self.start
+    if (elapsed > PROGRESS_AFTER_S and 0 < k < self.total
+        and k % max(1, self.total // 10) == 0):
+      self.log(f"    {self.what}: {k}/{self.total} sizes, {evaluated:,} "
+               f"subsets, {elapsed:.0f} s, ETA "
+               f"{elapsed * (self.total - k) / k:.0f} s")
 
 
 def _layer_heads(config: TransformerConfig) -> list[list[int]]:
@@ -81,9 +105,11 @@ def _knapsack(gains: list[dict[tuple[int, ...], float]], top: int
 
 def _polish(value_fn: ValueFn, config: TransformerConfig,
             removal: tuple[int, ...], value: float, heads: list[int],
-            max_rounds: int) -> tuple[tuple[int, ...], float]:
+            max_rounds: int) -> tuple[tuple[int, ...], float, int]:
   """Swap local search: exchange one removed head for a kept one while that
-  raises the value (every swap of a round in one call)."""
+  raises the value (every swap of a round in one call). Returns the removal,
+  its value and the number of subsets evaluated."""
+  evaluated = 0
   for _ in range(max_rounds):
     kept = [h for h in heads if h not in removal]
     swaps = [tuple(sorted(set(removal) - {out} | {back}))
@@ -91,16 +117,17 @@ def _polish(value_fn: ValueFn, config: TransformerConfig,
     if not swaps:
       break
     values = _evaluate(value_fn, config, swaps)
+    evaluated += len(swaps)
     best = int(np.argmax(values))
     if values[best] <= value:
       break
     removal, value = swaps[best], float(values[best])
-  return removal, value
+  return removal, value, evaluated
 
 
 def layer_surrogate(value_fn: ValueFn, config: TransformerConfig, *,
-                    top: int = 8, polish_rounds: int = 4
-                    ) -> list[dict[str, Any]]:
+                    top: int = 8, polish_rounds: int = 4,
+                    log: Log = quiet) -> list[dict[str, Any]]:
   """The layer-additive surrogate search (see the module docstring).
 
   Args:
@@ -108,6 +135,7 @@ def layer_surrogate(value_fn: ValueFn, config: TransformerConfig, *,
     config: the model's config (which heads exist).
     top: combinations per size evaluated exactly.
     polish_rounds: rounds of swap local search (0: none).
+    log: where long searches report their progress.
 
   Returns:
     for ``k = 0..N`` the best removal found and its value.
@@ -124,28 +152,39 @@ def layer_surrogate(value_fn: ValueFn, config: TransformerConfig, *,
   candidates = [r for level in ranked for _, r in level]
   exact = dict(zip(candidates, _evaluate(value_fn, config, candidates)))
   heads = [h for layer in layers for h in layer]
+  progress = _Progress(log, "surrogate search, polishing",
+                       len(ranked) - 1)
+  evaluated = len(singles) + len(candidates)
   out = []
   for k, level in enumerate(ranked):
     removal = max((r for _, r in level), key=lambda r: exact[r])
-    removal, value = _polish(value_fn, config, removal, exact[removal], heads,
-                             polish_rounds if 0 < k < len(heads) else 0)
+    removal, value, swaps = _polish(
+        value_fn, config, removal, exact[removal], heads,
+        polish_rounds if 0 < k < len(heads) else 0)
+    evaluated += swaps
     out.append(_entry(k, removal, value))
+    progress(k, evaluated)
   return out
 
 
 def beam_search(value_fn: ValueFn, config: TransformerConfig, *,
-                width: int = 16) -> list[dict[str, Any]]:
+                width: int = 16, log: Log = quiet) -> list[dict[str, Any]]:
   """Beam search over removals, one head more per level (see the module
-  docstring); ``width`` subsets kept per level."""
+  docstring); ``width`` subsets kept per level; long searches report their
+  progress to ``log``."""
   if width < 1:
     raise ValueError(f"width must be >= 1, got {width}")
   heads = [h for layer in _layer_heads(config) for h in layer]
   beam = [()]
   out = [_entry(0, (), float(_evaluate(value_fn, config, [()])[0]))]
+  progress = _Progress(log, "beam search", len(heads))
+  evaluated = 1
   for k in range(1, len(heads) + 1):
     children = sorted({tuple(sorted(r + (h,))) for r in beam for h in heads
                        if h not in r})
     values = _evaluate(value_fn, config, children)
+    evaluated += len(children)
+    progress(k, evaluated)
     order = np.argsort(-values, kind="stable")[:width]
     beam = [children[i] for i in order]
     out.append(_entry(k, beam[0], values[order[0]]))

@@ -309,9 +309,9 @@ def run_searches(model: Transformer, params: Params, validation: data.Split,
   for name, search in (
       ("surrogate", lambda fn: searches_lib.layer_surrogate(
           fn, config, top=options.surrogate_top,
-          polish_rounds=options.search_polish_rounds)),
+          polish_rounds=options.search_polish_rounds, log=log)),
       ("beam", lambda fn: searches_lib.beam_search(
-          fn, config, width=options.beam_width))):
+          fn, config, width=options.beam_width, log=log))):
     evaluated = [0]
 
     def value_fn(masks: np.ndarray, evaluated=evaluated) -> np.ndarray:
