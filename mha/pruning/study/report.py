@@ -37,6 +37,8 @@ from mha.pruning.study import report_extensions
 _CURVE_FILES = {"token_accuracy": "curves_token_accuracy.png",
                 "exact_match": "curves_exact_match.png"}
 _NO_LAYER_EMPTIED_PNG = "curves_no_layer_emptied.png"
+#: Accuracies this close are equal (float rounding of means and sums).
+_TIE = 1e-12
 _METRIC_LABELS = {"token_accuracy": "token accuracy",
                   "exact_match": "exact match"}
 #: Curves drawn with their interval band (the others: lines only).
@@ -493,9 +495,12 @@ def _searches_section(results: Mapping[str, Any]) -> list[str]:
     row = [k]
     for name in names:
       e = first["searches"][name][k]
-      row += [_heads_text(e["removed"]), md.fmt(e["test"]["token_accuracy"]),
-              "yes" if e["test"]["token_accuracy"] > best else (
-                  "ties" if e["test"]["token_accuracy"] == best else "no")]
+      value = e["test"]["token_accuracy"]
+      # Within float rounding is a tie (a mean over random orders of the
+      # same subset, say).
+      row += [_heads_text(e["removed"]), md.fmt(value),
+              "ties" if abs(value - best) <= _TIE else (
+                  "yes" if value > best else "no")]
     rows.append(row + [f"{labels[best_name]} {md.fmt(best)}"])
   header = ["heads removed"]
   for name in names:
