@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import time
 from typing import Mapping
 
 import flax.linen as nn
@@ -49,7 +48,7 @@ from mha import head_masks
 from mha.aliases import Array, Log, Params
 from mha.attention import MultiHeadAttention, padding_mask_from_tokens
 from mha.model import EncoderBlock, Transformer, TransformerConfig
-from mha.progress import quiet, timed
+from mha.progress import Tenths, quiet, timed
 from mha.pruning import core
 
 
@@ -401,7 +400,6 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
   valid = np.asarray(split.inputs) != 0
   counts = {"tokens": float(valid.sum()),
             "sequences": float(valid.any(axis=-1).sum())}
-  started = time.perf_counter()
   balanced = _balanced(split, examples)
   num_batches = -(-len(balanced) // examples)
   # The batches' valid positions, from the host copy (core.batches cuts the
@@ -410,6 +408,7 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
           for b in range(num_batches)]
   width = max(8, -(-max(int(np.sum(h != 0)) for h in host) // 8) * 8)
   pending: list[tuple[int, dict[str, Array]]] = []
+  progress = Tenths(log, "subsets", num_batches, PROGRESS_AFTER_S)
 
   def collect(depth: int) -> None:
     """Adds the oldest calls' sums while more than ``depth`` are pending:
@@ -429,12 +428,7 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
           None if chunk == first else codes[start:start + chunk],
           positions, weights)))
       collect(IN_FLIGHT)
-    elapsed = time.perf_counter() - started
-    if ((b + 1) % max(1, num_batches // 10) == 0 and b + 1 < num_batches
-        and elapsed > PROGRESS_AFTER_S):  # Long work only: a line a tenth.
-      log(f"    subsets: {b + 1}/{num_batches} batches of {examples} "
-          f"examples, {elapsed:.0f} s, ETA "
-          f"{elapsed * (num_batches - b - 1) / (b + 1):.0f} s")
+    progress(b + 1, f"batches of {examples} examples")
   collect(0)
   out = {k: v.reshape(-1) for k, v in totals.items()}
   return {**out, **{k: np.full(2 ** n, v) for k, v in counts.items()}}

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from typing import Any, Callable
 
 import numpy as np
@@ -31,7 +30,7 @@ import numpy as np
 from mha import head_masks
 from mha.aliases import Log
 from mha.model import TransformerConfig
-from mha.progress import quiet
+from mha.progress import Tenths, quiet
 
 #: Seconds after which a search reports its progress (a line per tenth of
 #: its sizes ``k``).
@@ -60,23 +59,6 @@ def _evaluate(value_fn: ValueFn, config: TransformerConfig,
 def _entry(k: int, removal: tuple[int, ...], value: float) -> dict[str, Any]:
   return {"k": k, "removed": np.asarray(sorted(removal), np.int64),
           "value": float(value)}
-
-
-class _Progress:
-  """Lines of a long search: at most one per tenth of the sizes ``k``, and
-  none before :data:`PROGRESS_AFTER_S` seconds."""
-
-  def __init__(self, log: Log, what: str, total: int):
-    self.log, self.what, self.total = log, what, total
-    self.start = time.perf_counter()
-
-  def __call__(self, k: int, evaluated: int) -> None:
-    elapsed = time.perf_counter() - self.start
-    if (elapsed > PROGRESS_AFTER_S and 0 < k < self.total
-        and k % max(1, self.total // 10) == 0):
-      self.log(f"    {self.what}: {k}/{self.total} sizes, {evaluated:,} "
-               f"subsets, {elapsed:.0f} s, ETA "
-               f"{elapsed * (self.total - k) / k:.0f} s")
 
 
 def _layer_heads(config: TransformerConfig) -> list[list[int]]:
@@ -152,8 +134,8 @@ def layer_surrogate(value_fn: ValueFn, config: TransformerConfig, *,
   candidates = [r for level in ranked for _, r in level]
   exact = dict(zip(candidates, _evaluate(value_fn, config, candidates)))
   heads = [h for layer in layers for h in layer]
-  progress = _Progress(log, "surrogate search, polishing",
-                       len(ranked) - 1)
+  progress = Tenths(log, "surrogate search, polishing", len(ranked) - 1,
+                    PROGRESS_AFTER_S)
   evaluated = len(singles) + len(candidates)
   out = []
   for k, level in enumerate(ranked):
@@ -163,7 +145,7 @@ def layer_surrogate(value_fn: ValueFn, config: TransformerConfig, *,
         polish_rounds if 0 < k < len(heads) else 0)
     evaluated += swaps
     out.append(_entry(k, removal, value))
-    progress(k, evaluated)
+    progress(k, f"sizes, {evaluated:,} subsets")
   return out
 
 
@@ -177,14 +159,14 @@ def beam_search(value_fn: ValueFn, config: TransformerConfig, *,
   heads = [h for layer in _layer_heads(config) for h in layer]
   beam = [()]
   out = [_entry(0, (), float(_evaluate(value_fn, config, [()])[0]))]
-  progress = _Progress(log, "beam search", len(heads))
+  progress = Tenths(log, "beam search", len(heads), PROGRESS_AFTER_S)
   evaluated = 1
   for k in range(1, len(heads) + 1):
     children = sorted({tuple(sorted(r + (h,))) for r in beam for h in heads
                        if h not in r})
     values = _evaluate(value_fn, config, children)
     evaluated += len(children)
-    progress(k, evaluated)
+    progress(k, f"sizes, {evaluated:,} subsets")
     order = np.argsort(-values, kind="stable")[:width]
     beam = [children[i] for i in order]
     out.append(_entry(k, beam[0], values[order[0]]))

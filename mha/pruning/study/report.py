@@ -153,12 +153,17 @@ def write(results: Mapping[str, Any], out_dir: str) -> list[str]:
 
   With the study's ``plots`` option off, ``report.md`` alone, without its
   figures' lines."""
-  if not results["options"].get("plots", True):
-    report = os.path.join(out_dir, "report.md")
-    with open(report, "w", encoding="utf-8") as f:
-      f.write("\n".join(line for line in report_lines(results)
-                        if not line.startswith("![")))
-    return [report]
+  plots = results["options"].get("plots", True)
+  paths = _write_plots(results, out_dir) if plots else []
+  report = os.path.join(out_dir, "report.md")
+  with open(report, "w", encoding="utf-8") as f:
+    f.write("\n".join(line for line in report_lines(results)
+                      if plots or not line.startswith("![")))
+  return paths + [report]
+
+
+def _write_plots(results: Mapping[str, Any], out_dir: str) -> list[str]:
+  """Every figure of the report; returns their paths."""
   seeds, agg = results["seeds"], results["aggregate"]
   runs = f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''}"
   paths = []
@@ -181,10 +186,6 @@ def write(results: Mapping[str, Any], out_dir: str) -> list[str]:
   if results.get("speed"):
     paths.append(_speed_plot(results, out_dir))
   paths += report_extensions.write_plots(results, out_dir, _curve_plot)
-  report = os.path.join(out_dir, "report.md")
-  with open(report, "w", encoding="utf-8") as f:
-    f.write("\n".join(report_lines(results)))
-  paths.append(report)
   return paths
 
 

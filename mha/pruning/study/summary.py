@@ -57,10 +57,15 @@ def _auc(fractions: np.ndarray, curves: np.ndarray) -> np.ndarray:
   return np.trapezoid(curves, fractions, axis=-1) / width
 
 
+def _within(values: np.ndarray, tolerance: float) -> np.ndarray:
+  """Whether each point stays within ``tolerance`` of point 0 (axis -1)."""
+  return values >= values[..., :1] - tolerance - 1e-12
+
+
 def _prunable_index(validation: np.ndarray, tolerance: float) -> np.ndarray:
   """Index of the last point up to which every point stays within
   ``tolerance`` of point 0 (axis -1)."""
-  ok = validation >= validation[..., :1] - tolerance - 1e-12
+  ok = _within(validation, tolerance)
   first_bad = np.argmax(~ok, axis=-1)
   return np.where(ok.all(axis=-1), ok.shape[-1] - 1, first_bad - 1)
 
@@ -119,7 +124,7 @@ def _half_split_statistics(counts: np.ndarray, first: np.ndarray,
   whether every point up to it holds on the second half (1 or 0, averaged
   over orders), the second half's loss there, and test's value there."""
   last = _prunable_index(first, tolerance)
-  ok = second >= second[..., :1] - tolerance - 1e-12
+  ok = _within(second, tolerance)
   points = np.arange(second.shape[-1])
   holds = np.where(points <= last[..., None], ok, True).all(-1)
   at = lambda m: np.take_along_axis(m, last[..., None], axis=-1)[..., 0]
