@@ -26,14 +26,20 @@ import os
 import shutil
 from typing import Any
 
-# One XLA thread per test process: the suite runs two pytest-xdist workers
-# (and their subprocesses) on two cores, and Eigen's intra-op thread pool in
-# each of them only oversubscribes the cores (measured on 2 cores: the suite
-# 306 s -> 257 s, its CPU time 582 s -> 513 s). Set before JAX starts its
-# backend; ``subprocess_env`` copies it to the entry points run as
-# subprocesses, so in-process and subprocess programs stay the same.
+# XLA:CPU flags of every test process, set before JAX starts its backend;
+# ``subprocess_env`` copies them to the entry points run as subprocesses, so
+# in-process and subprocess programs stay the same.
+# * One XLA thread per process: the suite runs two pytest-xdist workers (and
+#   their subprocesses) on two cores, and Eigen's intra-op thread pool in each
+#   of them only oversubscribes the cores (measured on 2 cores: the suite
+#   306 s -> 257 s, its CPU time 582 s -> 513 s).
+# * XLA:CPU's older loop emitters instead of its MLIR fusion emitters: the
+#   suite is mostly compiling, and they compile its small programs faster
+#   (measured 2026-11-25 on 2 cores, test_attention + test_model +
+#   test_pruning_oracle + test_train in one process: 39.8 s -> 24.6 s).
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [
-    os.environ.get("XLA_FLAGS", ""), "--xla_cpu_multi_thread_eigen=false"]))
+    os.environ.get("XLA_FLAGS", ""), "--xla_cpu_multi_thread_eigen=false",
+    "--xla_cpu_use_fusion_emitters=false"]))
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import ml_collections  # noqa: E402
