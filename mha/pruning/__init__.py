@@ -17,7 +17,9 @@ study (:mod:`mha.pruning.study`) that composes them:
   into the output bias;
 * :mod:`mha.pruning.retrain`: many pruned models fine-tuned at once;
 * :mod:`mha.pruning.shapley`: sampled Shapley values, pairwise interactions;
-* :mod:`mha.pruning.searches`: the layer-additive surrogate and beam search.
+* :mod:`mha.pruning.searches`: the layer-additive surrogate and beam search;
+* :mod:`mha.pruning.kwon`: retraining-free pruning after Kwon et al. (2022):
+  Fisher mask search, rearrangement, mask tuning.
 
 So ``from mha import pruning; pruning.prune_heads(...)`` works.
 """

@@ -114,12 +114,12 @@ def _layer_offsets(config: TransformerConfig) -> np.ndarray:
 # --------------------------------------------------------------------------
 
 
-def _embed(model: Transformer, params: Params, tokens: Array) -> Array:
+def embed_tokens(model: Transformer, params: Params, tokens: Array) -> Array:
   """The model's input to its first block (no dropout)."""
   return model.apply({"params": params}, tokens, method="embed")
 
 
-def _block(model: Transformer, params: Params, layer: int, x: Array,
+def run_block(model: Transformer, params: Params, layer: int, x: Array,
            attention_mask: Array, layer_mask: Array,
            shift: Array | None = None) -> Array:
   """Block ``layer`` of the model under its ``[H_l]`` head mask; with
@@ -147,7 +147,7 @@ def _block_params(model: Transformer, params: Params, layer: int,
   return block_params
 
 
-def _attention_outputs(model: Transformer, params: Params, layer: int,
+def attention_outputs(model: Transformer, params: Params, layer: int,
                        x: Array, attention_mask: Array, masks: Array,
                        shift: Array | None) -> Array:
   """``[M, B, T, D]``: the attention sublayer's output of block ``layer``
@@ -193,7 +193,7 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
   flat_targets = targets.reshape(-1)[positions]
 
   def per_prefix(x):
-    outs = _attention_outputs(model, params, layer, x, attention_mask, basis,
+    outs = attention_outputs(model, params, layer, x, attention_mask, basis,
                               shift)  # [1 + H, B, T, D]
     outs = outs.reshape(outs.shape[:1] + (-1, outs.shape[-1]))[:, positions]
     base, heads = outs[0], outs[1:] - outs[:1]  # [P, D], [H, P, D]
@@ -254,7 +254,7 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
   """
   cfg = model.config
   attention_mask = padding_mask_from_tokens(inputs)
-  xs = _embed(model, params, inputs)[None]  # [prefixes, B, T, D]
+  xs = embed_tokens(model, params, inputs)[None]  # [prefixes, B, T, D]
   valid = inputs != 0
   fast = positions is not None and cfg.heads_per_layer[-1] > 0
   sizes = []
@@ -270,7 +270,7 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
       per_subset = tuple(v.reshape((-1,) + v.shape[2:]) for v in per_subset)
       break
     run = functools.partial(
-        _block, model, params, layer, attention_mask=attention_mask,
+        run_block, model, params, layer, attention_mask=attention_mask,
         shift=shift)
     per_prefix = lambda x, run=run, codes=codes: jax.vmap(
         lambda m: run(x=x, layer_mask=m))(codes)
@@ -675,4 +675,5 @@ __all__ = ["subset_masks", "subset_index", "kept_counts", "num_heads",
            "ranked_removals", "shapley_values", "ORACLE_CANDIDATES",
            "SUBSET_COST", "PER_EXAMPLE_BYTES", "TABLE_ROWS_PER_CALL", "VARIANTS", "table_bytes", "machine_memory_bytes",
            "oracle_applies", "subset_values",
-           "removals_by_variant", "oracle_removals", "evaluate_oracle"]
+           "removals_by_variant", "oracle_removals", "evaluate_oracle",
+           "embed_tokens", "run_block", "attention_outputs"]

@@ -1,0 +1,220 @@
+"""Retraining-free head pruning after Kwon et al. (2022), on validation.
+
+Kwon et al. prune a trained Transformer without retraining, in three steps
+that need only gradients and activations of the model on a sample of data.
+For attention heads:
+
+1. **Fisher mask search.** A head's importance is the diagonal of the
+   empirical Fisher information of its mask variable at the full mask,
+   ``F_hh = E_x[(dL(x)/dm_h)^2]`` over examples ``x`` (per-example
+   gradients). Under a budget of ``k`` heads removed, the ``k`` heads of
+   least Fisher importance go. (Kwon et al. search under a FLOP budget;
+   every head here costs the same FLOPs, so a FLOP budget is a head count.)
+2. **Mask rearrangement.** Each layer keeps the number of heads the search
+   gave it; which of its heads is chosen to minimise the second-order
+   estimate of the loss increase with the layer's block of the Fisher
+   matrix, ``(1 - m_l)^T F_l (1 - m_l)`` (the block-diagonal
+   approximation: heads interact within a layer, not across). Here
+   exhaustively, layer by layer.
+3. **Mask tuning.** The kept heads' mask values become real numbers, layer
+   by layer from the bottom: a least-squares fit so that the layer's
+   attention output on the pruned model's own input reproduces the unpruned
+   model's on its input, over every valid position. Removed heads stay 0.
+
+Each step is a pure function of arrays, or a jitted pass over a split:
+
+    blocks = fisher_blocks(model, params, splits["validation"])  # [L, H, H]
+    removed = search(blocks, model.config, k=3)     # flat indices, rearranged
+    mask = tune_mask(model, params, splits["validation"],
+                     head_masks.mask_without(model.config, removed))
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mha import data
+from mha.aliases import Array, Params
+from mha.attention import padding_mask_from_tokens
+from mha.head_masks import existing_heads, full_head_mask
+from mha.model import Transformer, TransformerConfig
+from mha.pruning import core
+from mha.pruning import oracle
+
+#: Largest number of ways to choose a layer's kept heads that rearrangement
+#: tries exhaustively (C(16, 8) = 12,870); above it, pairwise swaps.
+EXHAUSTIVE_LIMIT = 20_000
+
+
+@functools.partial(jax.jit, static_argnames="model")
+def _fisher_sums(model: Transformer, params: Params, inputs: Array,
+                 targets: Array, head_mask: Array) -> Array:
+  """``[L, H, H]``: the sum over the batch of each layer's outer product of
+  the per-example mask gradient (padding rows have zero gradient)."""
+  grads = core.head_mask_gradients(model, params, inputs, targets, head_mask)
+  return jnp.einsum("blh,blg->lhg", grads, grads)
+
+
+def fisher_blocks(model: Transformer, params: Params, split: data.Split, *,
+                  batch_size: int = 1000) -> np.ndarray:
+  """The empirical Fisher information of the head mask at the full mask,
+  block-diagonal by layer: ``[L, H, H]``, ``E_x[g_l(x) g_l(x)^T]`` with
+  ``g_l(x)`` the gradient of example ``x``'s mean token loss with respect to
+  layer ``l``'s head mask. Entries of heads that do not exist are 0."""
+  config = model.config
+  mask = jnp.asarray(full_head_mask(config))
+  total = np.zeros((config.num_layers, config.max_heads, config.max_heads),
+                   np.float64)
+  for inputs, targets in core.batches(split, batch_size):
+    total += np.asarray(_fisher_sums(model, params, inputs, targets, mask),
+                        np.float64)
+  exists = existing_heads(config)
+  total *= exists[:, :, None] & exists[:, None, :]
+  return total / max(len(split), 1)
+
+
+def fisher_importance(blocks: np.ndarray,
+                      config: TransformerConfig) -> np.ndarray:
+  """Each head's Fisher importance ``E_x[(dL/dm_h)^2]``, the diagonal of
+  :func:`fisher_blocks`: ``[L, H]``, NaN where no head."""
+  diagonal = np.diagonal(blocks, axis1=-2, axis2=-1).astype(np.float64)
+  return np.where(existing_heads(config), diagonal, np.nan)
+
+
+def _loss_increase(block: np.ndarray, removed: np.ndarray) -> float:
+  """``r^T F r`` with ``r`` the 0/1 vector of ``removed`` heads of one
+  layer (``(1 - m)`` of the layer's mask)."""
+  r = np.zeros(block.shape[0])
+  r[removed] = 1.0
+  return float(r @ block @ r)
+
+
+def _rearrange_layer(block: np.ndarray, count: int, remove: int,
+                     start: Sequence[int]) -> list[int]:
+  """Which ``remove`` of a layer's ``count`` heads to remove (indices within
+  the layer), minimising :func:`_loss_increase`; ``start`` (the Fisher
+  search's choice) wins ties, so rearrangement never makes the estimate
+  worse."""
+  start = sorted(start)
+  if remove in (0, count):
+    return start
+  best, best_value = start, _loss_increase(block, np.asarray(start))
+  options = itertools.combinations(range(count), remove)
+  if _choose(count, remove) > EXHAUSTIVE_LIMIT:
+    options = _swaps(block, count, start)
+  for option in options:
+    value = _loss_increase(block, np.asarray(option))
+    if value < best_value - 1e-15:
+      best, best_value = list(option), value
+  return sorted(best)
+
+
+def _choose(n: int, k: int) -> int:
+  """Binomial coefficient."""
+  out = 1
+  for i in range(min(k, n - k)):
+    out = out * (n - i) // (i + 1)
+  return out
+
+
+def _swaps(block: np.ndarray, count: int, start: list[int]):
+  """Every removal set one swap (a removed head for a kept one) away from
+  ``start``: the neighbourhood tried when exhaustive search is too big."""
+  kept = [h for h in range(count) if h not in start]
+  for out in start:
+    for into in kept:
+      yield sorted([h for h in start if h != out] + [into])
+
+
+def search(blocks: np.ndarray, config: TransformerConfig, k: int, *,
+           rearrange: bool = True) -> list[int]:
+  """The ``k`` heads to remove (flat indices, ascending): the least Fisher
+  importance (:func:`fisher_importance`), then, with ``rearrange``, within
+  each layer the removal set of the same size with the least block-Fisher
+  loss estimate (:func:`_rearrange_layer`)."""
+  importance = fisher_importance(blocks, config)
+  order = core.order_from_importance(importance)
+  if not 0 <= k <= len(order):
+    raise ValueError(f"k={k}: expected 0 <= k <= {len(order)} heads")
+  removed = [int(i) for i in order[:k]]
+  if not rearrange:
+    return sorted(removed)
+  width = config.max_heads
+  out = []
+  for layer, count in enumerate(config.heads_per_layer):
+    mine = [i - layer * width for i in removed if i // width == layer]
+    chosen = _rearrange_layer(blocks[layer, :count, :count], count,
+                              len(mine), mine)
+    out += [layer * width + h for h in chosen]
+  return sorted(out)
+
+
+def _layer_outputs(model: Transformer, params: Params, layer: int, x: Array,
+                   attention_mask: Array) -> Array:
+  """``[1 + H_l, B, T, D]``: layer ``layer``'s attention output with no head
+  (its bias) and with each head alone."""
+  count = model.config.heads_per_layer[layer]
+  basis = jnp.concatenate([jnp.zeros((1, count)), jnp.eye(count)])
+  return oracle.attention_outputs(model, params, layer, x, attention_mask,
+                                  basis, None)
+
+
+_layer_outputs_jit = jax.jit(_layer_outputs,
+                             static_argnames=("model", "layer"))
+_block_jit = jax.jit(oracle.run_block, static_argnames=("model", "layer"))
+
+
+def tune_mask(model: Transformer, params: Params, split: data.Split,
+              mask: np.ndarray, *, ridge: float = 1e-6) -> np.ndarray:
+  """Kwon et al.'s mask tuning: ``mask`` ``[L, H]`` (0/1) with its kept
+  heads' values refitted by least squares, layer by layer from the bottom.
+
+  At layer ``l`` the kept heads' outputs on the pruned model's input (the
+  layers below already tuned) are fitted to the unpruned model's attention
+  output on its own input, summed over every valid position and feature:
+  ``min_a || sum_h a_h O_h(x_pruned) - (O(x_full) - bias) ||^2``. The mask
+  values multiply each head's context (what the head mask gates), so they
+  scale the heads' outputs exactly. ``ridge`` (relative to the mean
+  diagonal of the normal equations) keeps nearly collinear heads finite. A
+  layer with every head kept is fitted too; one with none stays empty.
+
+  Returns:
+    The tuned mask, float32 ``[L, H]``: 0 where ``mask`` is 0.
+  """
+  config = model.config
+  mask = np.asarray(mask, np.float32)
+  tuned = mask.copy()
+  inputs = jnp.asarray(split.inputs)
+  attention_mask = padding_mask_from_tokens(inputs)
+  valid = np.asarray(split.inputs) != 0
+  x_full = x_pruned = oracle.embed_tokens(model, params, inputs)
+  for layer, count in enumerate(config.heads_per_layer):
+    full = jnp.asarray(full_head_mask(config)[layer, :count])
+    kept = np.flatnonzero(mask[layer, :count])
+    if count and len(kept):
+      target = np.asarray(_layer_outputs_jit(
+          model, params, layer, x_full, attention_mask), np.float64)
+      target = (target[1:] - target[:1]).sum(0)[valid]  # [P, D]
+      ours = np.asarray(_layer_outputs_jit(
+          model, params, layer, x_pruned, attention_mask), np.float64)
+      heads = (ours[1:] - ours[:1])[kept][:, valid]  # [K, P, D]
+      design = heads.reshape(len(kept), -1)
+      gram = design @ design.T
+      gram += ridge * np.mean(np.diag(gram)) * np.eye(len(kept))
+      values = np.linalg.solve(gram, design @ target.reshape(-1))
+      tuned[layer, kept] = values.astype(np.float32)
+    layer_mask = jnp.asarray(tuned[layer, :count])
+    x_full = _block_jit(model, params, layer, x_full, attention_mask, full)
+    x_pruned = _block_jit(model, params, layer, x_pruned, attention_mask,
+                          layer_mask)
+  return tuned
+
+
+__all__ = ["EXHAUSTIVE_LIMIT", "fisher_blocks", "fisher_importance",
+           "search", "tune_mask"]
