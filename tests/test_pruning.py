@@ -374,8 +374,24 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
         "auc_token_accuracy_minus_oracle_ci"]) == 2
     assert seed["timings"][f"{name}_s"] > 0
     assert seed["search_evaluations"][name] > 0
+  # Kwon et al.: a subset per k like the searches', no subset evaluated;
+  # tuned masks are 0 exactly on the removed heads.
+  for name in ("kwon", "kwon_tuned"):
+    entries = seed["searches"][name]
+    assert [e["k"] for e in entries] == list(range(num_heads + 1))
+    assert seed["search_evaluations"][name] == 0
+    assert seed["timings"][f"{name}_s"] > 0
+  for e, plain in zip(seed["searches"]["kwon_tuned"],
+                      seed["searches"]["kwon"]):
+    assert e["removed"] == plain["removed"]
+    mask = np.asarray(e["mask"])
+    assert mask.shape == (2, 2)
+    assert sorted(map(list, zip(*np.nonzero(mask == 0)))) == sorted(
+        e["removed"])
+  assert np.asarray(seed["importance"]["fisher"]).shape == (2, 2)
   for name in ("gradient", "gradient_l2", "gradient_iterative", "shapley",
-               "leave_one_out", "confidence", "entropy", "reverse_gradient"):
+               "fisher", "leave_one_out", "confidence", "entropy",
+               "reverse_gradient"):
     assert sorted(seed["orders"][name]) == list(range(num_heads)), name
     curve = seed["curves"][name]["token_accuracy"]
     assert len(curve) == num_heads + 1

@@ -4,7 +4,9 @@ Each ordering is a 1-D array of flat head indices (``layer * H + head``,
 :mod:`mha.head_masks`), the head to remove first at index 0. The measures
 are taken on one split (the study uses validation): gradient importance
 (Michel et al., per-example ``|dL/d xi|``, raw and L2-normalised per layer,
-and re-estimated after each removal), leave-one-out loss increase, attention
+and re-estimated after each removal), Fisher importance (Kwon et al.,
+per-example ``(dL/d xi)^2``, :mod:`mha.pruning.kwon`), leave-one-out loss
+increase, attention
 confidence and entropy (Voita et al.), exact Shapley values (with every
 subset evaluated, :mod:`mha.pruning.oracle`), and the reverse gradient order
 as a sanity baseline. Random orders come from
@@ -27,6 +29,7 @@ from mha.aliases import Log, Params
 from mha.model import Transformer
 from mha.progress import quiet, timed
 from mha.pruning import core
+from mha.pruning import kwon
 from mha.pruning import oracle
 
 #: The orderings of the pruning curves: key -> label. Measures first, then
@@ -35,6 +38,7 @@ ORDERINGS = {
     "gradient": "gradient",
     "gradient_l2": "gradient (L2 per layer)",
     "gradient_iterative": "gradient (re-estimated)",
+    "fisher": "Fisher (Kwon et al.)",
     "leave_one_out": "leave-one-out",
     "confidence": "confidence",
     "entropy": "entropy",
@@ -82,7 +86,9 @@ def measure_importance(model: Transformer, params: Params,
   no head), and ``validation``, the unpruned metrics. ``subsets``: the
   metrics of every subset on ``validation`` (``[2**N]`` each, from the
   streamed oracle), or ``table``, their per-example sums, when evaluated.
-  ``timings`` receives the seconds of each measure."""
+  ``fisher_blocks`` (``[L, H, H]``, :func:`mha.pruning.kwon.fisher_blocks`)
+  is the Fisher information ``fisher`` is the diagonal of. ``timings``
+  receives the seconds of each measure."""
   timings = {} if timings is None else timings
   half_a, half_b = halves(validation)
 
@@ -100,6 +106,11 @@ def measure_importance(model: Transformer, params: Params,
           else " (every head's mask, vmapped)"),
       lambda: _leave_one_out(model, params, validation, batch_size, table,
                              subsets))
+  blocks, timings["fisher_s"] = timed(
+      log, "Fisher information of the head mask (per-example gradients "
+      "squared, block-diagonal by layer)",
+      lambda: kwon.fisher_blocks(model, params, validation,
+                                 batch_size=batch_size))
   attn, timings["confidence_s"] = timed(
       log, "attention confidence and entropy",
       lambda: core.attention_confidence(model, params, validation,
@@ -107,6 +118,8 @@ def measure_importance(model: Transformer, params: Params,
   return {
       "gradient": grad,
       "gradient_l2": core.normalize_per_layer(grad),
+      "fisher": kwon.fisher_importance(blocks, model.config),
+      "fisher_blocks": blocks,
       "leave_one_out": loo["loss_increase"],
       "confidence": attn["confidence"],
       "entropy": attn["entropy"],
@@ -125,6 +138,7 @@ def orders_from_importance(importance: Mapping[str, np.ndarray]
   orders = {
       "gradient": core.order_from_importance(importance["gradient"]),
       "gradient_l2": core.order_from_importance(importance["gradient_l2"]),
+      "fisher": core.order_from_importance(importance["fisher"]),
       "leave_one_out": core.order_from_importance(
           importance["leave_one_out"]),
       "confidence": core.order_from_importance(importance["confidence"]),

@@ -25,6 +25,7 @@ from mha.aliases import Log, Params
 from mha.model import Transformer, TransformerConfig
 from mha.progress import timed
 from mha.pruning import core
+from mha.pruning import kwon
 from mha.pruning import oracle
 from mha.pruning import orderings
 from mha.pruning import searches as searches_lib
@@ -36,7 +37,9 @@ from mha.pruning.study.options import StudyOptions
 #: The searches for the best subset per number of heads removed
 #: (:mod:`mha.pruning.searches`), each a curve and ``searches.<name>``.
 SEARCH_LABELS = {"surrogate": "surrogate search (layer-additive)",
-                 "beam": "beam search"}
+                 "beam": "beam search",
+                 "kwon": "Kwon et al. (Fisher search, rearranged)",
+                 "kwon_tuned": "Kwon et al., mask tuned"}
 #: The curves: every ordering, the oracle and the searches (not orderings:
 #: their subsets for k and k + 1 heads removed need not be nested).
 CURVE_LABELS = {**orderings.ORDERINGS, "oracle": "oracle (best subset)",
@@ -72,6 +75,15 @@ class Plan:
     """A curve whose point ``p`` removes the heads ``removals[p]``; several
     calls with one name stack (random orders)."""
     ids = [self.add(head_masks.mask_without(config, r)) for r in removals]
+    self._add_ids(variant, name, ids)
+
+  def add_mask_curve(self, variant: str, name: str,
+                     masks: Sequence[np.ndarray]) -> None:
+    """A curve whose point ``p`` is the (possibly real-valued) mask
+    ``masks[p]``."""
+    self._add_ids(variant, name, [self.add(m) for m in masks])
+
+  def _add_ids(self, variant: str, name: str, ids: Sequence[int]) -> None:
     curves = self.curves.setdefault(variant, {})
     row = np.asarray(ids, np.int64)[None]
     curves[name] = row if name not in curves else np.concatenate(
@@ -81,7 +93,8 @@ class Plan:
 def plan_masks(config: TransformerConfig, orders: Mapping[str, np.ndarray],
                random_orders: np.ndarray, oracle_removals: Mapping[str, Any],
                counts: np.ndarray,
-               searches: Mapping[str, Sequence[Sequence[int]]] | None = None
+               searches: Mapping[str, Sequence[Sequence[int]]] | None = None,
+               tuned: Mapping[str, Sequence[np.ndarray]] | None = None
                ) -> Plan:
   """Every curve of both variants (``all``; ``no_layer_emptied``, which
   skips a layer's last head and stops at ``N - layers with heads``), the
@@ -89,7 +102,9 @@ def plan_masks(config: TransformerConfig, orders: Mapping[str, np.ndarray],
   ``oracle_removals``: variant -> for each ``k`` the removals of the best
   subsets on validation, best first (the oracle's candidates).
   ``searches``: name -> for each ``k`` the removal a search found (curves
-  of the ``all`` variant; their layers may be emptied)."""
+  of the ``all`` variant; their layers may be emptied); ``tuned``: name ->
+  for each ``k`` a mask ``[L, H]`` whose kept heads' values need not be 1
+  (Kwon et al.'s mask tuning), the same way."""
   plan = Plan()
   plan.add(head_masks.full_head_mask(config))
   limit = core.removable_keeping_layers(config)
@@ -113,6 +128,9 @@ def plan_masks(config: TransformerConfig, orders: Mapping[str, np.ndarray],
     plan.add_curve("all", name, config, [removals[k] for k in counts])
     plan.searches[name] = np.asarray(
         [plan.add(head_masks.mask_without(config, r)) for r in removals])
+  for name, masks in (tuned or {}).items():
+    plan.add_mask_curve("all", name, [masks[k] for k in counts])
+    plan.searches[name] = np.asarray([plan.add(m) for m in masks])
   plan.single = np.asarray([plan.add(m) for m in
                             head_masks.leave_one_out_masks(config)])
   plan.all_but_one = np.asarray([plan.add(m) for m in
@@ -249,6 +267,7 @@ def _measure_seed(model: Transformer, params: Params,
       model, params, val, batch_size=options.batch_size, log=log,
       timings=timings, subsets=subsets)
   validation = importance.pop("validation")
+  fisher_blocks = importance.pop("fisher_blocks")
   importance["shapley_token_accuracy"] = shapley
   method = "exact" if subsets is not None and options.shapley != "sampled" else (
       "sampled" if options.shapley != "exact" else None)
@@ -272,10 +291,15 @@ def _measure_seed(model: Transformer, params: Params,
   evaluations: dict[str, int] = {}
   found = run_searches(model, params, val, options, log, timings,
                        evaluations)
+  tuned = {}
+  if options.kwon:
+    found["kwon"], tuned["kwon_tuned"] = run_kwon(
+        model, params, val, fisher_blocks, log, timings)
+    evaluations.update(kwon=0, kwon_tuned=0)
   plan = plan_masks(config, orders, random_orders, removals,
                     core.pruning_counts(n, options.step_fraction),
                     {name: [e["removed"] for e in entries]
-                     for name, entries in found.items()})
+                     for name, entries in found.items()}, tuned)
   masks = np.stack(plan.masks)
   val_sums, timings["validation_masks_s"] = timed(
       log, f"{len(masks)} distinct masks on validation",
@@ -326,6 +350,30 @@ def run_searches(model: Transformer, params: Params, validation: data.Split,
         log, f"{SEARCH_LABELS[name]}", lambda: search(value_fn))
     evaluations[name] = evaluated[0]
   return out
+
+
+def run_kwon(model: Transformer, params: Params, validation: data.Split,
+             blocks: np.ndarray, log: Log, timings: dict[str, float]
+             ) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
+  """Kwon et al.'s retraining-free pruning (:mod:`mha.pruning.kwon`) for
+  every number of heads removed, on ``validation``: the Fisher search's
+  removal, rearranged within layers (entries ``{k, removed}``), and its mask
+  with the kept heads' values tuned by least squares (``[L, H]`` per ``k``).
+  ``blocks``: the Fisher information (:func:`kwon.fisher_blocks`).
+  ``timings`` receives ``kwon_s`` (the search; the Fisher information is
+  ``fisher_s``) and ``kwon_tuned_s`` (the tuning, besides)."""
+  config = model.config
+  n = oracle.num_heads(config)
+  removals, timings["kwon_s"] = timed(
+      log, SEARCH_LABELS["kwon"],
+      lambda: [kwon.search(blocks, config, k) for k in range(n + 1)])
+  masks, timings["kwon_tuned_s"] = timed(
+      log, f"{SEARCH_LABELS['kwon_tuned']}: least squares per layer, "
+      f"{n + 1} subsets",
+      lambda: [kwon.tune_mask(model, params, validation,
+                              head_masks.mask_without(config, r))
+               for r in removals])
+  return [{"k": k, "removed": r} for k, r in enumerate(removals)], masks
 
 
 def sampled_shapley(model: Transformer, params: Params, split: data.Split,
@@ -413,6 +461,10 @@ def analyze_seed(model: Transformer, params: Params,
         name: _oracle_entries(config, plan, "all", val, test, ids)
         for name, ids in plan.searches.items()}
     out["search_evaluations"] = m["search_evaluations"]
+    # Mask tuning's real-valued masks, [L][H] per k (0: removed).
+    for entry, mask_id in zip(out["searches"].get("kwon_tuned", []),
+                              plan.searches.get("kwon_tuned", [])):
+      entry["mask"] = plan.masks[mask_id].tolist()
   # What each head attends to, on the split of the importance measures.
   out["head_roles"] = head_roles.head_roles(
       model, params, splits["validation"], options.batch_size)
@@ -475,5 +527,5 @@ def aggregate(seed_results: Sequence[Mapping[str, Any]],
   return out
 
 
-__all__ = ["CURVE_LABELS", "SEARCH_LABELS", "Plan", "run_searches", "plan_masks", "Resamples", "analyze_seed",
+__all__ = ["CURVE_LABELS", "SEARCH_LABELS", "Plan", "run_searches", "run_kwon", "plan_masks", "Resamples", "analyze_seed",
            "custom_pruning", "aggregate"]

@@ -59,6 +59,11 @@ class StudyOptions:
       "validation: the layer-additive surrogate and beam search "
       "(searches.surrogate, searches.beam; curves 'surrogate' and 'beam'). "
       "Where the oracle runs, their gap to it is measured.")
+  kwon: bool = _option(
+      True, "Kwon et al.'s retraining-free pruning per number of heads "
+      "removed, on validation: Fisher mask search with rearrangement within "
+      "layers (searches.kwon) and with the kept heads' mask values tuned by "
+      "least squares (searches.kwon_tuned).")
   beam_width: int = _option(
       8, "Subsets kept per level of the beam search.")
   surrogate_top: int = _option(

@@ -458,9 +458,17 @@ def _searches_section(results: Mapping[str, Any]) -> list[str]:
       f"knapsack over the layers, evaluates the {opts['surrogate_top']} best "
       "combinations of each size exactly and polishes the best by "
       f"{opts['search_polish_rounds']} round(s) of swaps; beam search keeps "
-      f"the {opts['beam_width']} best subsets of each size. Test token "
-      "accuracy; 95% intervals over examples and seeds; seconds and subsets "
-      "evaluated are means over seeds.", ""]
+      f"the {opts['beam_width']} best subsets of each size."
+      + (" Kwon et al.'s retraining-free search evaluates no subset: it "
+         "removes the heads of least Fisher information of the head mask "
+         "(per-example gradients squared), rearranges each layer's removals "
+         "to minimise the layer's block of the Fisher matrix, and, tuned, "
+         "refits the kept heads' mask values by least squares to the "
+         "unpruned model's attention outputs, layer by layer. Its seconds "
+         "exclude the Fisher information (the ordering 'Fisher')."
+         if "kwon" in names else "")
+      + " Test token accuracy; 95% intervals over examples and seeds; "
+      "seconds and subsets evaluated are means over seeds.", ""]
   has_oracle = "oracle" in summary
   rows = []
   for name in names:
