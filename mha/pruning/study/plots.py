@@ -74,6 +74,13 @@ ORDERING_STYLES: dict[str, dict[str, object]] = {
     "random": dict(color="0.35", marker="o", linestyle="--"),
     "reverse gradient": dict(color="#000000", marker="x", linestyle=":"),
     "Shapley value": dict(color="#7A5195", marker="*", linestyle="-"),
+    # Kwon et al.'s Fisher ordering and its two searches: one brown family,
+    # dash-dotted, told apart by their markers.
+    "Fisher (Kwon et al.)": dict(color="#8C564B", marker="h", linestyle="-."),
+    "Kwon et al. (Fisher search, rearranged)": dict(
+        color="#8C564B", marker="<", linestyle="-.", fillstyle="none"),
+    "Kwon et al., mask tuned": dict(color="#8C564B", marker=">",
+                                    linestyle=(0, (5, 1, 1, 1, 1, 1))),
     "oracle (best subset)": dict(color="#000000", marker="", linestyle="-"),
     # The searches lie on or near the oracle: dashed and hollow-marked, in
     # colours no ordering has, so that the black line shows beneath them.

@@ -81,6 +81,8 @@ def _importance_plot(first: Mapping[str, Any], out_dir: str) -> str:
   measures = {
       "gradient |dL/dξ|": md.grid(imp["gradient"]),
       "gradient, L2 per layer": md.grid(imp["gradient_l2"]),
+      **({"Fisher E[(dL/dξ)²] (Kwon et al.)": md.grid(imp["fisher"])}
+         if "fisher" in imp else {}),
       "leave-one-out loss increase": md.grid(imp["leave_one_out"]),
       "leave-one-out token acc. drop":
           md.grid(imp["leave_one_out_token_accuracy_drop"]),
