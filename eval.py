@@ -22,6 +22,7 @@ from absl import flags
 from absl import logging
 
 from mha import cli
+from mha.figures import PLOT_FORMATS
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's workdir.")
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "validation", "test"],
@@ -35,6 +36,9 @@ _HTML = flags.DEFINE_bool(
 _EXAMPLES = flags.DEFINE_integer(
     "examples", 8, "Examples in the explorer (--html), of lengths from the "
     "split's shortest to its longest.")
+_PLOT_FORMAT = flags.DEFINE_enum(
+    "plot_format", "png", list(PLOT_FORMATS),
+    "File format of the heatmaps: png, or svg or pdf (vector graphics).")
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -96,7 +100,8 @@ def main(argv):
   paths = evaluate.write_attention_plots(
       ckpt.model, ckpt.params, split, out_dir,
       num_examples=_NUM_EXAMPLES.value,
-      prefix=f"attention_{_SPLIT.value}_step{ckpt.step}")
+      prefix=f"attention_{_SPLIT.value}_step{ckpt.step}",
+      plot_format=_PLOT_FORMAT.value)
   roles = head_roles.head_roles(ckpt.model, ckpt.params, split,
                                 config.eval_batch_size)
   result = {"step": ckpt.step, "split": _SPLIT.value, **metrics,

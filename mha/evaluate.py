@@ -130,13 +130,15 @@ def pick_examples(split: data.Split, num_examples: int, *,
 
 def write_attention_plots(model: Transformer, params, split: data.Split,
                           out_dir: str, *, num_examples: int = 4,
-                          prefix: str = "attention") -> list[str]:
+                          prefix: str = "attention",
+                          plot_format: str = "png") -> list[str]:
   """Writes one layers x heads heatmap grid per picked example, its tokens
   labelled as ``data.token_names(split.task)`` reads them (spell's digits,
   blanks and letters; the numbers themselves for the other tasks).
 
   Returns:
-    The paths of the PNG files written (``out_dir/<prefix>_<index>.png``).
+    The paths of the files written (``out_dir/<prefix>_<index>.png``, or
+    ``.svg`` / ``.pdf`` with ``plot_format``).
   """
   from mha import plotting  # Deferred: matplotlib is only needed here.
 
@@ -151,7 +153,7 @@ def write_attention_plots(model: Transformer, params, split: data.Split,
   for row, index in enumerate(indices):
     n = int(split.lengths[index])
     correct = int(np.sum(predictions[row, :n] == split.targets[index, :n]))
-    path = os.path.join(out_dir, f"{prefix}_{index}.png")
+    path = os.path.join(out_dir, f"{prefix}_{index}.{plot_format}")
     plotting.plot_attention(
         split.inputs[index], [a[row] for a in attention], path,
         targets=split.targets[index], predictions=predictions[row],

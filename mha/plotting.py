@@ -23,6 +23,8 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
+from mha import figures
+
 __all__ = ["valid_length", "attention_grid_figure", "plot_attention"]
 
 #: Colour map of the heatmaps (weights in ``[0, 1]``).
@@ -281,5 +283,5 @@ def plot_attention(
   parent = os.path.dirname(path)
   if parent:
     os.makedirs(parent, exist_ok=True)
-  fig.savefig(path, dpi=DPI, format="png")
+  fig.savefig(path, dpi=DPI, format=figures.figure_format(path))
   fig.clear()  # drop artists now; the Figure has no pyplot reference to leak

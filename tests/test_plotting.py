@@ -57,6 +57,21 @@ def test_writes_png_2x4_with_trailing_padding(tmp_path):
   _assert_png(path)
 
 
+@pytest.mark.parametrize("suffix, magic", [(".svg", b"<?xml"),
+                                           (".pdf", b"%PDF")])
+def test_vector_formats_by_suffix_and_other_suffixes_refused(tmp_path, suffix,
+                                                             magic):
+  rng = np.random.default_rng(0)
+  tokens = _tokens(rng, 6, 4)
+  attention = [_weights(rng, 2, 6, 4)]
+  path = tmp_path / f"attn{suffix}"
+  plot_attention(tokens, attention, path)
+  assert path.read_bytes().startswith(magic)
+  with pytest.raises(ValueError, match=r"attn\.gif.*\.png, \.svg, \.pdf"):
+    plot_attention(tokens, attention, tmp_path / "attn.gif")
+  assert not (tmp_path / "attn.gif").exists()
+
+
 def test_grid_layout_titles_labels_and_single_colourbar():
   rng = np.random.default_rng(1)
   tokens = _tokens(rng, 10, 7)

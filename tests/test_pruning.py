@@ -503,8 +503,22 @@ def test_oracle_skipped_above_oracle_max_heads(tiny_run, tmp_path):
   # The report's text again from results.json alone (NaNs are nulls there);
   # the --full study's test re-renders the plots too.
   with open(tmp_path / "out" / "results.json", encoding="utf-8") as f:
-    again = "\n".join(report_lib.report_lines(json.load(f)))
+    loaded = json.load(f)
+  again = "\n".join(report_lib.report_lines(loaded))
   assert again == report
+  # --plot_format pdf: the same figures as PDF files, which report.md links
+  # (Markdown viewers do not inline PDF).
+  pdf = dict(loaded, options=dict(loaded["options"], plot_format="pdf"))
+  paths = report_lib.write(pdf, str(tmp_path / "pdf"))
+  figures = [p for p in paths if not p.endswith("report.md")]
+  assert len(figures) >= 5
+  for path in figures:
+    assert path.endswith(".pdf")
+    with open(path, "rb") as f:
+      assert f.read(4) == b"%PDF", path
+  text = (tmp_path / "pdf" / "report.md").read_text()
+  assert "[token accuracy (PDF)](curves_token_accuracy.pdf)" in text
+  assert "![" not in text and ".png" not in text
 
 
 def _none_accuracy(tiny_run):
@@ -626,6 +640,7 @@ def test_bad_option_exits_2_writing_nothing(tiny_workdir, tmp_path,
     ({"speed_order": "random"}, "--speed_order 'random'"),
     ({"shapley": "maybe"}, "--shapley 'maybe' is not one of: auto, exact"),
     ({"shapley_pairs": 1}, "--shapley_pairs must be >= 2"),
+    ({"plot_format": "gif"}, "--plot_format 'gif' is not one of: png, svg, pdf"),
 ])
 def test_bad_options_are_refused(changes, message):
   with pytest.raises(ValueError) as raised:

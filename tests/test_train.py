@@ -255,6 +255,8 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
       ([f"--workdir={tmp_path / 'missing'}"], "does not exist"),
       ([f"--workdir={tmp_path}"], "no checkpoints"),
       ([f"--workdir={workdir}", "--step=3"], "steps saved: 10, 20"),
+      ([f"--workdir={workdir}", "--plot_format=gif"],
+       "--plot_format=gif: value should be one of <png|svg|pdf>"),
   )
   procs = [subprocess.Popen(
       [sys.executable, os.path.join(ROOT, "eval.py")] + args,

@@ -7,6 +7,7 @@ Values may be NumPy numbers or the ``None`` that JSON makes of NaN.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -65,3 +66,24 @@ def heads_table(values: np.ndarray, form: str = "{:+.3f}") -> list[str]:
 
 
 __all__ = ["finite", "grid", "fmt", "ci", "q_value", "table", "heads_table"]
+
+
+def figure(results: Mapping[str, Any], name: str) -> str:
+  """The file name of figure ``name`` (given as ``<stem>.png``) in the
+  study's ``plot_format`` (``png``, ``svg`` or ``pdf``)."""
+  fmt = results["options"].get("plot_format", "png")
+  return f"{os.path.splitext(name)[0]}.{fmt}"
+
+
+def image(results: Mapping[str, Any], alt: str, name: str) -> str:
+  """``report.md``'s line for figure ``name`` (:func:`figure`): an inline
+  image, or a link for a PDF (which Markdown viewers do not inline)."""
+  path = figure(results, name)
+  return f"[{alt} (PDF)]({path})" if path.endswith(".pdf") else (
+      f"![{alt}]({path})")
+
+
+def is_image(line: str) -> bool:
+  """Whether ``line`` is one of :func:`image`'s."""
+  return line.startswith("![") or (line.startswith("[")
+                                    and line.endswith(".pdf)"))

@@ -19,6 +19,7 @@ from absl import flags
 from mha import cli
 from mha.head_masks import parse_heads
 from mha.pruning import speed
+from mha.figures import PLOT_FORMATS
 from mha.pruning.orderings import ORDERINGS
 
 #: ``--shapley``: how the Shapley values are computed.
@@ -103,6 +104,9 @@ class StudyOptions:
       True, "Draw the report's figures (PNG files beside report.md); "
       "--noplots writes report.md without them, quicker where many studies "
       "run (a benchmark grid's cells).")
+  plot_format: str = _option(
+      "png", "File format of the report's figures: png, svg or pdf (vector "
+      "graphics, for papers; report.md inlines PNG and SVG and links PDF).")
   gates: bool = _option(
       False, "Learn hard-concrete head gates (Voita et al.) for each "
       "--gate_lambdas strength and evaluate their kept heads like every "
@@ -167,6 +171,9 @@ class StudyOptions:
                         if k not in ("random", "shapley"))
       raise ValueError(
           f"--speed_order {self.speed_order!r} is not one of: {valid}")
+    if self.plot_format not in PLOT_FORMATS:
+      raise ValueError(f"--plot_format {self.plot_format!r} is not one of: "
+                       f"{', '.join(PLOT_FORMATS)}")
     if self.speed_order == "gradient_iterative" and not self.reestimate:
       raise ValueError("--speed_order=gradient_iterative needs --reestimate")
     self._validate_extensions()

@@ -36,6 +36,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
+from mha import figures
+
 __all__ = [
     "pruning_curves_figure",
     "plot_pruning_curves",
@@ -100,12 +102,14 @@ _TICK_SIZE = 9.0
 
 
 def _save(fig: Figure, path: str | os.PathLike) -> str:
-  """Writes ``fig`` as a PNG at ``path`` (creating its parent); returns it."""
+  """Writes ``fig`` at ``path`` (creating its parent), as PNG, SVG or PDF
+  by its suffix (:func:`mha.figures.figure_format`); returns it."""
   path = os.fspath(path)
+  fmt = figures.figure_format(path)
   parent = os.path.dirname(path)
   if parent:
     os.makedirs(parent, exist_ok=True)
-  fig.savefig(path, dpi=DPI, format="png", bbox_inches="tight", pad_inches=0.1)
+  fig.savefig(path, dpi=DPI, format=fmt, bbox_inches="tight", pad_inches=0.1)
   fig.clear()  # drop artists now; the Figure has no pyplot reference to leak
   return path
 

@@ -76,7 +76,8 @@ def _curve_plot(results: Mapping[str, Any], group: Mapping[str, Any],
       intervals=intervals, title=title, points=points)
 
 
-def _importance_plot(first: Mapping[str, Any], out_dir: str) -> str:
+def _importance_plot(results: Mapping[str, Any], out_dir: str) -> str:
+  first = results["seeds"][0]
   imp = first["importance"]
   measures = {
       "gradient |dL/dξ|": md.grid(imp["gradient"]),
@@ -93,11 +94,13 @@ def _importance_plot(first: Mapping[str, Any], out_dir: str) -> str:
   }
   measures = {k: v for k, v in measures.items() if not np.all(np.isnan(v))}
   return pruning_plots.plot_importance_heatmaps(
-      measures, os.path.join(out_dir, f"importance_seed{first['seed']}.png"),
+      measures, os.path.join(
+          out_dir, md.figure(results, f"importance_seed{first['seed']}.png")),
       title=f"Head importance on validation, seed {first['seed']}")
 
 
-def _ablation_plot(first: Mapping[str, Any], out_dir: str) -> str:
+def _ablation_plot(results: Mapping[str, Any], out_dir: str) -> str:
+  first = results["seeds"][0]
   single = first["single_head_ablation"]
   ablation = {
       "single head removed: Δ test token acc.":
@@ -108,7 +111,8 @@ def _ablation_plot(first: Mapping[str, Any], out_dir: str) -> str:
           md.grid(first["all_but_one"]["test"]["token_accuracy"]),
   }
   return pruning_plots.plot_importance_heatmaps(
-      ablation, os.path.join(out_dir, f"ablation_seed{first['seed']}.png"),
+      ablation, os.path.join(
+          out_dir, md.figure(results, f"ablation_seed{first['seed']}.png")),
       title=f"Michel et al.'s ablations on test, seed {first['seed']}")
 
 
@@ -121,7 +125,8 @@ def _scatter_plot(results: Mapping[str, Any], out_dir: str) -> str:
               for s in seeds]
   return pruning_plots.plot_importance_scatter(
       [x[k] for x, k in zip(xs, keep)], [y[k] for y, k in zip(ys, keep)],
-      os.path.join(out_dir, "scatter_gradient_vs_leave_one_out.png"),
+      os.path.join(out_dir, md.figure(
+          results, "scatter_gradient_vs_leave_one_out.png")),
       xlabel="gradient importance E|dL/dξ| (validation)",
       ylabel="leave-one-out loss increase (validation)",
       labels=[f"seed {s['seed']} (Spearman {md.fmt(r, 2)})"
@@ -144,7 +149,7 @@ def _speed_plot(results: Mapping[str, Any], out_dir: str) -> str:
                      for e in entries], np.float64)
   return pruning_plots.plot_speed(
       batch_sizes, [e["fraction"] for e in entries], rates,
-      os.path.join(out_dir, "speed.png"), speedup=speedup, speedup_ci=ci,
+      os.path.join(out_dir, md.figure(results, "speed.png")), speedup=speedup, speedup_ci=ci,
       flop_ratio=[e["flop_ratio"][mid] for e in entries],
       title=f"Prediction speed of physically pruned models "
       f"({results['jax']['backend']})")
@@ -160,7 +165,7 @@ def write(results: Mapping[str, Any], out_dir: str) -> list[str]:
   report = os.path.join(out_dir, "report.md")
   with open(report, "w", encoding="utf-8") as f:
     f.write("\n".join(line for line in report_lines(results)
-                      if plots or not line.startswith("![")))
+                      if plots or not md.is_image(line)))
   return paths + [report]
 
 
@@ -172,18 +177,19 @@ def _write_plots(results: Mapping[str, Any], out_dir: str) -> list[str]:
   for metric, name in _CURVE_FILES.items():
     paths.append(_curve_plot(
         results, agg, np.asarray(seeds[0]["fractions"], np.float64), metric,
-        os.path.join(out_dir, name),
+        os.path.join(out_dir, md.figure(results, name)),
         f"{results['task']}: test {_METRIC_LABELS[metric]}, {runs}",
         report_extensions.gate_points(results) if metric == "token_accuracy"
         else None))
   paths.append(_curve_plot(
       results, agg["no_layer_emptied"],
       np.asarray(seeds[0]["no_layer_emptied"]["fractions"], np.float64),
-      "token_accuracy", os.path.join(out_dir, _NO_LAYER_EMPTIED_PNG),
+      "token_accuracy", os.path.join(
+          out_dir, md.figure(results, _NO_LAYER_EMPTIED_PNG)),
       f"{results['task']}: never emptying a layer, {runs}",
       report_extensions.gate_points(results, "no_layer_emptied")))
-  paths += [_importance_plot(seeds[0], out_dir),
-            _ablation_plot(seeds[0], out_dir),
+  paths += [_importance_plot(results, out_dir),
+            _ablation_plot(results, out_dir),
             _scatter_plot(results, out_dir)]
   if results.get("speed"):
     paths.append(_speed_plot(results, out_dir))
@@ -372,8 +378,8 @@ def _curves_section(results: Mapping[str, Any]) -> list[str]:
       f"{opts['num_random_orders']} random orders per seed. The oracle is, "
       "for each number of heads removed, the subset with the best validation "
       "token accuracy (its subsets need not be nested).", "",
-      "![token accuracy](curves_token_accuracy.png)", "",
-      "![exact match](curves_exact_match.png)", "",
+      md.image(results, "token accuracy", "curves_token_accuracy.png"), "",
+      md.image(results, "exact match", "curves_exact_match.png"), "",
       "AUC: area under the test curve over the fraction removed (1 = no "
       f"loss). Prunable: the most heads removed with every validation point "
       f"within {tol:g} point(s) of the unpruned validation accuracy, chosen "
@@ -534,7 +540,7 @@ def _no_layer_emptied_section(results: Mapping[str, Any]) -> list[str]:
       f"(at most {int(counts[-1])} heads removed), and the oracle among the "
       "subsets keeping a head in every layer. Change: AUC of the constrained "
       "curve minus the plain curve's over the same points.", "",
-      f"![no layer emptied]({_NO_LAYER_EMPTIED_PNG})", "",
+      md.image(results, "no layer emptied", _NO_LAYER_EMPTIED_PNG), "",
   ]
   rows = _curve_rows(group["curve_summary"], labels, [
       ("auc_token_accuracy", 3, False), ("auc_token_accuracy_plain", 3, False),
@@ -564,7 +570,8 @@ def _spearman_section(results: Mapping[str, Any]) -> list[str]:
       "Fisher's z, with a 95% interval and the p-value of no correlation "
       "(normal approximation, rough with this few heads).", "",
   ] + md.table(["pair", "Spearman ρ [95% CI]", "p", "per seed"], rows) + [
-      "![gradient vs leave-one-out](scatter_gradient_vs_leave_one_out.png)",
+      md.image(results, "gradient vs leave-one-out",
+               "scatter_gradient_vs_leave_one_out.png"),
       ""]
 
 
@@ -572,7 +579,7 @@ def _importance_section(results: Mapping[str, Any]) -> list[str]:
   first = results["seeds"][0]
   lines = [
       f"## Importance of each head (seed {first['seed']}, validation)", "",
-      f"![importance](importance_seed{first['seed']}.png)", "",
+      md.image(results, "importance", f"importance_seed{first['seed']}.png"), "",
       "Shapley value of each head for v(S) = validation token accuracy with "
       "exactly the heads of S kept (they sum to v(all) - v(none))"
       + (":" if first.get("shapley_method") != "sampled" else
@@ -757,7 +764,8 @@ def _ablation_section(results: Mapping[str, Any]) -> list[str]:
        "test exact match"],
       [[b["layer"], b["head"], f"{b['test_token_accuracy']:.3f}",
         f"{b['test_exact_match']:.3f}"] for b in best])
-  return lines + [f"![ablation](ablation_seed{first['seed']}.png)", ""]
+  return lines + [md.image(results, "ablation",
+                           f"ablation_seed{first['seed']}.png"), ""]
 
 
 def _speedup_cell(e: Mapping[str, Any], b: str) -> str:
@@ -831,7 +839,7 @@ def _speed_section(results: Mapping[str, Any]) -> list[str]:
            f"{e['test_token_accuracy']:.3f}"] +
           [_speedup_cell(e, b) for b in sizes] for e in sp["entries"]]
   lines += md.table(header, rows) + _speed_explanation(sp) + [
-      "![speed](speed.png)", ""]
+      md.image(results, "speed", "speed.png"), ""]
   diffs = [e["max_abs_logit_diff_pruned_vs_masked"] for e in sp["entries"]]
   return lines + [f"Pruned vs masked model, largest logit difference: "
                   f"{max(diffs):.2e}.", ""]

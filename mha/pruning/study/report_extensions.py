@@ -53,7 +53,8 @@ def write_plots(results: Mapping[str, Any], out_dir: str,
     group = results["mean_ablation"]
     paths.append(curve_plot(
         results, group, np.asarray(group["fractions"], np.float64),
-        "token_accuracy", os.path.join(out_dir, MEAN_ABLATION_PNG),
+        "token_accuracy", os.path.join(
+            out_dir, md.figure(results, MEAN_ABLATION_PNG)),
         f"{results['task']}: test token accuracy, mean ablation, {runs} "
         f"seed{'s' * (runs > 1)}"))
   retraining = results.get("retraining")
@@ -70,7 +71,7 @@ def write_plots(results: Mapping[str, Any], out_dir: str,
           for stage, key in (("before", "before"), ("after", "after"),
                              ("scratch", "from_scratch"))}
     paths.append(pruning_plots.plot_retraining(
-        fractions, rows, os.path.join(out_dir, RETRAINING_PNG),
+        fractions, rows, os.path.join(out_dir, md.figure(results, RETRAINING_PNG)),
         steps=retraining["steps"],
         title=f"{results['task']}: retraining pruned models, {runs} "
         f"seed{'s' * (runs > 1)}"))
@@ -182,7 +183,7 @@ def _retraining_section(results: Mapping[str, Any]) -> list[str]:
       "95% intervals (random: the mean of its subsets). Cost: "
       f"{np.mean(r['train_seconds_per_seed']):.1f} s of training per seed "
       "(all its pruned models and controls in one vmapped program).", "",
-      f"![retraining]({RETRAINING_PNG})", ""]
+      md.image(results, "retraining", RETRAINING_PNG), ""]
   for fraction in r["fractions"]:
     entries = {name: by[f"{fraction:g}"] for name, by in
                r["orderings"].items() if f"{fraction:g}" in by}
@@ -231,7 +232,7 @@ def _mean_ablation_section(results: Mapping[str, Any]) -> list[str]:
       "mean ablation. A "
       "mean-ablated model is still an ordinary smaller model "
       "(`mean_ablation.prune_mean_ablated`).", "",
-      f"![mean ablation]({MEAN_ABLATION_PNG})", ""] + md.table(
+      md.image(results, "mean ablation", MEAN_ABLATION_PNG), ""] + md.table(
       ["curve", "AUC, mean ablation", "AUC, zero ablation",
        "mean − zero (paired)", "prunable heads (val.), mean ablation"], rows)
 
