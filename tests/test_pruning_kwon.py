@@ -29,13 +29,15 @@ def _model_and_split(config=CONFIG, seed=0, n=24):
 
 
 def test_fisher_equals_a_loop_of_per_example_gradients():
-  model, params, split = _model_and_split()
-  blocks = kwon.fisher_blocks(model, params, split, batch_size=7)
+  model, params, split = _model_and_split(n=12)
+  blocks = kwon.fisher_blocks(model, params, split, batch_size=5)
   full = jnp.asarray(head_masks.full_head_mask(CONFIG))
+  # One example at a time (one compiled gradient, called per example).
+  grad = jax.jit(jax.grad(lambda m, x, y: core.per_example_loss(
+      model, params, x[None], y[None], m)[0]))
   want = np.zeros_like(blocks)
-  for x, y in zip(split.inputs, split.targets):  # One example at a time.
-    g = np.asarray(jax.grad(lambda m: core.per_example_loss(
-        model, params, x[None], y[None], m)[0])(full), np.float64)
+  for x, y in zip(split.inputs, split.targets):
+    g = np.asarray(grad(full, x, y), np.float64)
     want += np.einsum("lh,lg->lhg", g, g)
   np.testing.assert_allclose(blocks, want / len(split), rtol=1e-4,
                              atol=1e-10)
