@@ -235,7 +235,15 @@ def scores(source, splits, subsets):
   grad = core.gradient_importance(model, params, validation)
   attention = core.attention_confidence(model, params, validation)
   loss_without = np.array([subsets["loss"][15 - (1 << i)] for i in range(4)])
+  # Fisher importance: the mean over examples of the squared per-example
+  # mask gradient, from core's per-example gradients.
+  full = jnp.asarray(head_masks.full_head_mask(config))
+  grads = np.asarray(core.head_mask_gradients(
+      model, params, jnp.asarray(validation.inputs),
+      jnp.asarray(validation.targets), full), np.float64)
+  fisher = np.mean(grads ** 2, axis=0)
   return {
+      "fisher": fisher,
       "gradient": grad,
       "gradient_l2": core.normalize_per_layer(grad),
       "reverse_gradient": -grad,
