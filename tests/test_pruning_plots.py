@@ -205,6 +205,17 @@ def test_importance_heatmaps_errors(tmp_path):
 # Importance scatter.
 
 
+@pytest.mark.parametrize("suffix, magic", [(".svg", b"<?xml"),
+                                           (".pdf", b"%PDF")])
+def test_figures_in_vector_formats_by_suffix(tmp_path, suffix, magic):
+  measures = {"gradient": np.arange(8.0).reshape(2, 4)}
+  path = pp.plot_importance_heatmaps(measures, tmp_path / f"imp{suffix}")
+  with open(path, "rb") as f:
+    assert f.read().startswith(magic)
+  with pytest.raises(ValueError, match=r"imp\.jpg"):
+    pp.plot_importance_heatmaps(measures, tmp_path / "imp.jpg")
+
+
 def test_importance_scatter_png(tmp_path):
   rng = np.random.default_rng(5)
   x = [rng.gamma(1.0, 0.02, size=(2, 4)) for _ in range(3)]
