@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from typing import Sequence
 
 import jax
@@ -106,8 +107,8 @@ def _rearrange_layer(block: np.ndarray, count: int, remove: int,
     return start
   best, best_value = start, _loss_increase(block, np.asarray(start))
   options = itertools.combinations(range(count), remove)
-  if _choose(count, remove) > EXHAUSTIVE_LIMIT:
-    options = _swaps(block, count, start)
+  if math.comb(count, remove) > EXHAUSTIVE_LIMIT:
+    options = _swaps(count, start)
   for option in options:
     value = _loss_increase(block, np.asarray(option))
     if value < best_value - 1e-15:
@@ -115,15 +116,7 @@ def _rearrange_layer(block: np.ndarray, count: int, remove: int,
   return sorted(best)
 
 
-def _choose(n: int, k: int) -> int:
-  """Binomial coefficient."""
-  out = 1
-  for i in range(min(k, n - k)):
-    out = out * (n - i) // (i + 1)
-  return out
-
-
-def _swaps(block: np.ndarray, count: int, start: list[int]):
+def _swaps(count: int, start: list[int]):
   """Every removal set one swap (a removed head for a kept one) away from
   ``start``: the neighbourhood tried when exhaustive search is too big."""
   kept = [h for h in range(count) if h not in start]
@@ -187,34 +180,55 @@ def tune_mask(model: Transformer, params: Params, split: data.Split,
   Returns:
     The tuned mask, float32 ``[L, H]``: 0 where ``mask`` is 0.
   """
+  return tune_masks(model, params, split, [mask], ridge=ridge)[0]
+
+
+def _head_outputs(outputs: Array) -> np.ndarray:
+  """``[H, B, T, D]`` float64: each head's own part of
+  :func:`_layer_outputs` (its output minus the bias-only output)."""
+  outputs = np.asarray(outputs, np.float64)
+  return outputs[1:] - outputs[:1]
+
+
+def tune_masks(model: Transformer, params: Params, split: data.Split,
+               masks: Sequence[np.ndarray], *,
+               ridge: float = 1e-6) -> list[np.ndarray]:
+  """:func:`tune_mask` of each of ``masks``, the unpruned model's layer
+  outputs (the targets every mask is fitted to) computed once for all."""
   config = model.config
-  mask = np.asarray(mask, np.float32)
-  tuned = mask.copy()
   inputs = jnp.asarray(split.inputs)
   attention_mask = padding_mask_from_tokens(inputs)
   valid = np.asarray(split.inputs) != 0
-  x_full = x_pruned = oracle.embed_tokens(model, params, inputs)
+  full_mask = full_head_mask(config)
+  # The unpruned model, layer by layer: each head's outputs and their sum.
+  x = embeddings = oracle.embed_tokens(model, params, inputs)
+  full_heads = []
   for layer, count in enumerate(config.heads_per_layer):
-    full = jnp.asarray(full_head_mask(config)[layer, :count])
-    kept = np.flatnonzero(mask[layer, :count])
-    if count and len(kept):
-      target = np.asarray(_layer_outputs_jit(
-          model, params, layer, x_full, attention_mask), np.float64)
-      target = (target[1:] - target[:1]).sum(0)[valid]  # [P, D]
-      ours = np.asarray(_layer_outputs_jit(
-          model, params, layer, x_pruned, attention_mask), np.float64)
-      heads = (ours[1:] - ours[:1])[kept][:, valid]  # [K, P, D]
-      design = heads.reshape(len(kept), -1)
-      gram = design @ design.T
-      gram += ridge * np.mean(np.diag(gram)) * np.eye(len(kept))
-      values = np.linalg.solve(gram, design @ target.reshape(-1))
-      tuned[layer, kept] = values.astype(np.float32)
-    layer_mask = jnp.asarray(tuned[layer, :count])
-    x_full = _block_jit(model, params, layer, x_full, attention_mask, full)
-    x_pruned = _block_jit(model, params, layer, x_pruned, attention_mask,
-                          layer_mask)
-  return tuned
+    full_heads.append(_head_outputs(_layer_outputs_jit(
+        model, params, layer, x, attention_mask)) if count else None)
+    x = _block_jit(model, params, layer, x, attention_mask,
+                   jnp.asarray(full_mask[layer, :count]))
+  out = []
+  for mask in masks:
+    tuned = np.asarray(mask, np.float32).copy()
+    x = embeddings
+    for layer, count in enumerate(config.heads_per_layer):
+      kept = np.flatnonzero(tuned[layer, :count])
+      if count and len(kept):
+        target = full_heads[layer].sum(0)[valid]  # [P, D]
+        # Layer 0's input is the same as the unpruned model's.
+        heads = full_heads[layer] if layer == 0 else _head_outputs(
+            _layer_outputs_jit(model, params, layer, x, attention_mask))
+        design = heads[kept][:, valid].reshape(len(kept), -1)  # [K, P * D]
+        gram = design @ design.T
+        gram += ridge * np.mean(np.diag(gram)) * np.eye(len(kept))
+        values = np.linalg.solve(gram, design @ target.reshape(-1))
+        tuned[layer, kept] = values.astype(np.float32)
+      x = _block_jit(model, params, layer, x, attention_mask,
+                     jnp.asarray(tuned[layer, :count]))
+    out.append(tuned)
+  return out
 
 
 __all__ = ["EXHAUSTIVE_LIMIT", "fisher_blocks", "fisher_importance",
-           "search", "tune_mask"]
+           "search", "tune_mask", "tune_masks"]

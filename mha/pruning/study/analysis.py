@@ -370,9 +370,9 @@ def run_kwon(model: Transformer, params: Params, validation: data.Split,
   masks, timings["kwon_tuned_s"] = timed(
       log, f"{SEARCH_LABELS['kwon_tuned']}: least squares per layer, "
       f"{n + 1} subsets",
-      lambda: [kwon.tune_mask(model, params, validation,
-                              head_masks.mask_without(config, r))
-               for r in removals])
+      lambda: kwon.tune_masks(model, params, validation,
+                              [head_masks.mask_without(config, r)
+                               for r in removals]))
   return [{"k": k, "removed": r} for k, r in enumerate(removals)], masks
 
 

@@ -65,9 +65,6 @@ def heads_table(values: np.ndarray, form: str = "{:+.3f}") -> list[str]:
   return table(header, rows)
 
 
-__all__ = ["finite", "grid", "fmt", "ci", "q_value", "table", "heads_table"]
-
-
 def figure(results: Mapping[str, Any], name: str) -> str:
   """The file name of figure ``name`` (given as ``<stem>.png``) in the
   study's ``plot_format`` (``png``, ``svg`` or ``pdf``)."""
@@ -87,3 +84,7 @@ def is_image(line: str) -> bool:
   """Whether ``line`` is one of :func:`image`'s."""
   return line.startswith("![") or (line.startswith("[")
                                     and line.endswith(".pdf)"))
+
+
+__all__ = ["finite", "grid", "fmt", "ci", "q_value", "table", "heads_table",
+           "figure", "image", "is_image"]

@@ -17,9 +17,9 @@ from typing import Any, Mapping
 from absl import flags
 
 from mha import cli
+from mha.figures import PLOT_FORMATS
 from mha.head_masks import parse_heads
 from mha.pruning import speed
-from mha.figures import PLOT_FORMATS
 from mha.pruning.orderings import ORDERINGS
 
 #: ``--shapley``: how the Shapley values are computed.

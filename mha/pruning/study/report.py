@@ -149,7 +149,8 @@ def _speed_plot(results: Mapping[str, Any], out_dir: str) -> str:
                      for e in entries], np.float64)
   return pruning_plots.plot_speed(
       batch_sizes, [e["fraction"] for e in entries], rates,
-      os.path.join(out_dir, md.figure(results, "speed.png")), speedup=speedup, speedup_ci=ci,
+      os.path.join(out_dir, md.figure(results, "speed.png")),
+      speedup=speedup, speedup_ci=ci,
       flop_ratio=[e["flop_ratio"][mid] for e in entries],
       title=f"Prediction speed of physically pruned models "
       f"({results['jax']['backend']})")

@@ -71,7 +71,8 @@ def write_plots(results: Mapping[str, Any], out_dir: str,
           for stage, key in (("before", "before"), ("after", "after"),
                              ("scratch", "from_scratch"))}
     paths.append(pruning_plots.plot_retraining(
-        fractions, rows, os.path.join(out_dir, md.figure(results, RETRAINING_PNG)),
+        fractions, rows,
+        os.path.join(out_dir, md.figure(results, RETRAINING_PNG)),
         steps=retraining["steps"],
         title=f"{results['task']}: retraining pruned models, {runs} "
         f"seed{'s' * (runs > 1)}"))
