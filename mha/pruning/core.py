@@ -39,6 +39,8 @@ from mha.evaluate import example_metric_sums  # Re-exported: per example.
 from mha.head_masks import (all_but_one_masks, existing_heads, full_head_mask,
                             leave_one_out_masks, masked_logits)
 from mha.model import Transformer, TransformerConfig
+from mha.pruning import ablation as ablation_lib
+from mha.pruning.ablation import Ablation, ablated_logits
 
 
 
@@ -63,15 +65,20 @@ def pruning_counts(num_heads: int, step_fraction: float = 0.0) -> np.ndarray:
 
 
 def per_example_loss(model: Transformer, params: Params, inputs: Array,
-                     targets: Array, head_mask: Array) -> Array:
-  """Mean token cross-entropy of each example ``[B]`` (0 for empty rows)."""
+                     targets: Array, head_mask: Array,
+                     ablation: Ablation | None = None) -> Array:
+  """Mean token cross-entropy of each example ``[B]`` (0 for empty rows);
+  removed heads replaced as ``ablation`` (aligned with ``inputs``) says,
+  zero when None."""
   sums = eval_lib.example_metric_sums(
-      masked_logits(model, params, inputs, head_mask), targets, inputs)
+      ablated_logits(model, params, inputs, head_mask, ablation), targets,
+      inputs)
   return sums["loss_sum"] / jnp.maximum(sums["tokens"], 1)
 
 
 def head_mask_gradients(model: Transformer, params: Params, inputs: Array,
-                        targets: Array, head_mask: Array) -> Array:
+                        targets: Array, head_mask: Array,
+                        ablation: Ablation | None = None) -> Array:
   """Per-example gradients of the loss with respect to the head mask.
 
   ``vmap`` of ``grad`` over the examples, so that importance is the mean of
@@ -82,25 +89,35 @@ def head_mask_gradients(model: Transformer, params: Params, inputs: Array,
     ``[B, L, H]``.
   """
 
-  def one(x, y):
-    loss = lambda m: per_example_loss(model, params, x[None], y[None], m)[0]
+  def one(x, y, a):
+    if a is not None and a.donors is not None:
+      a = a.replace(donors=a.donors[None])
+    loss = lambda m: per_example_loss(model, params, x[None], y[None], m,
+                                      a)[0]
     return jax.grad(loss)(head_mask)
 
-  return jax.vmap(one)(inputs, targets)
+  # Resample's donors are per example; other ablations are shared.
+  axes = (None if ablation is None or ablation.donors is None else
+          ablation.replace(shifts=None, donors=0))
+  return jax.vmap(one, in_axes=(0, 0, axes))(inputs, targets, ablation)
 
 
 def masked_metric_sums(model: Transformer, params: Params, inputs: Array,
-                       targets: Array, head_mask: Array) -> dict[str, Array]:
-  """:func:`mha.evaluate.metric_sums` of the model under ``head_mask``."""
-  logits = masked_logits(model, params, inputs, head_mask)
+                       targets: Array, head_mask: Array,
+                       ablation: Ablation | None = None) -> dict[str, Array]:
+  """:func:`mha.evaluate.metric_sums` of the model under ``head_mask``
+  (and ``ablation``, aligned with ``inputs``)."""
+  logits = ablated_logits(model, params, inputs, head_mask, ablation)
   return eval_lib.metric_sums(logits, targets, inputs)
 
 
 def masked_example_sums(model: Transformer, params: Params, inputs: Array,
-                        targets: Array, head_mask: Array) -> dict[str, Array]:
+                        targets: Array, head_mask: Array,
+                        ablation: Ablation | None = None
+                        ) -> dict[str, Array]:
   """:func:`mha.evaluate.example_metric_sums` of the model under
-  ``head_mask``."""
-  logits = masked_logits(model, params, inputs, head_mask)
+  ``head_mask`` (and ``ablation``, aligned with ``inputs``)."""
+  logits = ablated_logits(model, params, inputs, head_mask, ablation)
   return eval_lib.example_metric_sums(logits, targets, inputs)
 
 
@@ -139,16 +156,37 @@ def attention_statistics(model: Transformer, params: Params,
 
 
 @functools.partial(jax.jit, static_argnames="model")
-def _abs_gradient_sums(model, params, inputs, targets, head_mask):
-  grads = head_mask_gradients(model, params, inputs, targets, head_mask)
+def _abs_gradient_sums(model, params, inputs, targets, head_mask,
+                       ablation=None):
+  grads = head_mask_gradients(model, params, inputs, targets, head_mask,
+                              ablation)
   return jnp.sum(jnp.abs(grads), axis=0)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "per_example"))
 def _metric_sums_per_mask(model, params, inputs, targets, masks,
-                          per_example=False):
+                          per_example=False, ablation=None):
   fn = masked_example_sums if per_example else masked_metric_sums
-  return jax.vmap(functools.partial(fn, model, params, inputs, targets))(masks)
+  if ablation is not None and ablation.mode == "resample":
+    # The donors' head outputs once, not once per mask.
+    ablation = ablation_lib.Ablation(
+        "mean", shifts=_stacked_shifts(model, params, ablation))
+  return jax.vmap(lambda m: fn(model, params, inputs, targets, m,
+                               ablation))(masks)
+
+
+def _stacked_shifts(model: Transformer, params: Params,
+                    ablation: Ablation) -> Array:
+  """``[L, H, B, T, D]``: resample's shifts of every layer, zeros where no
+  head (an ablation whose ``shifts`` broadcast like mean's)."""
+  config = model.config
+  rows = []
+  for layer, shift in enumerate(ablation.layer_shifts(model, params)):
+    count = config.heads_per_layer[layer]
+    shape = (config.max_heads,) + ablation.donors.shape + (config.d_model,)
+    full = jnp.zeros(shape, jnp.float32)
+    rows.append(full if shift is None else full.at[:count].set(shift))
+  return jnp.stack(rows)
 
 
 _metric_sums_one_mask = jax.jit(masked_metric_sums, static_argnames="model")
@@ -179,7 +217,8 @@ def normalize_per_layer(importance: np.ndarray) -> np.ndarray:
 def gradient_importance(model: Transformer, params: Params, split: data.Split,
                         *, head_mask: np.ndarray | None = None,
                         batch_size: int = 1000,
-                        normalize: bool = False) -> np.ndarray:
+                        normalize: bool = False,
+                        ablation: Ablation | None = None) -> np.ndarray:
   """Michel et al.'s importance ``I_h = E_x |dL(x)/d xi_h|`` at ``head_mask``.
 
   Args:
@@ -188,6 +227,8 @@ def gradient_importance(model: Transformer, params: Params, split: data.Split,
     head_mask: where the gradient is taken; defaults to every head kept.
     batch_size: examples per jitted call.
     normalize: divide each layer by its L2 norm.
+    ablation: what a removed head outputs (:mod:`mha.pruning.ablation`,
+      built for ``split``); zero when None.
 
   Returns:
     ``[L, H]``, NaN where a head does not exist.
@@ -195,9 +236,10 @@ def gradient_importance(model: Transformer, params: Params, split: data.Split,
   config = model.config
   mask = jnp.asarray(full_head_mask(config) if head_mask is None else head_mask)
   total = np.zeros(mask.shape, np.float64)
-  for inputs, targets in batches(split, batch_size):
+  for inputs, targets, abl in ablation_lib.batched(split, batch_size,
+                                                   ablation):
     total += np.asarray(_abs_gradient_sums(model, params, inputs, targets,
-                                           mask))
+                                           mask, abl))
   importance = total / max(len(split), 1)
   importance = np.where(existing_heads(config), importance, np.nan)
   return normalize_per_layer(importance) if normalize else importance
@@ -206,8 +248,12 @@ def gradient_importance(model: Transformer, params: Params, split: data.Split,
 def evaluate_masks(model: Transformer, params: Params, split: data.Split,
                    masks: np.ndarray, *, batch_size: int = 1000,
                    chunk_size: int = 8,
-                   per_example: bool = False) -> dict[str, np.ndarray]:
-  """Loss, token accuracy and exact match under each of ``masks``.
+                   per_example: bool = False,
+                   ablation: Ablation | None = None
+                   ) -> dict[str, np.ndarray]:
+  """Loss, token accuracy and exact match under each of ``masks``, removed
+  heads replaced as ``ablation`` (:mod:`mha.pruning.ablation`, built for
+  ``split``) says, zero when None.
 
   The masks are split into even chunks of at most ``chunk_size``; each chunk
   is one vmapped, jitted call per batch of ``batch_size / chunk`` examples
@@ -231,9 +277,10 @@ def evaluate_masks(model: Transformer, params: Params, split: data.Split,
     padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part), 0)])
     padded = jnp.asarray(padded)
     pieces: dict[str, list[np.ndarray]] = {}
-    for inputs, targets in batches(split, -(-batch_size // chunk)):
+    for inputs, targets, abl in ablation_lib.batched(
+        split, -(-batch_size // chunk), ablation):
       out = jax.device_get(_metric_sums_per_mask(
-          model, params, inputs, targets, padded, per_example))
+          model, params, inputs, targets, padded, per_example, abl))
       for key, value in out.items():
         pieces.setdefault(key, []).append(np.asarray(value))
     for key, value in pieces.items():
@@ -281,8 +328,10 @@ def heads_to_array(config: TransformerConfig, values: np.ndarray) -> np.ndarray:
 
 
 def leave_one_out(model: Transformer, params: Params, split: data.Split, *,
-                  batch_size: int = 1000) -> dict[str, Any]:
-  """Metrics with each head removed alone, all masks in vmapped calls.
+                  batch_size: int = 1000,
+                  ablation: Ablation | None = None) -> dict[str, Any]:
+  """Metrics with each head removed alone (replaced as ``ablation`` says,
+  zero when None), all masks in vmapped calls.
 
   Returns:
     ``base``: the unpruned metrics; ``loss``, ``token_accuracy``,
@@ -292,7 +341,7 @@ def leave_one_out(model: Transformer, params: Params, split: data.Split, *,
   config = model.config
   metrics = evaluate_masks(model, params, split,
                            leave_one_out_masks_with_full(config),
-                           batch_size=batch_size)
+                           batch_size=batch_size, ablation=ablation)
   return leave_one_out_from_metrics(config, metrics)
 
 

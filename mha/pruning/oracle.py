@@ -31,6 +31,7 @@ the candidates per number of heads removed (:data:`ORACLE_CANDIDATES`,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -49,6 +50,7 @@ from mha.aliases import Array, Log, Params
 from mha.attention import MultiHeadAttention, padding_mask_from_tokens
 from mha.model import EncoderBlock, Transformer, TransformerConfig
 from mha.progress import Tenths, quiet, timed
+from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
 
 
@@ -120,17 +122,30 @@ def embed_tokens(model: Transformer, params: Params, tokens: Array) -> Array:
 
 
 def run_block(model: Transformer, params: Params, layer: int, x: Array,
-           attention_mask: Array, layer_mask: Array,
-           shift: Array | None = None) -> Array:
+              attention_mask: Array, layer_mask: Array,
+              shift: Array | None = None,
+              added: Array | None = None) -> Array:
   """Block ``layer`` of the model under its ``[H_l]`` head mask; with
   ``shift`` ``[H, D]`` (mean ablation), each removed head's row is added to
-  the output bias."""
+  the output bias; with ``added`` ``[H, B | 1, T | 1, D]`` (any
+  :mod:`mha.pruning.ablation` mode), each removed head's shift is added to
+  the attention's output."""
   block = EncoderBlock(model.config, model.config.heads_per_layer[layer])
-  y, _ = block.apply({"params": _block_params(model, params, layer,
-                                              layer_mask, shift)},
-                     x, attention_mask, layer_mask, deterministic=True,
-                     return_weights=False)
+  with _ablated(layer_mask, added):
+    y, _ = block.apply({"params": _block_params(model, params, layer,
+                                                layer_mask, shift)},
+                       x, attention_mask, layer_mask, deterministic=True,
+                       return_weights=False)
   return y
+
+
+def _ablated(layer_mask: Array, added: Array | None):
+  """A context in which a block applied alone is ablated by ``added``
+  (:func:`mha.pruning.ablation.block_interceptor`), or does nothing."""
+  if added is None:
+    return contextlib.nullcontext()
+  return nn.intercept_methods(
+      ablation_lib.block_interceptor(layer_mask, added))
 
 
 def _block_params(model: Transformer, params: Params, layer: int,
@@ -148,13 +163,19 @@ def _block_params(model: Transformer, params: Params, layer: int,
 
 
 def attention_outputs(model: Transformer, params: Params, layer: int,
-                       x: Array, attention_mask: Array, masks: Array,
-                       shift: Array | None) -> Array:
+                      x: Array, attention_mask: Array, masks: Array,
+                      shift: Array | None,
+                      added: Array | None = None) -> Array:
   """``[M, B, T, D]``: the attention sublayer's output of block ``layer``
-  (what is added to the residual stream) under each of ``masks``."""
+  (what is added to the residual stream) under each of ``masks`` (``shift``
+  and ``added``: as :func:`run_block`)."""
   block = EncoderBlock(model.config, model.config.heads_per_layer[layer])
 
   def one(m):
+    with _ablated(m, added):
+      return _captured(m)
+
+  def _captured(m):
     _, captured = block.apply(
         {"params": _block_params(model, params, layer, m, shift)}, x,
         attention_mask, m, deterministic=True, return_weights=False,
@@ -168,7 +189,8 @@ def attention_outputs(model: Transformer, params: Params, layer: int,
 def _last_layer_sums(model: Transformer, params: Params, xs: Array,
                      attention_mask: Array, codes: Array, positions: Array,
                      weights: Array, targets: Array, tokens: Array,
-                     shift: Array | None) -> tuple[Array, Array, Array]:
+                     shift: Array | None, added: Array | None = None
+                     ) -> tuple[Array, Array, Array]:
   """Per-example sums ``[prefixes, M, B]`` (loss, correct, exact) of the
   last block under each of its masks ``codes`` ``[M, H]`` and the read-out.
 
@@ -194,7 +216,7 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
 
   def per_prefix(x):
     outs = attention_outputs(model, params, layer, x, attention_mask, basis,
-                              shift)  # [1 + H, B, T, D]
+                             shift, added)  # [1 + H, B, T, D]
     outs = outs.reshape(outs.shape[:1] + (-1, outs.shape[-1]))[:, positions]
     base, heads = outs[0], outs[1:] - outs[:1]  # [P, D], [H, P, D]
     residual = x.reshape(-1, x.shape[-1])[positions][None]  # [1, P, D]
@@ -231,7 +253,8 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
                        bias_shifts: Array | None = None,
                        first_codes: Array | None = None,
                        positions: Array | None = None,
-                       position_weights: Array | None = None
+                       position_weights: Array | None = None,
+                       ablation: ablation_lib.Ablation | None = None
                        ) -> dict[str, Array]:
   """Per-example :func:`eval_lib.example_metric_sums` under every subset.
 
@@ -244,7 +267,9 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
   None. ``positions`` ``[P]`` (flat indices of the batch's valid positions,
   padded, with ``position_weights`` 1 for a valid one and 0 for padding):
   the last layer runs the fast way (:func:`_last_layer_sums`, the same
-  sums to float32 rounding), else as every other layer.
+  sums to float32 rounding), else as every other layer. ``ablation``
+  (aligned with ``inputs``): each removed head replaced as
+  :mod:`mha.pruning.ablation` says.
 
   Returns:
     ``loss_sum``, ``correct``, ``exact``: ``[2**N, B]`` (with
@@ -257,6 +282,8 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
   xs = embed_tokens(model, params, inputs)[None]  # [prefixes, B, T, D]
   valid = inputs != 0
   fast = positions is not None and cfg.heads_per_layer[-1] > 0
+  added = (ablation.layer_shifts(model, params) if ablation is not None
+           else [None] * cfg.num_layers)
   sizes = []
   for layer, count in enumerate(cfg.heads_per_layer):
     codes = (jnp.asarray(first_codes) if layer == 0 and first_codes is not None
@@ -266,12 +293,13 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
     if fast and layer == cfg.num_layers - 1:
       per_subset = _last_layer_sums(
           model, params, xs, attention_mask, codes, positions,
-          position_weights, targets, jnp.sum(valid, axis=-1), shift)
+          position_weights, targets, jnp.sum(valid, axis=-1), shift,
+          added[layer])
       per_subset = tuple(v.reshape((-1,) + v.shape[2:]) for v in per_subset)
       break
     run = functools.partial(
         run_block, model, params, layer, attention_mask=attention_mask,
-        shift=shift)
+        shift=shift, added=added[layer])
     per_prefix = lambda x, run=run, codes=codes: jax.vmap(
         lambda m: run(x=x, layer_mask=m))(codes)
     xs = jax.vmap(per_prefix)(xs).reshape((-1,) + xs.shape[1:])
@@ -295,9 +323,10 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
 @functools.partial(jax.jit, static_argnames=("model", "per_example"))
 def _subset_sums(model, params, inputs, targets, per_example,
                  bias_shifts=None, first_codes=None, positions=None,
-                 position_weights=None):
+                 position_weights=None, ablation=None):
   sums = subset_metric_sums(model, params, inputs, targets, bias_shifts,
-                            first_codes, positions, position_weights)
+                            first_codes, positions, position_weights,
+                            ablation)
   if per_example:
     return sums
   return {k: jnp.sum(v.astype(jnp.float32), axis=-1) for k, v in sums.items()}
@@ -311,10 +340,12 @@ def _subset_sums(model, params, inputs, targets, per_example,
 def evaluate_subsets(model: Transformer, params: Params, split: data.Split, *,
                      batch_size: int = 1000,
                      per_example: bool = False,
-                     bias_shifts: Array | None = None
+                     bias_shifts: Array | None = None,
+                     ablation: ablation_lib.Ablation | None = None
                      ) -> dict[str, np.ndarray]:
   """Metrics of every subset of heads on ``split`` (mean-ablated with
-  ``bias_shifts``, see :func:`subset_metric_sums`).
+  ``bias_shifts``, or as ``ablation``, built for ``split``, says: see
+  :func:`subset_metric_sums`).
 
   Args:
     model, params: the model.
@@ -334,13 +365,16 @@ def evaluate_subsets(model: Transformer, params: Params, split: data.Split, *,
   """
   if not per_example:
     return eval_lib.summarize(subset_totals(
-        model, params, split, batch_size=batch_size, bias_shifts=bias_shifts))
+        model, params, split, batch_size=batch_size, bias_shifts=bias_shifts,
+        ablation=ablation))
   subsets = 2 ** num_heads(model.config)
   examples = max(1, min(batch_size, TABLE_ROWS_PER_CALL // subsets))
   parts: dict[str, list[np.ndarray]] = {}
-  for inputs, targets in core.batches(split, examples):
+  for inputs, targets, abl in ablation_lib.batched(split, examples,
+                                                   ablation):
     out = jax.device_get(_subset_sums(model, params, inputs, targets,
-                                      per_example, bias_shifts))
+                                      per_example, bias_shifts,
+                                      ablation=abl))
     for key, value in out.items():
       parts.setdefault(key, []).append(np.asarray(value))
   n = len(split)
@@ -370,7 +404,9 @@ def call_shape(config: TransformerConfig, batch_size: int,
 def subset_totals(model: Transformer, params: Params, split: data.Split, *,
                   batch_size: int = 1000, bias_shifts: Array | None = None,
                   rows: int = ROWS_PER_CALL,
-                  log: Log = quiet) -> dict[str, np.ndarray]:
+                  log: Log = quiet,
+                  ablation: ablation_lib.Ablation | None = None
+                  ) -> dict[str, np.ndarray]:
   """The metric sums of every subset of heads over ``split``, streamed.
 
   The exhaustive oracle without its per-example table: each call evaluates
@@ -401,6 +437,11 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
   counts = {"tokens": float(valid.sum()),
             "sequences": float(valid.any(axis=-1).sum())}
   balanced = _balanced(split, examples)
+  if ablation is not None and ablation.donors is not None:
+    # Donors have their example's length: they are dealt to the same slots.
+    donors = np.asarray(ablation.donors)
+    ablation = ablation.replace(
+        donors=_balanced(data.Split(donors, donors), examples).inputs)
   num_batches = -(-len(balanced) // examples)
   # The batches' valid positions, from the host copy (core.batches cuts the
   # same consecutive rows): one width, the most of any batch.
@@ -420,13 +461,14 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
         block = np.sum(np.asarray(out[key], np.float64), axis=-1)
         total[:, start:start + chunk] += block.reshape(rest, chunk)
 
-  for b, (inputs, targets) in enumerate(core.batches(balanced, examples)):
+  for b, (inputs, targets, abl) in enumerate(
+      ablation_lib.batched(balanced, examples, ablation)):
     positions, weights = _valid_positions(host[b], width)
     for start in range(0, first, chunk):
       pending.append((start, _subset_sums(
           model, params, inputs, targets, True, bias_shifts,
           None if chunk == first else codes[start:start + chunk],
-          positions, weights)))
+          positions, weights, abl)))
       collect(IN_FLIGHT)
     progress(b + 1, f"batches of {examples} examples")
   collect(0)
@@ -643,10 +685,12 @@ def oracle_removals(model: Transformer, params: Params,
 def evaluate_oracle(model: Transformer, params: Params,
                     validation: data.Split, *, batch_size: int,
                     max_heads: int, log: Log = quiet,
-                    timings: dict[str, float] | None = None
+                    timings: dict[str, float] | None = None,
+                    ablation: ablation_lib.Ablation | None = None
                     ) -> tuple[dict[str, np.ndarray] | None, np.ndarray,
                                dict[str, list[list[np.ndarray]]]]:
-  """Every subset on validation, streamed (:func:`subset_totals`): the
+  """Every subset on validation (removed heads replaced as ``ablation``,
+  built for ``validation``, says), streamed (:func:`subset_totals`): the
   metrics of every subset (``loss``, ``token_accuracy``, ``exact_match``,
   ``[2**N]`` each), exact Shapley values ``[L, H]`` of token accuracy, and
   the oracle's candidates per variant (:func:`removals_by_variant`);
@@ -662,7 +706,8 @@ def evaluate_oracle(model: Transformer, params: Params,
   totals, timings["oracle_s"] = timed(
       log, f"oracle: all {2 ** n} subsets of heads on validation, layer by "
       "layer, streamed", lambda: subset_totals(
-          model, params, validation, batch_size=batch_size, log=log))
+          model, params, validation, batch_size=batch_size, log=log,
+          ablation=ablation))
   metrics = eval_lib.summarize(totals)
   removals = removals_by_variant(subset_values(metrics), config)
   shapley = shapley_values(metrics["token_accuracy"], config)
