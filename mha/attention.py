@@ -157,14 +157,28 @@ def _check_qkv(query: Array, key: Array, value: Array) -> None:
     raise ValueError(
         f"key and value must have the same length; got key {key.shape}, "
         f"value {value.shape}.")
-  if not query.shape[-2] == key.shape[-2] == value.shape[-2]:
+  if key.shape[-2] != value.shape[-2]:
     raise ValueError(
-        "query, key and value must have the same number of heads; got "
-        f"query {query.shape}, key {key.shape}, value {value.shape}.")
+        "key and value must have the same number of heads; got "
+        f"key {key.shape}, value {value.shape}.")
+  _check_groups(query.shape[-2], key.shape[-2], "query heads", "key heads")
   if query.shape[-1] != key.shape[-1]:
     raise ValueError(
         f"query and key must have the same per-head width; got query "
         f"{query.shape}, key {key.shape}.")
+
+
+def _check_groups(num_heads: int, num_kv_heads: int,
+                  heads_name: str = "num_heads",
+                  kv_name: str = "num_kv_heads") -> None:
+  """Raises ``ValueError`` naming both counts unless ``num_kv_heads`` heads
+  of keys and values can each serve a group of query heads."""
+  if num_kv_heads < 1 and num_heads > 0 or (
+      num_kv_heads > 0 and num_heads % num_kv_heads):
+    raise ValueError(
+        f"{heads_name} ({num_heads}) must be a multiple of {kv_name} "
+        f"({num_kv_heads}), each key/value head serving a group of query "
+        "heads.")
 
 
 def _broadcastable(name: str, x: Array, target: tuple[int, ...]) -> Array:
@@ -271,13 +285,51 @@ def _einsums(precision: Precision, einsum_dot_general: Callable | None,
   return einsum, einsum
 
 
+# Grouped-query attention (Ainslie et al. 2023): H query heads share
+# H_kv <= H heads of keys and values, query head n reading key/value head
+# n // (H / H_kv) (jax.nn.dot_product_attention's and Flax's grouping). The
+# two einsums below see the groups as an axis of their own, so keys and values
+# are never repeated H / H_kv times in memory; with H_kv = H they are the
+# plain einsums, unchanged.
+
+
+def _grouped(num_heads: int, num_kv_heads: int) -> bool:
+  return num_kv_heads not in (0, num_heads)
+
+
+def _qk_logits(query: Array, key: Array, einsum: Callable) -> Array:
+  """``QK^T`` per query head: ``[..., H, Lq, Lk]`` from ``query [..., Lq, H,
+  D]`` and ``key [..., Lk, H_kv, D]``."""
+  num_heads, num_kv_heads = query.shape[-2], key.shape[-2]
+  if not _grouped(num_heads, num_kv_heads):
+    return einsum("...qhd,...khd->...hqk", query, key)
+  query = jnp.reshape(query, query.shape[:-2] + (
+      num_kv_heads, num_heads // num_kv_heads, query.shape[-1]))
+  logits = einsum("...qhgd,...khd->...hgqk", query, key)
+  return jnp.reshape(logits, logits.shape[:-4] + (num_heads,)
+                     + logits.shape[-2:])
+
+
+def _weighted_values(probs: Array, value: Array, einsum: Callable) -> Array:
+  """The context ``[..., Lq, H, Dv]`` of ``probs [..., H, Lq, Lk]`` and
+  ``value [..., Lk, H_kv, Dv]``."""
+  num_heads, num_kv_heads = probs.shape[-3], value.shape[-2]
+  if not _grouped(num_heads, num_kv_heads):
+    return einsum("...hqk,...khd->...qhd", probs, value)
+  probs = jnp.reshape(probs, probs.shape[:-3] + (
+      num_kv_heads, num_heads // num_kv_heads) + probs.shape[-2:])
+  context = einsum("...hgqk,...khd->...qhgd", probs, value)
+  return jnp.reshape(context, context.shape[:-3] + (num_heads,
+                                                    context.shape[-1]))
+
+
 def _attention_weights(query: Array, key: Array, bias: Array | None,
                        mask: Array | None, einsum: Callable) -> Array:
   """Float32 softmax weights ``[..., H, Lq, Lk]``; masked keys exactly 0,
   rows with no valid key all 0."""
   depth = query.shape[-1]
   query = query / jnp.asarray(math.sqrt(depth), query.dtype)
-  logits = einsum("...qhd,...khd->...hqk", query, key)
+  logits = _qk_logits(query, key, einsum)
   if bias is not None:
     logits = logits + bias
   logits = logits.astype(jnp.float32)  # softmax in float32 whatever the dtype
@@ -328,8 +380,10 @@ def dot_product_attention(
 
   Args:
     query: ``[..., Lq, H, Dh]``, real floating point.
-    key: ``[..., Lk, H, Dh]``.
-    value: ``[..., Lk, H, Dv]``.
+    key: ``[..., Lk, H_kv, Dh]``; ``H_kv`` divides ``H`` (grouped-query
+      attention when smaller: query head n reads key/value head
+      ``n // (H / H_kv)``, as in ``jax.nn.dot_product_attention``).
+    value: ``[..., Lk, H_kv, Dv]``.
     bias: optional, added to the logits; broadcastable to
       ``[..., H, Lq, Lk]``.
     mask: optional boolean, True = may attend, broadcastable to
@@ -386,7 +440,7 @@ def dot_product_attention(
       raise ValueError("dropout_rng is required when dropout is active.")
     probs = _dropout(probs, dropout_rng, dropout_rate, broadcast_dropout,
                      dtype, len(batch_shape))
-  context = av_einsum("...hqk,...khd->...qhd", probs, value)
+  context = _weighted_values(probs, value, av_einsum)
   return _gate_heads(context, head_mask), weights
 
 
@@ -459,7 +513,8 @@ def fused_dot_product_attention(
   floats, a head width it supports, a mask it takes) and ``"xla"`` otherwise.
 
   Args:
-    query, key, value: as for :func:`dot_product_attention`.
+    query, key, value: as for :func:`dot_product_attention` (grouped keys
+      and values too).
     mask: optional boolean, broadcastable to ``[..., H, Lq, Lk]``.
     head_mask: optional float ``[H]`` or ``[..., H]``.
     kv_lengths: optional integer ``[...]``: keys at positions ``>= length``
@@ -619,6 +674,15 @@ class MultiHeadAttention(nn.Module):
       run the fused kernel with its residual (the log-sum-exp) and rebuild
       the weights as ``exp(logits - lse)`` in float32, instead of the unfused
       path (on CPU the unfused path runs either way).
+    num_kv_heads: heads of keys and values (grouped-query attention, Ainslie
+      et al. 2023): the ``key``/``value`` kernels are ``[D_in, H_kv, Dh]``
+      and each key/value head serves ``num_heads / num_kv_heads`` query heads
+      (query head n reads ``n // (num_heads / num_kv_heads)``, as in
+      ``flax.nnx.MultiHeadAttention`` and ``jax.nn.dot_product_attention``);
+      so does the decode cache. The weights stay ``[..., H, Lq, Lk]``, one
+      per query head, and ``head_mask`` gates query heads. None (default):
+      ``num_heads``, the parameter tree above exactly. ``num_heads`` must be
+      a multiple of it (``ValueError`` naming both otherwise).
   """
 
   num_heads: int
@@ -647,6 +711,7 @@ class MultiHeadAttention(nn.Module):
   attn_weights_value_einsum_cls: Callable[..., Callable[..., Array]] | None = (
       None)
   weights_from_lse: bool = False
+  num_kv_heads: int | None = None
 
   @nn.compact
   def __call__(
@@ -728,8 +793,14 @@ class MultiHeadAttention(nn.Module):
       raise ValueError(
           f"qkv_features ({qkv_features}) must be divisible by num_heads "
           f"({self.num_heads}).")
+    _check_groups(self.num_heads, self._kv_heads)
     return qkv_features, (input_width if self.out_features is None
                           else self.out_features)
+
+  @property
+  def _kv_heads(self) -> int:
+    """Heads of keys and values (``num_kv_heads``, default ``num_heads``)."""
+    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
   def _no_heads(self, inputs_q: Array, inputs_k: Array, features: int,
                 return_weights: bool) -> tuple[Array, Array | None]:
@@ -753,7 +824,6 @@ class MultiHeadAttention(nn.Module):
         axis=-1,
         dtype=self.dtype,
         param_dtype=self.param_dtype,
-        features=(self.num_heads, head_dim),
         kernel_init=self.kernel_init,
         bias_init=self.bias_init,
         use_bias=self.use_bias,
@@ -761,9 +831,10 @@ class MultiHeadAttention(nn.Module):
         dot_general=self.qkv_dot_general,
         dot_general_cls=self.qkv_dot_general_cls,
     )
-    query = dense(name="query")(inputs_q)
-    key = dense(name="key")(inputs_k)
-    value = dense(name="value")(inputs_v)
+    kv_features = (self._kv_heads, head_dim)
+    query = dense(features=(self.num_heads, head_dim), name="query")(inputs_q)
+    key = dense(features=kv_features, name="key")(inputs_k)
+    value = dense(features=kv_features, name="value")(inputs_v)
     if self.normalize_qk:
       # Normalizing queries and keys stabilizes training at higher learning
       # rates (ViT-22B, arxiv.org/abs/2302.05442).
@@ -787,11 +858,14 @@ class MultiHeadAttention(nn.Module):
                                 lambda: jnp.array(0, dtype=jnp.int32))
     if not is_initialized:
       return key, value, None
-    *batch_dims, max_length, num_heads, depth = cached_key.value.shape
-    expected = tuple(batch_dims) + (1, num_heads, depth)
-    if expected != query.shape:
-      raise ValueError("Autoregressive cache shape error, expected query "
-                       f"shape {expected} instead got {query.shape}.")
+    *batch_dims, max_length, num_kv_heads, depth = cached_key.value.shape
+    expected = tuple(batch_dims) + (1, num_kv_heads, depth)
+    # Flax's check is on the query; with grouped heads, on the key.
+    name, got = (("query", query) if self.num_kv_heads is None
+                 else ("key", key))
+    if expected != got.shape:
+      raise ValueError(f"Autoregressive cache shape error, expected {name} "
+                       f"shape {expected} instead got {got.shape}.")
     index = cache_index.value
     zero = jnp.array(0, dtype=jax.lax.dtype(index.dtype))
     indices = (zero,) * len(batch_dims) + (index, zero, zero)
