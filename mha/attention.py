@@ -594,6 +594,90 @@ def _check_inputs(inputs_q: Array, inputs_k: Array, inputs_v: Array) -> None:
         f"inputs_v {inputs_v.shape}.")
 
 
+# The layer's steps that are pure functions of arrays, shared by the Linen
+# layer below and the NNX layer of :mod:`mha.nnx`.
+
+
+def _layer_masks(mask: Array | None, valid_lens: Array | None,
+                 extra_mask: Array | None, batch_shape: tuple[int, ...],
+                 num_heads: int, lq: int,
+                 lk: int) -> tuple[Array | None, Array | None]:
+  """A layer's ``mask`` and ``valid_lens`` (checked against ``[..., H, Lq,
+  Lk]``) and another mask (decode, causal) as ``(mask, kv_lengths)``:
+  per-sequence ``valid_lens`` alone stay lengths (the fused kernels take them
+  as such), anything else is one mask."""
+  target = batch_shape + (num_heads, lq, lk)
+  if mask is not None:
+    mask = _check_mask(mask, target)
+  mask = combine_masks(mask, extra_mask)
+  if valid_lens is None:
+    return mask, None
+  valid_lens = jnp.asarray(valid_lens)
+  if valid_lens.shape not in (batch_shape, batch_shape + (lq,)):
+    raise _shape_error("valid_lens", valid_lens.shape,
+                       f"{batch_shape} or {batch_shape + (lq,)}")
+  per_query = valid_lens.shape == batch_shape + (lq,)
+  if mask is None and not per_query:
+    return None, valid_lens
+  return combine_masks(mask, padding_mask_from_lengths(
+      valid_lens, lk, per_query=per_query)), None
+
+
+def _decode_step(cached_key: Array, cached_value: Array, cache_index: Array,
+                 key: Array, value: Array
+                 ) -> tuple[Array, Array, Array, Array]:
+  """One step of Flax's decode cache: ``key``/``value`` ``[..., 1, H_kv,
+  Dh]`` written at ``cache_index`` into the caches ``[..., L, H_kv, Dh]``.
+
+  Returns:
+    ``(keys, values, cache_index + 1, mask)``: the updated caches and index,
+    and the mask ``[..., 1, 1, L]`` that lets the one query see the
+    positions written so far, not the zeros after them.
+  """
+  batch_ndim, max_length = cached_key.ndim - 3, cached_key.shape[-3]
+  zero = jnp.array(0, dtype=jax.lax.dtype(cache_index.dtype))
+  indices = (zero,) * batch_ndim + (cache_index, zero, zero)
+  key = jax.lax.dynamic_update_slice(cached_key, key, indices)
+  value = jax.lax.dynamic_update_slice(cached_value, value, indices)
+  mask = jnp.broadcast_to(jnp.arange(max_length) <= cache_index,
+                          cached_key.shape[:-3] + (1, 1, max_length))
+  return key, value, cache_index + 1, mask
+
+
+def _attend_heads(query: Array, key: Array, value: Array, mask: Array | None,
+                  kv_lengths: Array | None, *, dropout_rng: Array | None,
+                  dropout_rate: float, deterministic: bool,
+                  broadcast_dropout: bool, dtype: Dtype | None,
+                  precision: Precision, force_fp32_for_softmax: bool = False,
+                  qk_einsum: Callable | None = None,
+                  av_einsum: Callable | None = None, want_weights: bool,
+                  weights_from_lse: bool = False
+                  ) -> tuple[Array, Array | None]:
+  """``(context, weights or None)`` of projected heads: the unfused path
+  (:func:`dot_product_attention`) when the weights are wanted (unless
+  ``weights_from_lse``), dropout is on, or the precision or einsums are set;
+  else the fused one, whose float32 weights get Flax's dtype."""
+  shape = query.shape[:-3] + (query.shape[-2], query.shape[-3],
+                              key.shape[-3])  # [..., H, Lq, Lk]
+  dropout = not deterministic and dropout_rate > 0.0
+  unfused = (dropout or precision is not None or qk_einsum is not None
+             or (want_weights and not weights_from_lse))
+  if unfused:
+    return dot_product_attention(
+        query, key, value, mask=_lengths_or_mask(mask, kv_lengths, shape),
+        broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
+        dropout_rate=dropout_rate, deterministic=not dropout, dtype=dtype,
+        precision=precision, force_fp32_for_softmax=force_fp32_for_softmax,
+        qk_attn_weights_einsum=qk_einsum,
+        attn_weights_value_einsum=av_einsum)
+  context, weights = _fused(query, key, value, mask, kv_lengths,
+                            return_weights=want_weights)
+  if weights is not None:  # float32 from the kernel: Flax's dtype rule
+    weights = weights.astype(jnp.float32 if force_fp32_for_softmax
+                             else query.dtype)
+  return context, weights
+
+
 class _OutBias(nn.Module):
   """The output bias alone: what is left of a layer with zero heads."""
 
@@ -858,7 +942,7 @@ class MultiHeadAttention(nn.Module):
                                 lambda: jnp.array(0, dtype=jnp.int32))
     if not is_initialized:
       return key, value, None
-    *batch_dims, max_length, num_kv_heads, depth = cached_key.value.shape
+    *batch_dims, _, num_kv_heads, depth = cached_key.value.shape
     expected = tuple(batch_dims) + (1, num_kv_heads, depth)
     # Flax's check is on the query; with grouped heads, on the key.
     name, got = (("query", query) if self.num_kv_heads is None
@@ -866,38 +950,17 @@ class MultiHeadAttention(nn.Module):
     if expected != got.shape:
       raise ValueError(f"Autoregressive cache shape error, expected {name} "
                        f"shape {expected} instead got {got.shape}.")
-    index = cache_index.value
-    zero = jnp.array(0, dtype=jax.lax.dtype(index.dtype))
-    indices = (zero,) * len(batch_dims) + (index, zero, zero)
-    key = jax.lax.dynamic_update_slice(cached_key.value, key, indices)
-    value = jax.lax.dynamic_update_slice(cached_value.value, value, indices)
+    key, value, cache_index.value, mask = _decode_step(
+        cached_key.value, cached_value.value, cache_index.value, key, value)
     cached_key.value, cached_value.value = key, value
-    cache_index.value = index + 1
-    # The one query sees the positions generated so far, not the zeros after.
-    mask = jnp.broadcast_to(jnp.arange(max_length) <= index,
-                            tuple(batch_dims) + (1, 1, max_length))
     return key, value, mask
 
   def _masks(self, mask: Array | None, valid_lens: Array | None,
              decode_mask: Array | None, batch_shape: tuple[int, ...],
              lq: int, lk: int) -> tuple[Array | None, Array | None]:
-    """``(mask, kv_lengths)``: per-sequence ``valid_lens`` alone stay lengths
-    (the fused kernels take them as such), anything else is one mask."""
-    target = batch_shape + (self.num_heads, lq, lk)
-    if mask is not None:
-      mask = _check_mask(mask, target)
-    mask = combine_masks(mask, decode_mask)
-    if valid_lens is None:
-      return mask, None
-    valid_lens = jnp.asarray(valid_lens)
-    if valid_lens.shape not in (batch_shape, batch_shape + (lq,)):
-      raise _shape_error("valid_lens", valid_lens.shape,
-                         f"{batch_shape} or {batch_shape + (lq,)}")
-    per_query = valid_lens.shape == batch_shape + (lq,)
-    if mask is None and not per_query:
-      return None, valid_lens
-    return combine_masks(mask, padding_mask_from_lengths(
-        valid_lens, lk, per_query=per_query)), None
+    """``(mask, kv_lengths)`` of :func:`_layer_masks`."""
+    return _layer_masks(mask, valid_lens, decode_mask, batch_shape,
+                        self.num_heads, lq, lk)
 
   def _dropout_setup(self, deterministic: bool | None,
                      dropout_rng: Array | None) -> tuple[bool, Array | None]:
@@ -922,9 +985,8 @@ class MultiHeadAttention(nn.Module):
               deterministic: bool, dropout_rng: Array | None,
               want_weights: bool,
               sow_weights: bool) -> tuple[Array, Array | None]:
-    """``(context, weights or None)`` of the projected heads: the unfused
-    path when the weights are wanted (unless ``weights_from_lse``), dropout
-    is on, or the einsums are customised; else the fused one."""
+    """``(context, weights or None)`` of the projected heads: another
+    ``attention_fn``, or :func:`_attend_heads` (sown if asked)."""
     shape = query.shape[:-3] + (self.num_heads, query.shape[-3],
                                 key.shape[-3])  # [..., H, Lq, Lk]
     if self.attention_fn is not dot_product_attention:
@@ -932,24 +994,14 @@ class MultiHeadAttention(nn.Module):
           query, key, value, _lengths_or_mask(mask, kv_lengths, shape),
           deterministic, dropout_rng, sow_weights)
     qk_einsum, av_einsum = self._einsums()
-    dropout = not deterministic and self.dropout_rate > 0.0
-    unfused = (dropout or self.precision is not None or qk_einsum is not None
-               or (want_weights and not self.weights_from_lse))
-    if unfused:
-      context, weights = dot_product_attention(
-          query, key, value, mask=_lengths_or_mask(mask, kv_lengths, shape),
-          broadcast_dropout=self.broadcast_dropout, dropout_rng=dropout_rng,
-          dropout_rate=self.dropout_rate, deterministic=not dropout,
-          dtype=self.dtype, precision=self.precision,
-          force_fp32_for_softmax=self.force_fp32_for_softmax,
-          qk_attn_weights_einsum=qk_einsum,
-          attn_weights_value_einsum=av_einsum)
-    else:
-      context, weights = _fused(query, key, value, mask, kv_lengths,
-                                return_weights=want_weights)
-      if weights is not None:  # float32 from the kernel: Flax's dtype rule
-        weights = weights.astype(jnp.float32 if self.force_fp32_for_softmax
-                                 else query.dtype)
+    context, weights = _attend_heads(
+        query, key, value, mask, kv_lengths, dropout_rng=dropout_rng,
+        dropout_rate=self.dropout_rate, deterministic=deterministic,
+        broadcast_dropout=self.broadcast_dropout, dtype=self.dtype,
+        precision=self.precision,
+        force_fp32_for_softmax=self.force_fp32_for_softmax,
+        qk_einsum=qk_einsum, av_einsum=av_einsum, want_weights=want_weights,
+        weights_from_lse=self.weights_from_lse)
     if sow_weights:
       self.sow("intermediates", "attention_weights", weights)
     return context, weights

@@ -273,23 +273,28 @@ def test_grouped_query_attention_equals_jax_nn():
 def test_grouped_layer_equals_its_projections_through_jax_nn():
   x = _inputs(2, 5, 16)
   layer = MultiHeadAttention(num_heads=4, num_kv_heads=2, qkv_features=8)
-  params = _init(layer, x)
+  valid_lens = jnp.array([5, 3])
+  head_mask = jnp.array([1.0, 0.0, 1.0, 0.5])
+  kwargs = dict(valid_lens=valid_lens, head_mask=head_mask)
+
+  @jax.jit
+  def run(params):
+    p = params["params"]
+    project = lambda name: (jnp.einsum("bld,dhk->blhk", x, p[name]["kernel"])
+                            + p[name]["bias"][None, None])
+    context = jax.nn.dot_product_attention(
+        project("query"), project("key"), project("value"),
+        mask=_lengths_mask(valid_lens, 5)) * head_mask[None, None, :, None]
+    expected = (jnp.einsum("blhk,hkd->bld", context, p["out"]["kernel"])
+                + p["out"]["bias"][None, None])
+    return (expected, layer.apply(params, x, **kwargs),
+            layer.apply(params, x, return_weights=False, **kwargs))
+
+  params = jax.jit(layer.init)(jax.random.key(42), x)
   p = params["params"]
   assert p["key"]["kernel"].shape == p["value"]["kernel"].shape == (16, 2, 2)
   assert p["query"]["kernel"].shape == (16, 4, 2)
-  project = lambda name: (jnp.einsum("bld,dhk->blhk", x, p[name]["kernel"])
-                          + p[name]["bias"][None, None])
-  valid_lens = jnp.array([5, 3])
-  head_mask = jnp.array([1.0, 0.0, 1.0, 0.5])
-  context = jax.nn.dot_product_attention(
-      project("query"), project("key"), project("value"),
-      mask=_lengths_mask(valid_lens, 5)) * head_mask[None, None, :, None]
-  expected = (jnp.einsum("blhk,hkd->bld", context, p["out"]["kernel"])
-              + p["out"]["bias"][None, None])
-  kwargs = dict(valid_lens=valid_lens, head_mask=head_mask)
-  (out, weights), (fused, none) = jax.jit(lambda params: (
-      layer.apply(params, x, **kwargs),
-      layer.apply(params, x, return_weights=False, **kwargs)))(params)
+  expected, (out, weights), (fused, none) = run(params)
   np.testing.assert_allclose(out, expected, **TOL)
   assert weights.shape == (2, 4, 5, 5)  # one per query head
   np.testing.assert_allclose(fused, expected, **TOL)
@@ -310,10 +315,11 @@ def test_grouped_decoding_caches_key_value_heads_only():
   x = _inputs(2, 3, 8)
   layer = MultiHeadAttention(num_heads=4, num_kv_heads=2, qkv_features=8)
   decoder = layer.clone(decode=True)
-  variables = decoder.init(jax.random.key(0), x)
+  variables = jax.jit(decoder.init)(jax.random.key(0), x)
   assert variables["cache"]["cached_key"].shape == (2, 3, 2, 2)
   params = {"params": variables["params"]}
-  expected, _ = layer.apply(params, x, mask=att.causal_mask(3))
+  expected, _ = jax.jit(lambda p: layer.apply(p, x, mask=att.causal_mask(3)))(
+      params)
   step = jax.jit(lambda cache, x_t: decoder.apply(
       params | {"cache": cache}, x_t, mutable=["cache"]))
   cache = variables["cache"]
