@@ -261,12 +261,17 @@ def test_grouped_query_attention_equals_jax_nn():
                                   head_mask=head_mask)[0],),
         fused=(att.fused_dot_product_attention(q, k, v, mask=mask),
                att.fused_dot_product_attention(q, k, v, mask=mask,
-                                               head_mask=head_mask)))
+                                               head_mask=head_mask)),
+        # The GPU's kernel call, through XLA: weights from the lse.
+        library=kernels.library_attention(
+            q, k, v, mask=mask, kv_lengths=None, implementation="xla",
+            return_weights=True))
 
   r = run(q, k, v, mask, head_mask)
   (expected, weights, gated), ours = r["expected"], r["ours"]
-  for got, want in zip(ours + r["fused"],
-                       (expected, weights, gated, expected, gated)):
+  for got, want in zip(ours + r["fused"] + r["library"],
+                       (expected, weights, gated, expected, gated, expected,
+                        weights)):
     np.testing.assert_allclose(got, want, **TOL)
 
 
