@@ -157,14 +157,28 @@ def _check_qkv(query: Array, key: Array, value: Array) -> None:
     raise ValueError(
         f"key and value must have the same length; got key {key.shape}, "
         f"value {value.shape}.")
-  if not query.shape[-2] == key.shape[-2] == value.shape[-2]:
+  if key.shape[-2] != value.shape[-2]:
     raise ValueError(
-        "query, key and value must have the same number of heads; got "
-        f"query {query.shape}, key {key.shape}, value {value.shape}.")
+        "key and value must have the same number of heads; got "
+        f"key {key.shape}, value {value.shape}.")
+  _check_groups(query.shape[-2], key.shape[-2], "query heads", "key heads")
   if query.shape[-1] != key.shape[-1]:
     raise ValueError(
         f"query and key must have the same per-head width; got query "
         f"{query.shape}, key {key.shape}.")
+
+
+def _check_groups(num_heads: int, num_kv_heads: int,
+                  heads_name: str = "num_heads",
+                  kv_name: str = "num_kv_heads") -> None:
+  """Raises ``ValueError`` naming both counts unless ``num_kv_heads`` heads
+  of keys and values can each serve a group of query heads."""
+  if num_kv_heads < 1 and num_heads > 0 or (
+      num_kv_heads > 0 and num_heads % num_kv_heads):
+    raise ValueError(
+        f"{heads_name} ({num_heads}) must be a multiple of {kv_name} "
+        f"({num_kv_heads}), each key/value head serving a group of query "
+        "heads.")
 
 
 def _broadcastable(name: str, x: Array, target: tuple[int, ...]) -> Array:
@@ -271,13 +285,51 @@ def _einsums(precision: Precision, einsum_dot_general: Callable | None,
   return einsum, einsum
 
 
+# Grouped-query attention (Ainslie et al. 2023): H query heads share
+# H_kv <= H heads of keys and values, query head n reading key/value head
+# n // (H / H_kv) (jax.nn.dot_product_attention's and Flax's grouping). The
+# two einsums below see the groups as an axis of their own, so keys and values
+# are never repeated H / H_kv times in memory; with H_kv = H they are the
+# plain einsums, unchanged.
+
+
+def _grouped(num_heads: int, num_kv_heads: int) -> bool:
+  return num_kv_heads not in (0, num_heads)
+
+
+def _qk_logits(query: Array, key: Array, einsum: Callable) -> Array:
+  """``QK^T`` per query head: ``[..., H, Lq, Lk]`` from ``query [..., Lq, H,
+  D]`` and ``key [..., Lk, H_kv, D]``."""
+  num_heads, num_kv_heads = query.shape[-2], key.shape[-2]
+  if not _grouped(num_heads, num_kv_heads):
+    return einsum("...qhd,...khd->...hqk", query, key)
+  query = jnp.reshape(query, query.shape[:-2] + (
+      num_kv_heads, num_heads // num_kv_heads, query.shape[-1]))
+  logits = einsum("...qhgd,...khd->...hgqk", query, key)
+  return jnp.reshape(logits, logits.shape[:-4] + (num_heads,)
+                     + logits.shape[-2:])
+
+
+def _weighted_values(probs: Array, value: Array, einsum: Callable) -> Array:
+  """The context ``[..., Lq, H, Dv]`` of ``probs [..., H, Lq, Lk]`` and
+  ``value [..., Lk, H_kv, Dv]``."""
+  num_heads, num_kv_heads = probs.shape[-3], value.shape[-2]
+  if not _grouped(num_heads, num_kv_heads):
+    return einsum("...hqk,...khd->...qhd", probs, value)
+  probs = jnp.reshape(probs, probs.shape[:-3] + (
+      num_kv_heads, num_heads // num_kv_heads) + probs.shape[-2:])
+  context = einsum("...hgqk,...khd->...qhgd", probs, value)
+  return jnp.reshape(context, context.shape[:-3] + (num_heads,
+                                                    context.shape[-1]))
+
+
 def _attention_weights(query: Array, key: Array, bias: Array | None,
                        mask: Array | None, einsum: Callable) -> Array:
   """Float32 softmax weights ``[..., H, Lq, Lk]``; masked keys exactly 0,
   rows with no valid key all 0."""
   depth = query.shape[-1]
   query = query / jnp.asarray(math.sqrt(depth), query.dtype)
-  logits = einsum("...qhd,...khd->...hqk", query, key)
+  logits = _qk_logits(query, key, einsum)
   if bias is not None:
     logits = logits + bias
   logits = logits.astype(jnp.float32)  # softmax in float32 whatever the dtype
@@ -328,8 +380,10 @@ def dot_product_attention(
 
   Args:
     query: ``[..., Lq, H, Dh]``, real floating point.
-    key: ``[..., Lk, H, Dh]``.
-    value: ``[..., Lk, H, Dv]``.
+    key: ``[..., Lk, H_kv, Dh]``; ``H_kv`` divides ``H`` (grouped-query
+      attention when smaller: query head n reads key/value head
+      ``n // (H / H_kv)``, as in ``jax.nn.dot_product_attention``).
+    value: ``[..., Lk, H_kv, Dv]``.
     bias: optional, added to the logits; broadcastable to
       ``[..., H, Lq, Lk]``.
     mask: optional boolean, True = may attend, broadcastable to
@@ -386,7 +440,7 @@ def dot_product_attention(
       raise ValueError("dropout_rng is required when dropout is active.")
     probs = _dropout(probs, dropout_rng, dropout_rate, broadcast_dropout,
                      dtype, len(batch_shape))
-  context = av_einsum("...hqk,...khd->...qhd", probs, value)
+  context = _weighted_values(probs, value, av_einsum)
   return _gate_heads(context, head_mask), weights
 
 
@@ -459,7 +513,8 @@ def fused_dot_product_attention(
   floats, a head width it supports, a mask it takes) and ``"xla"`` otherwise.
 
   Args:
-    query, key, value: as for :func:`dot_product_attention`.
+    query, key, value: as for :func:`dot_product_attention` (grouped keys
+      and values too).
     mask: optional boolean, broadcastable to ``[..., H, Lq, Lk]``.
     head_mask: optional float ``[H]`` or ``[..., H]``.
     kv_lengths: optional integer ``[...]``: keys at positions ``>= length``
@@ -537,6 +592,90 @@ def _check_inputs(inputs_q: Array, inputs_k: Array, inputs_v: Array) -> None:
         "and keys/values their length; got inputs_q "
         f"{inputs_q.shape}, inputs_k {inputs_k.shape}, "
         f"inputs_v {inputs_v.shape}.")
+
+
+# The layer's steps that are pure functions of arrays, shared by the Linen
+# layer below and the NNX layer of :mod:`mha.nnx`.
+
+
+def _layer_masks(mask: Array | None, valid_lens: Array | None,
+                 extra_mask: Array | None, batch_shape: tuple[int, ...],
+                 num_heads: int, lq: int,
+                 lk: int) -> tuple[Array | None, Array | None]:
+  """A layer's ``mask`` and ``valid_lens`` (checked against ``[..., H, Lq,
+  Lk]``) and another mask (decode, causal) as ``(mask, kv_lengths)``:
+  per-sequence ``valid_lens`` alone stay lengths (the fused kernels take them
+  as such), anything else is one mask."""
+  target = batch_shape + (num_heads, lq, lk)
+  if mask is not None:
+    mask = _check_mask(mask, target)
+  mask = combine_masks(mask, extra_mask)
+  if valid_lens is None:
+    return mask, None
+  valid_lens = jnp.asarray(valid_lens)
+  if valid_lens.shape not in (batch_shape, batch_shape + (lq,)):
+    raise _shape_error("valid_lens", valid_lens.shape,
+                       f"{batch_shape} or {batch_shape + (lq,)}")
+  per_query = valid_lens.shape == batch_shape + (lq,)
+  if mask is None and not per_query:
+    return None, valid_lens
+  return combine_masks(mask, padding_mask_from_lengths(
+      valid_lens, lk, per_query=per_query)), None
+
+
+def _decode_step(cached_key: Array, cached_value: Array, cache_index: Array,
+                 key: Array, value: Array
+                 ) -> tuple[Array, Array, Array, Array]:
+  """One step of Flax's decode cache: ``key``/``value`` ``[..., 1, H_kv,
+  Dh]`` written at ``cache_index`` into the caches ``[..., L, H_kv, Dh]``.
+
+  Returns:
+    ``(keys, values, cache_index + 1, mask)``: the updated caches and index,
+    and the mask ``[..., 1, 1, L]`` that lets the one query see the
+    positions written so far, not the zeros after them.
+  """
+  batch_ndim, max_length = cached_key.ndim - 3, cached_key.shape[-3]
+  zero = jnp.array(0, dtype=jax.lax.dtype(cache_index.dtype))
+  indices = (zero,) * batch_ndim + (cache_index, zero, zero)
+  key = jax.lax.dynamic_update_slice(cached_key, key, indices)
+  value = jax.lax.dynamic_update_slice(cached_value, value, indices)
+  mask = jnp.broadcast_to(jnp.arange(max_length) <= cache_index,
+                          cached_key.shape[:-3] + (1, 1, max_length))
+  return key, value, cache_index + 1, mask
+
+
+def _attend_heads(query: Array, key: Array, value: Array, mask: Array | None,
+                  kv_lengths: Array | None, *, dropout_rng: Array | None,
+                  dropout_rate: float, deterministic: bool,
+                  broadcast_dropout: bool, dtype: Dtype | None,
+                  precision: Precision, force_fp32_for_softmax: bool = False,
+                  qk_einsum: Callable | None = None,
+                  av_einsum: Callable | None = None, want_weights: bool,
+                  weights_from_lse: bool = False
+                  ) -> tuple[Array, Array | None]:
+  """``(context, weights or None)`` of projected heads: the unfused path
+  (:func:`dot_product_attention`) when the weights are wanted (unless
+  ``weights_from_lse``), dropout is on, or the precision or einsums are set;
+  else the fused one, whose float32 weights get Flax's dtype."""
+  shape = query.shape[:-3] + (query.shape[-2], query.shape[-3],
+                              key.shape[-3])  # [..., H, Lq, Lk]
+  dropout = not deterministic and dropout_rate > 0.0
+  unfused = (dropout or precision is not None or qk_einsum is not None
+             or (want_weights and not weights_from_lse))
+  if unfused:
+    return dot_product_attention(
+        query, key, value, mask=_lengths_or_mask(mask, kv_lengths, shape),
+        broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
+        dropout_rate=dropout_rate, deterministic=not dropout, dtype=dtype,
+        precision=precision, force_fp32_for_softmax=force_fp32_for_softmax,
+        qk_attn_weights_einsum=qk_einsum,
+        attn_weights_value_einsum=av_einsum)
+  context, weights = _fused(query, key, value, mask, kv_lengths,
+                            return_weights=want_weights)
+  if weights is not None:  # float32 from the kernel: Flax's dtype rule
+    weights = weights.astype(jnp.float32 if force_fp32_for_softmax
+                             else query.dtype)
+  return context, weights
 
 
 class _OutBias(nn.Module):
@@ -619,6 +758,15 @@ class MultiHeadAttention(nn.Module):
       run the fused kernel with its residual (the log-sum-exp) and rebuild
       the weights as ``exp(logits - lse)`` in float32, instead of the unfused
       path (on CPU the unfused path runs either way).
+    num_kv_heads: heads of keys and values (grouped-query attention, Ainslie
+      et al. 2023): the ``key``/``value`` kernels are ``[D_in, H_kv, Dh]``
+      and each key/value head serves ``num_heads / num_kv_heads`` query heads
+      (query head n reads ``n // (num_heads / num_kv_heads)``, as in
+      ``flax.nnx.MultiHeadAttention`` and ``jax.nn.dot_product_attention``);
+      so does the decode cache. The weights stay ``[..., H, Lq, Lk]``, one
+      per query head, and ``head_mask`` gates query heads. None (default):
+      ``num_heads``, the parameter tree above exactly. ``num_heads`` must be
+      a multiple of it (``ValueError`` naming both otherwise).
   """
 
   num_heads: int
@@ -647,6 +795,7 @@ class MultiHeadAttention(nn.Module):
   attn_weights_value_einsum_cls: Callable[..., Callable[..., Array]] | None = (
       None)
   weights_from_lse: bool = False
+  num_kv_heads: int | None = None
 
   @nn.compact
   def __call__(
@@ -728,8 +877,14 @@ class MultiHeadAttention(nn.Module):
       raise ValueError(
           f"qkv_features ({qkv_features}) must be divisible by num_heads "
           f"({self.num_heads}).")
+    _check_groups(self.num_heads, self._kv_heads)
     return qkv_features, (input_width if self.out_features is None
                           else self.out_features)
+
+  @property
+  def _kv_heads(self) -> int:
+    """Heads of keys and values (``num_kv_heads``, default ``num_heads``)."""
+    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
   def _no_heads(self, inputs_q: Array, inputs_k: Array, features: int,
                 return_weights: bool) -> tuple[Array, Array | None]:
@@ -753,7 +908,6 @@ class MultiHeadAttention(nn.Module):
         axis=-1,
         dtype=self.dtype,
         param_dtype=self.param_dtype,
-        features=(self.num_heads, head_dim),
         kernel_init=self.kernel_init,
         bias_init=self.bias_init,
         use_bias=self.use_bias,
@@ -761,9 +915,10 @@ class MultiHeadAttention(nn.Module):
         dot_general=self.qkv_dot_general,
         dot_general_cls=self.qkv_dot_general_cls,
     )
-    query = dense(name="query")(inputs_q)
-    key = dense(name="key")(inputs_k)
-    value = dense(name="value")(inputs_v)
+    kv_features = (self._kv_heads, head_dim)
+    query = dense(features=(self.num_heads, head_dim), name="query")(inputs_q)
+    key = dense(features=kv_features, name="key")(inputs_k)
+    value = dense(features=kv_features, name="value")(inputs_v)
     if self.normalize_qk:
       # Normalizing queries and keys stabilizes training at higher learning
       # rates (ViT-22B, arxiv.org/abs/2302.05442).
@@ -787,43 +942,25 @@ class MultiHeadAttention(nn.Module):
                                 lambda: jnp.array(0, dtype=jnp.int32))
     if not is_initialized:
       return key, value, None
-    *batch_dims, max_length, num_heads, depth = cached_key.value.shape
-    expected = tuple(batch_dims) + (1, num_heads, depth)
-    if expected != query.shape:
-      raise ValueError("Autoregressive cache shape error, expected query "
-                       f"shape {expected} instead got {query.shape}.")
-    index = cache_index.value
-    zero = jnp.array(0, dtype=jax.lax.dtype(index.dtype))
-    indices = (zero,) * len(batch_dims) + (index, zero, zero)
-    key = jax.lax.dynamic_update_slice(cached_key.value, key, indices)
-    value = jax.lax.dynamic_update_slice(cached_value.value, value, indices)
+    *batch_dims, _, num_kv_heads, depth = cached_key.value.shape
+    expected = tuple(batch_dims) + (1, num_kv_heads, depth)
+    # Flax's check is on the query; with grouped heads, on the key.
+    name, got = (("query", query) if self.num_kv_heads is None
+                 else ("key", key))
+    if expected != got.shape:
+      raise ValueError(f"Autoregressive cache shape error, expected {name} "
+                       f"shape {expected} instead got {got.shape}.")
+    key, value, cache_index.value, mask = _decode_step(
+        cached_key.value, cached_value.value, cache_index.value, key, value)
     cached_key.value, cached_value.value = key, value
-    cache_index.value = index + 1
-    # The one query sees the positions generated so far, not the zeros after.
-    mask = jnp.broadcast_to(jnp.arange(max_length) <= index,
-                            tuple(batch_dims) + (1, 1, max_length))
     return key, value, mask
 
   def _masks(self, mask: Array | None, valid_lens: Array | None,
              decode_mask: Array | None, batch_shape: tuple[int, ...],
              lq: int, lk: int) -> tuple[Array | None, Array | None]:
-    """``(mask, kv_lengths)``: per-sequence ``valid_lens`` alone stay lengths
-    (the fused kernels take them as such), anything else is one mask."""
-    target = batch_shape + (self.num_heads, lq, lk)
-    if mask is not None:
-      mask = _check_mask(mask, target)
-    mask = combine_masks(mask, decode_mask)
-    if valid_lens is None:
-      return mask, None
-    valid_lens = jnp.asarray(valid_lens)
-    if valid_lens.shape not in (batch_shape, batch_shape + (lq,)):
-      raise _shape_error("valid_lens", valid_lens.shape,
-                         f"{batch_shape} or {batch_shape + (lq,)}")
-    per_query = valid_lens.shape == batch_shape + (lq,)
-    if mask is None and not per_query:
-      return None, valid_lens
-    return combine_masks(mask, padding_mask_from_lengths(
-        valid_lens, lk, per_query=per_query)), None
+    """``(mask, kv_lengths)`` of :func:`_layer_masks`."""
+    return _layer_masks(mask, valid_lens, decode_mask, batch_shape,
+                        self.num_heads, lq, lk)
 
   def _dropout_setup(self, deterministic: bool | None,
                      dropout_rng: Array | None) -> tuple[bool, Array | None]:
@@ -848,9 +985,8 @@ class MultiHeadAttention(nn.Module):
               deterministic: bool, dropout_rng: Array | None,
               want_weights: bool,
               sow_weights: bool) -> tuple[Array, Array | None]:
-    """``(context, weights or None)`` of the projected heads: the unfused
-    path when the weights are wanted (unless ``weights_from_lse``), dropout
-    is on, or the einsums are customised; else the fused one."""
+    """``(context, weights or None)`` of the projected heads: another
+    ``attention_fn``, or :func:`_attend_heads` (sown if asked)."""
     shape = query.shape[:-3] + (self.num_heads, query.shape[-3],
                                 key.shape[-3])  # [..., H, Lq, Lk]
     if self.attention_fn is not dot_product_attention:
@@ -858,24 +994,14 @@ class MultiHeadAttention(nn.Module):
           query, key, value, _lengths_or_mask(mask, kv_lengths, shape),
           deterministic, dropout_rng, sow_weights)
     qk_einsum, av_einsum = self._einsums()
-    dropout = not deterministic and self.dropout_rate > 0.0
-    unfused = (dropout or self.precision is not None or qk_einsum is not None
-               or (want_weights and not self.weights_from_lse))
-    if unfused:
-      context, weights = dot_product_attention(
-          query, key, value, mask=_lengths_or_mask(mask, kv_lengths, shape),
-          broadcast_dropout=self.broadcast_dropout, dropout_rng=dropout_rng,
-          dropout_rate=self.dropout_rate, deterministic=not dropout,
-          dtype=self.dtype, precision=self.precision,
-          force_fp32_for_softmax=self.force_fp32_for_softmax,
-          qk_attn_weights_einsum=qk_einsum,
-          attn_weights_value_einsum=av_einsum)
-    else:
-      context, weights = _fused(query, key, value, mask, kv_lengths,
-                                return_weights=want_weights)
-      if weights is not None:  # float32 from the kernel: Flax's dtype rule
-        weights = weights.astype(jnp.float32 if self.force_fp32_for_softmax
-                                 else query.dtype)
+    context, weights = _attend_heads(
+        query, key, value, mask, kv_lengths, dropout_rng=dropout_rng,
+        dropout_rate=self.dropout_rate, deterministic=deterministic,
+        broadcast_dropout=self.broadcast_dropout, dtype=self.dtype,
+        precision=self.precision,
+        force_fp32_for_softmax=self.force_fp32_for_softmax,
+        qk_einsum=qk_einsum, av_einsum=av_einsum, want_weights=want_weights,
+        weights_from_lse=self.weights_from_lse)
     if sow_weights:
       self.sow("intermediates", "attention_weights", weights)
     return context, weights

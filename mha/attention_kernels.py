@@ -156,8 +156,9 @@ def library_attention(query: Array, key: Array, value: Array, *,
   """``jax.nn.dot_product_attention`` on ``[..., L, H, Dh]`` arrays.
 
   Args:
-    query, key, value: ``[..., Lq, H, Dh]``, ``[..., Lk, H, Dh]``,
-      ``[..., Lk, H, Dv]``.
+    query, key, value: ``[..., Lq, H, Dh]``, ``[..., Lk, H_kv, Dh]``,
+      ``[..., Lk, H_kv, Dv]`` (``H_kv`` divides ``H``: grouped-query
+      attention, which ``jax.nn.dot_product_attention`` takes as it is).
     mask: None or boolean ``[..., H, Lq, Lk]`` or ``[..., 1, Lq, Lk]`` (full
       batch axes).
     kv_lengths: None or integer ``[...]``: keys at positions ``>= length``
@@ -207,8 +208,17 @@ def _rebuild(query: Array, key: Array, lse: Array,
   lse = jnp.reshape(lse, batch_shape + lse.shape[-2:])
   lse = jnp.swapaxes(lse, -1, -2).astype(jnp.float32)  # [..., H, Lq]
   scale = 1.0 / math.sqrt(query.shape[-1])
-  logits = jnp.einsum("...qhd,...khd->...hqk", query, key,
-                      preferred_element_type=jnp.float32) * scale
+  num_heads, num_kv_heads = query.shape[-2], key.shape[-2]
+  if num_kv_heads and num_kv_heads != num_heads:  # grouped-query attention
+    query = jnp.reshape(query, query.shape[:-2] + (
+        num_kv_heads, num_heads // num_kv_heads, query.shape[-1]))
+    logits = jnp.einsum("...qhgd,...khd->...hgqk", query, key,
+                        preferred_element_type=jnp.float32)
+    logits = jnp.reshape(logits, batch_shape + (num_heads,)
+                         + logits.shape[-2:]) * scale
+  else:
+    logits = jnp.einsum("...qhd,...khd->...hqk", query, key,
+                        preferred_element_type=jnp.float32) * scale
   if mask is not None:
     row_ok = jnp.any(mask, axis=-1)
     lse = jnp.where(row_ok, lse, 0.0)

@@ -232,6 +232,108 @@ def test_head_mask_gradient_is_finite_and_matches_finite_difference():
   np.testing.assert_allclose(grad, fd, rtol=1e-3, atol=1e-3)
 
 
+# --------------------------------------------------- grouped-query attention
+
+
+def _grouped_qkv():
+  """Queries of 4 heads, keys and values of 2, a mask with a few holes."""
+  q = _inputs(2, 5, 4, 8)
+  k, v = _inputs(2, 6, 2, 8, seed=1), _inputs(2, 6, 2, 8, seed=2)
+  mask = jax.random.bernoulli(jax.random.key(3), 0.7, (2, 4, 5, 6))
+  return q, k, v, mask.at[..., 0].set(True)  # no fully masked row
+
+
+def test_grouped_query_attention_equals_jax_nn():
+  q, k, v, mask = _grouped_qkv()
+  head_mask = jnp.array([1.0, 0.0, 0.5, 1.0])  # over the 4 query heads
+
+  @jax.jit
+  def run(q, k, v, mask, head_mask):
+    expected = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    # Query head n reads key/value head n // 2.
+    _, repeated = dot_product_attention(q, jnp.repeat(k, 2, axis=-2),
+                                        jnp.repeat(v, 2, axis=-2), mask=mask)
+    return dict(
+        expected=(expected, repeated,
+                  expected * head_mask[None, None, :, None]),
+        ours=dot_product_attention(q, k, v, mask=mask) + (
+            dot_product_attention(q, k, v, mask=mask,
+                                  head_mask=head_mask)[0],),
+        fused=(att.fused_dot_product_attention(q, k, v, mask=mask),
+               att.fused_dot_product_attention(q, k, v, mask=mask,
+                                               head_mask=head_mask)),
+        # The GPU's kernel call, through XLA: weights from the lse.
+        library=kernels.library_attention(
+            q, k, v, mask=mask, kv_lengths=None, implementation="xla",
+            return_weights=True))
+
+  r = run(q, k, v, mask, head_mask)
+  (expected, weights, gated), ours = r["expected"], r["ours"]
+  for got, want in zip(ours + r["fused"] + r["library"],
+                       (expected, weights, gated, expected, gated, expected,
+                        weights)):
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_grouped_layer_equals_its_projections_through_jax_nn():
+  x = _inputs(2, 5, 16)
+  layer = MultiHeadAttention(num_heads=4, num_kv_heads=2, qkv_features=8)
+  valid_lens = jnp.array([5, 3])
+  head_mask = jnp.array([1.0, 0.0, 1.0, 0.5])
+  kwargs = dict(valid_lens=valid_lens, head_mask=head_mask)
+
+  @jax.jit
+  def run(params):
+    p = params["params"]
+    project = lambda name: (jnp.einsum("bld,dhk->blhk", x, p[name]["kernel"])
+                            + p[name]["bias"][None, None])
+    context = jax.nn.dot_product_attention(
+        project("query"), project("key"), project("value"),
+        mask=_lengths_mask(valid_lens, 5)) * head_mask[None, None, :, None]
+    expected = (jnp.einsum("blhk,hkd->bld", context, p["out"]["kernel"])
+                + p["out"]["bias"][None, None])
+    return (expected, layer.apply(params, x, **kwargs),
+            layer.apply(params, x, return_weights=False, **kwargs))
+
+  params = jax.jit(layer.init)(jax.random.key(42), x)
+  p = params["params"]
+  assert p["key"]["kernel"].shape == p["value"]["kernel"].shape == (16, 2, 2)
+  assert p["query"]["kernel"].shape == (16, 4, 2)
+  expected, (out, weights), (fused, none) = run(params)
+  np.testing.assert_allclose(out, expected, **TOL)
+  assert weights.shape == (2, 4, 5, 5)  # one per query head
+  np.testing.assert_allclose(fused, expected, **TOL)
+  assert none is None
+
+
+def test_num_kv_heads_none_keeps_the_layer_bitwise():
+  x = _inputs(2, 5, 8)
+  plain, grouped = (MultiHeadAttention(num_heads=2, num_kv_heads=n)
+                    for n in (None, 2))
+  params = _init(plain, x)
+  jax.tree.map(np.testing.assert_array_equal, params, _init(grouped, x))
+  jax.tree.map(np.testing.assert_array_equal, plain.apply(params, x),
+               grouped.apply(params, x))
+
+
+def test_grouped_decoding_caches_key_value_heads_only():
+  x = _inputs(2, 3, 8)
+  layer = MultiHeadAttention(num_heads=4, num_kv_heads=2, qkv_features=8)
+  decoder = layer.clone(decode=True)
+  variables = jax.jit(decoder.init)(jax.random.key(0), x)
+  assert variables["cache"]["cached_key"].shape == (2, 3, 2, 2)
+  params = {"params": variables["params"]}
+  expected, _ = jax.jit(lambda p: layer.apply(p, x, mask=att.causal_mask(3)))(
+      params)
+  step = jax.jit(lambda cache, x_t: decoder.apply(
+      params | {"cache": cache}, x_t, mutable=["cache"]))
+  cache = variables["cache"]
+  for t in range(3):
+    (out, _), state = step(cache, x[:, t:t + 1])
+    cache = state["cache"]
+    np.testing.assert_allclose(out[:, 0], expected[:, t], **TOL)
+
+
 # -------------------------------------------------------- transformations
 
 
@@ -488,6 +590,11 @@ def test_attention_gradients_equal_those_through_jax_nn_softmax(monkeypatch):
     (lambda L, x: L(num_heads=4).init(jax.random.key(0), x,
                                       mask=jnp.ones((2, 1, 5, 4), bool)),
      r"`mask` has shape \(2, 1, 5, 4\)"),
+    (lambda L, x: L(num_heads=4, num_kv_heads=3).init(jax.random.key(0), x),
+     r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
+    (lambda L, x: dot_product_attention(_inputs(2, 5, 3, 4),
+                                        *[_inputs(2, 5, 2, 4)] * 2),
+     r"query heads \(3\) must be a multiple of key heads \(2\)"),
 ])
 def test_bad_shapes_raise_value_error_naming_the_argument(call, match):
   x = _inputs(2, 5, 16)
