@@ -67,10 +67,8 @@ def _write_explorer(ckpt, split, workdir: str, roles, result) -> None:
       os.path.join(workdir, "eval", "attention.html"),
       num_examples=_EXAMPLES.value, roles=roles,
       study=explorer.load_study(workdir),
-      meta={"workdir": workdir, "task": ckpt.config.task, "step": ckpt.step,
-            "split": _SPLIT.value,
-            "metrics": {k: result[k] for k in ("loss", "token_accuracy",
-                                               "exact_match")}})
+      meta=explorer.run_meta(workdir, ckpt.config.task, ckpt.step,
+                             _SPLIT.value, result))
   print(f"Wrote the attention explorer to {path}", file=sys.stderr)
 
 

@@ -25,12 +25,21 @@ base64): the page shows them to 1/255.
     explorer.write_explorer(ckpt.model, ckpt.params, split, "attention.html",
                             num_examples=8, roles=roles,
                             study=explorer.load_study("runs/reverse"))
+
+In a notebook, :func:`show` returns the same page as an object that Jupyter
+(and VS Code, Colab) displays inline: its ``_repr_html_`` is an ``<iframe
+srcdoc="...">`` holding the page, HTML-escaped, so that the page's script and
+styles run apart from the notebook's:
+
+    explorer.show("runs/reverse")          # what eval.py --html writes
+    explorer.show(model, params, split)    # any model and examples
 """
 
 from __future__ import annotations
 
 import base64
 import functools
+import html
 import importlib.resources
 import json
 import os
@@ -210,14 +219,40 @@ def render(payload: Mapping[str, Any]) -> str:
   return template.replace(_PLACEHOLDER, text)
 
 
+def _write_text(text: str, path: str) -> str:
+  """Writes ``text`` to ``path`` (atomically: a temporary file renamed)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(path + ".tmp", path)
+  return path
+
+
 def write_page(payload: Mapping[str, Any], path: str) -> str:
   """Writes :func:`render` of ``payload`` to ``path`` (atomically: a
   temporary file renamed); returns the path."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    f.write(render(payload))
-  os.replace(path + ".tmp", path)
-  return path
+  return _write_text(render(payload), path)
+
+
+def explorer_payload(model: Transformer, params: Any, split: data.Split, *,
+                     num_examples: int = 8,
+                     roles: Mapping[str, Any] | None = None,
+                     study: Mapping[str, Any] | None = None,
+                     meta: Mapping[str, Any] | None = None
+                     ) -> dict[str, Any]:
+  """The payload of ``num_examples`` examples of ``split``, their lengths
+  spread from its shortest to its longest (see :func:`build_payload`).
+
+  Raises:
+    ValueError: ``num_examples`` below 1 or above the split's size.
+  """
+  if not 1 <= num_examples <= len(split):
+    raise ValueError(f"num_examples must be in [1, {len(split)}], got "
+                     f"{num_examples}")
+  indices = evaluate.pick_examples(split, num_examples, shortest=True)
+  indices = indices[np.argsort(split.lengths[indices], kind="stable")]
+  return build_payload(model, params, split, indices, roles=roles,
+                       study=study, meta=meta)
 
 
 def write_explorer(model: Transformer, params: Any, split: data.Split,
@@ -231,16 +266,101 @@ def write_explorer(model: Transformer, params: Any, split: data.Split,
   Raises:
     ValueError: ``num_examples`` below 1 or above the split's size.
   """
-  if not 1 <= num_examples <= len(split):
-    raise ValueError(f"num_examples must be in [1, {len(split)}], got "
-                     f"{num_examples}")
-  indices = evaluate.pick_examples(split, num_examples, shortest=True)
-  indices = indices[np.argsort(split.lengths[indices], kind="stable")]
-  payload = build_payload(model, params, split, indices, roles=roles,
-                          study=study, meta=meta)
-  return write_page(payload, path)
+  return write_page(explorer_payload(
+      model, params, split, num_examples=num_examples, roles=roles,
+      study=study, meta=meta), path)
+
+
+def run_meta(workdir: str, task: str, step: int, split: str,
+             metrics: Mapping[str, float]) -> dict[str, Any]:
+  """The header facts of a workdir's page (what ``eval.py --html`` shows):
+  the workdir, task, step, split and its loss and accuracies."""
+  return {"workdir": workdir, "task": task, "step": int(step),
+          "split": split, "metrics": {k: metrics[k] for k in (
+              "loss", "token_accuracy", "exact_match")}}
+
+
+class Explorer:
+  """The explorer page, displayed inline by notebooks (:func:`show`).
+
+  Attributes:
+    page: the self-contained page, exactly what :func:`write_explorer`
+      writes for the same arguments.
+    height: the inline frame's height in CSS pixels.
+  """
+
+  def __init__(self, page: str, height: int = 900):
+    self.page = page
+    self.height = int(height)
+
+  def _repr_html_(self) -> str:
+    """The page in an ``<iframe srcdoc>``: its own document (scripts,
+    styles, ids apart from the notebook's), the full width of the output."""
+    return (f'<iframe srcdoc="{html.escape(self.page, quote=True)}" '
+            f'title="attention explorer" style="width: 100%; '
+            f'height: {self.height}px; border: 1px solid #ddd"></iframe>')
+
+  def save(self, path: str) -> str:
+    """Writes the page to ``path`` (atomically); returns the path."""
+    return _write_text(self.page, path)
+
+
+def show(source: str | os.PathLike | Transformer, params: Any = None,
+         split: data.Split | str = "test", *, step: int | None = None,
+         num_examples: int = 8, roles: Mapping[str, Any] | None = None,
+         study: Mapping[str, Any] | None = None,
+         meta: Mapping[str, Any] | None = None,
+         height: int = 900) -> Explorer:
+  """The explorer, for a notebook cell: ``show("runs/reverse")`` or
+  ``show(model, params, split)``.
+
+  With a workdir, the page ``eval.py --workdir W --split S --step N --html``
+  writes (``split`` names the split, ``step`` defaults to the newest): its
+  metrics, the heads' roles and the pruning study if there is one. With a
+  model, its ``params`` and a :class:`mha.data.Split`, the page of
+  :func:`write_explorer` for the same arguments (``roles``, ``study`` and
+  ``meta`` as there; ``step`` unused).
+
+  Returns:
+    an :class:`Explorer`; a notebook shows it inline (``_repr_html_``),
+    ``.page`` is the HTML, ``.save(path)`` writes it.
+
+  Raises:
+    ValueError: ``num_examples`` out of range, or the arguments of neither
+      form.
+    FileNotFoundError: the workdir has no checkpoint (or not ``step``).
+  """
+  if isinstance(source, Transformer):
+    if params is None or not isinstance(split, data.Split):
+      raise ValueError("show(model, params, split) needs the parameters and "
+                       "a mha.data.Split")
+    payload = explorer_payload(source, params, split,
+                               num_examples=num_examples, roles=roles,
+                               study=study, meta=meta)
+    return Explorer(render(payload), height)
+  if not isinstance(source, (str, os.PathLike)) or params is not None or \
+      not isinstance(split, str):
+    raise ValueError("show takes a workdir and a split's name, or a model, "
+                     f"its params and a Split; got {type(source).__name__}")
+  from mha import build  # Deferred: checkpoints pull in orbax.
+  from mha import checkpoint
+  workdir = os.fspath(source)
+  ckpt = checkpoint.load_checkpoint(workdir, step)
+  config = ckpt.config
+  examples = data.load_splits(build.data_spec(config),
+                              config.data.data_dir)[split]
+  metrics = evaluate.evaluate(ckpt.model, ckpt.params, examples,
+                              config.eval_batch_size)
+  payload = explorer_payload(
+      ckpt.model, ckpt.params, examples, num_examples=num_examples,
+      roles=roles_lib.head_roles(ckpt.model, ckpt.params, examples,
+                                 config.eval_batch_size),
+      study=load_study(workdir),
+      meta=run_meta(workdir, config.task, ckpt.step, split, metrics))
+  return Explorer(render(payload), height)
 
 
 __all__ = ["STUDY_RESULTS", "IMPORTANCE_MEASURES", "ABLATION_MEASURES",
            "head_colours", "load_study", "build_payload", "render",
-           "write_page", "write_explorer"]
+           "write_page", "explorer_payload", "write_explorer", "run_meta",
+           "Explorer", "show"]

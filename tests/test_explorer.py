@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import base64
 import fcntl
+import html.parser
 import io
 import json
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -219,9 +221,9 @@ def _fake_study(workdir: str, step: int, grid=None) -> None:
 
 
 @pytest.fixture(scope="module")
-def page(tiny_run, tmp_path_factory):
-  """The explorer of the tiny run (4 test examples) with a pruning study:
-  ``(path, workdir)``."""
+def page_arguments(tiny_run, tmp_path_factory):
+  """What the page of the tiny run is made of: ``(workdir, (model, params,
+  split), keyword arguments)``; 4 test examples and a pruning study."""
   workdir = copy_workdir(tiny_run.workdir,
                          tmp_path_factory.mktemp("explorer") / "run")
   _fake_study(workdir, step=20)
@@ -229,11 +231,17 @@ def page(tiny_run, tmp_path_factory):
   split = data.load_splits(build.data_spec(ckpt.config),
                            ckpt.config.data.data_dir)["test"]
   roles = head_roles.head_roles(ckpt.model, ckpt.params, split, 64)
-  path = explorer.write_explorer(
-      ckpt.model, ckpt.params, split,
-      os.path.join(workdir, "eval", "attention.html"), num_examples=4,
-      roles=roles, study=explorer.load_study(workdir),
+  return workdir, (ckpt.model, ckpt.params, split), dict(
+      num_examples=4, roles=roles, study=explorer.load_study(workdir),
       meta={"task": ckpt.config.task, "step": ckpt.step, "split": "test"})
+
+
+@pytest.fixture(scope="module")
+def page(page_arguments):
+  """The explorer of the tiny run: ``(path, workdir)``."""
+  workdir, args, kwargs = page_arguments
+  path = explorer.write_explorer(
+      *args, os.path.join(workdir, "eval", "attention.html"), **kwargs)
   return path, workdir
 
 
@@ -247,7 +255,9 @@ def _payload(path: str) -> dict[str, Any]:
 def _is_not_blank(png: bytes) -> None:
   from matplotlib import image
   pixels = image.imread(io.BytesIO(png), format="png")[..., :3]
-  colours = np.unique((pixels.reshape(-1, 3) * 255).astype(np.uint8), axis=0)
+  rgb = (pixels.reshape(-1, 3) * 255).astype(np.uint32)
+  # One int per colour: np.unique of rows (axis=0) took 1.5 s a screenshot.
+  colours = np.unique(rgb[:, 0] << 16 | rgb[:, 1] << 8 | rgb[:, 2])
   assert len(colours) > 50, "screenshot looks blank"
   assert pixels.std() > 0.05
 
@@ -318,6 +328,88 @@ def test_page_in_a_real_browser(page, browser):
   assert shot_after != shot_before
   with open(os.environ.get("EXPLORER_SCREENSHOT", os.devnull), "wb") as f:
     f.write(shot_after)
+
+
+class _Srcdoc(html.parser.HTMLParser):
+  """The ``srcdoc`` of each iframe, unescaped as a browser reads it."""
+
+  def __init__(self):
+    super().__init__(convert_charrefs=True)
+    self.found: list[str] = []
+
+  def handle_starttag(self, tag, attrs):
+    if tag == "iframe":
+      self.found.append(dict(attrs)["srcdoc"])
+
+
+def test_show_in_a_notebook_cell(page, page_arguments, browser, tmp_path):
+  """``show(model, params, split)`` is the page write_explorer wrote, in an
+  iframe that runs it inside a host page (as a notebook's output would)."""
+  path, _ = page
+  _, args, kwargs = page_arguments
+  view = explorer.show(*args, **kwargs)
+  with open(path, encoding="utf-8") as f:
+    assert view.page == f.read()
+  cell = view._repr_html_()
+  parser = _Srcdoc()
+  parser.feed(cell)
+  assert parser.found == [view.page]  # escaped right: it reads back exactly
+  assert "<script" not in cell and "</script" not in cell
+  host = tmp_path / "notebook.html"
+  host.write_text("<!DOCTYPE html><html><head><meta charset='utf-8'>"
+                  "<title>notebook</title></head><body><pre>In [1]: "
+                  "explorer.show(model, params, split)</pre>"
+                  f"<div class='output'>{cell}</div></body></html>",
+                  encoding="utf-8")
+  browser.events.clear()
+  browser.open(str(host))
+  inner = "document.querySelector('iframe').contentDocument"
+  assert browser.js(f"{inner}.body.dataset.ready") == "1"
+  errors = [e for e in browser.events if e.get("method") in (
+      "Runtime.exceptionThrown", "Log.entryAdded") and (
+          e["method"] == "Runtime.exceptionThrown" or
+          e["params"]["entry"]["level"] == "error")]
+  assert not errors, errors
+  first, second = _payload(path)["examples"][:2]
+  tokens = (f"[...{inner}.querySelectorAll('#tokens td.token')]"
+            ".map(t => t.textContent)")
+  assert browser.js(tokens) == [str(t) for t in first["inputs"]]
+  assert browser.js(f"{inner}.querySelectorAll('canvas.thumb').length") == 4
+  browser.js(f"{inner}.getElementById('next-example').click()")
+  assert browser.js(tokens) == [str(t) for t in second["inputs"]]
+  shot = browser.screenshot()
+  _is_not_blank(shot)
+  with open(os.environ.get("NOTEBOOK_SCREENSHOT", os.devnull), "wb") as f:
+    f.write(shot)
+
+
+def test_show_a_workdir(page, page_arguments, tmp_path, monkeypatch):
+  """docs/explorer.md's block, ``show(workdir)``: eval.py's page (its
+  metrics and roles, the study) of 8 examples."""
+  path, workdir = page
+  model = page_arguments[1][0]
+  with open(os.path.join(ROOT, "docs", "explorer.md"), encoding="utf-8") as f:
+    [block] = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+  (tmp_path / "runs").mkdir()
+  (tmp_path / "runs" / "reverse").symlink_to(workdir)
+  monkeypatch.chdir(tmp_path)
+  namespace: dict = {}
+  exec(compile(block, "docs/explorer.md", "exec"), namespace)
+  page_text = namespace["view"].page
+  start = page_text.index('id="payload">') + len('id="payload">')
+  payload = json.loads(page_text[start:page_text.index("</script>", start)])
+  written = _payload(path)
+  assert len(payload["examples"]) == 8
+  assert payload["study"] == written["study"] and payload["study"]
+  assert payload["roles"] == written["roles"]
+  meta = payload["meta"]
+  assert (meta["workdir"], meta["task"], meta["step"], meta["split"]) == (
+      "runs/reverse", "reverse", 20, "test")
+  assert set(meta["metrics"]) == {"loss", "token_accuracy", "exact_match"}
+  with pytest.raises(ValueError, match="needs the parameters"):
+    explorer.show(model)
+  with pytest.raises(ValueError, match="a workdir and a split's name"):
+    explorer.show(42)
 
 
 def test_payload_matches_the_model(page, tiny_run):
