@@ -74,3 +74,27 @@ def test_speed_beyond_the_flop_ratio_is_shown_with_the_other_costs():
   entry["speedup_ci"] = {"4": [1.1, 1.8]}  # contains 1.25: no claim
   assert report._speed_explanation(
       {"entries": [entry]})[0].startswith("No speed-up's interval")
+
+
+def test_family_claims_use_the_simultaneous_intervals():
+  # "good"'s marginal intervals exclude 0 against random and the oracle;
+  # its simultaneous ones (over each family) contain 0: no claim of either.
+  summary = {
+      "good": _entry(0.6, (0.1, 0.05, 0.15), (-0.02, -0.03, -0.01)),
+      "random": _entry(0.4, (0.0, 0.0, 0.0), (-0.2, -0.25, -0.15)),
+      "oracle": _entry(0.62, (0.2, 0.15, 0.25), (0.0, 0.0, 0.0)),
+  }
+  summary["good"]["auc_token_accuracy_minus_random_simultaneous_ci"] = [
+      -0.01, 0.21]
+  summary["good"]["auc_token_accuracy_minus_oracle_simultaneous_ci"] = [
+      -0.04, 0.005]
+  results = {"curve_labels": {k: k for k in summary},
+             "aggregate": {"curve_summary": summary,
+                           "no_layer_emptied": {"curve_summary": summary}},
+             "seeds": [{}]}
+  lines = report._findings_section(results)
+  line = next(l for l in lines if "not distinguishable from random" in l)
+  assert "good +0.100 [-0.010, +0.210]" in line and "simultaneous" in line
+  close = next(l for l in lines if "oracle's AUC" in l)
+  assert "good -0.020 [-0.040, +0.005]" in close
+  assert "simultaneous interval of the AUC gap contains 0" in close

@@ -236,7 +236,8 @@ def _spearman(importance: Mapping[str, np.ndarray]) -> dict[str, Any]:
 @dataclasses.dataclass(frozen=True)
 class Resamples:
   """The bootstrap resamples shared by every seed: ``[R, n]`` example counts
-  of validation and test, and ``[R, S]`` seed weights."""
+  of validation and test, and ``[R, S]`` seed-level coefficients
+  (:func:`mha.pruning.stats.seed_t_weights`)."""
 
   validation: np.ndarray
   test: np.ndarray
@@ -249,7 +250,7 @@ class Resamples:
     return cls(
         stats.example_weights(len(splits["validation"]), num_bootstrap, rng),
         stats.example_weights(len(splits["test"]), num_bootstrap, rng),
-        stats.seed_weights(num_seeds, num_bootstrap, rng))
+        stats.seed_t_weights(num_seeds, num_bootstrap, rng))
 
 
 def _measure_seed(model: Transformer, params: Params,

@@ -37,6 +37,7 @@ from mha.pruning import core
 from mha.pruning import oracle
 from mha.pruning import orderings
 from mha.pruning import speed
+from mha.pruning import stats
 from mha.pruning.study import analysis
 from mha.pruning.study import extensions
 from mha.pruning.study import outputs
@@ -139,9 +140,18 @@ def _header(workdir: str, first: ckpt_lib.LoadedCheckpoint,
                         "second half's loss at that level; "
                         "test_<metric>_at_prunable_half_split: test's value "
                         "there",
-          "ci": "95% percentile interval of a paired bootstrap over "
-                "validation and test examples (and, across seeds, over "
-                "seeds: two-level)",
+          "ci": "95% interval of a paired bootstrap over validation and "
+                "test examples (one seed: its percentile interval); across "
+                "seeds, the examples' bootstrap of the mean over seeds plus "
+                "a seed-level Student t term with S - 1 degrees of freedom "
+                "(see interval_method)",
+          "simultaneous_ci": "auc_<metric>_minus_<oracle|random>_"
+                             "simultaneous_ci: max-t simultaneous 95% "
+                             "intervals over the family of every curve's "
+                             "gap to that reference, from the same "
+                             "replicates (simultaneous_critical_values: "
+                             "the family's critical value c, in half-widths "
+                             "of the marginal interval)",
           "oracle": "for each k, the subset with k heads removed of best "
                     "validation token accuracy (ties: lower loss)",
           "no_layer_emptied": "the same orderings, skipping the last head "
@@ -174,6 +184,7 @@ def run(workdir: str, out_dir: str, options: StudyOptions,
   experiment_start = time.perf_counter()
   seeds, agg, extra = _analyze_all(checkpoints, splits, options, log)
   results = _header(workdir, first, options, splits) | extra | {
+      "interval_method": stats.interval_method(len(seeds)),
       "seeds": seeds, "aggregate": agg,
       "jax": {"version": jax.__version__, "backend": jax.default_backend(),
               "devices": [str(d) for d in jax.devices()]}}

@@ -165,8 +165,8 @@ def aggregate_mean_ablation(per_seed: Sequence[Mapping[summary.Key, Any]],
     diff = np.stack([m[key] - z[key] for m, z in zip(per_seed, zero)])
     entry = out["curve_summary"][name]
     entry[f"{stat}_mean_minus_zero"] = float(diff[:, 0].mean())
-    entry[f"{stat}_mean_minus_zero_ci"] = stats.interval(
-        stats.two_level(diff[:, 1:], seed_weights))
+    entry[f"{stat}_mean_minus_zero_ci"] = stats.seed_interval(
+        diff, seed_weights)
   return out
 
 
@@ -284,13 +284,14 @@ def gates_seed(seed: SeedInputs, options: StudyOptions, log: Log
 
 def _combine(rows: Sequence[np.ndarray], seed_weights: np.ndarray
              ) -> tuple[float, list[float]]:
-  """Mean over seeds of per-seed ``[1 + R]`` statistics, with its two-level
-  interval (NaN when any seed lacks it)."""
+  """Mean over seeds of per-seed ``[1 + R]`` statistics, with its interval
+  over examples and seeds (:func:`mha.pruning.stats.seed_interval`; NaN
+  when any seed lacks it)."""
   stacked = np.stack(rows)
   if not np.all(np.isfinite(stacked)):
     return float("nan"), [float("nan")] * 2
   return (float(stacked[:, 0].mean()),
-          stats.interval(stats.two_level(stacked[:, 1:], seed_weights)))
+          stats.seed_interval(stacked, seed_weights))
 
 
 def aggregate_gates(per_seed: Sequence[Mapping[str, Any]],

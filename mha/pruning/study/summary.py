@@ -264,17 +264,32 @@ def seed_summary(statistics: Mapping[Key, np.ndarray]) -> dict[str, Any]:
 
 def aggregate_statistics(per_seed: Sequence[Mapping[Key, np.ndarray]],
                          seed_weights: np.ndarray) -> dict[str, Any]:
-  """The mean over seeds of every statistic, with two-level bootstrap
-  intervals (``seed_weights`` ``[R, S]``), nested like
-  :func:`seed_summary`; ``<stat>_per_seed`` beside each scalar."""
-  values = {}
+  """The mean over seeds of every statistic, with intervals over examples
+  and seeds, nested like :func:`seed_summary`; ``<stat>_per_seed`` beside
+  each scalar.
+
+  Args:
+    per_seed: each seed's :func:`seed_statistics`.
+    seed_weights: ``[R, S]`` seed-level coefficients
+      (:func:`mha.pruning.stats.seed_t_weights`): the intervals are
+      :func:`mha.pruning.stats.seed_t_replicates`' (one seed: the example
+      bootstrap's percentile interval, as :func:`seed_summary`'s).
+
+  Returns:
+    ``variant -> {"curve_summary", "curves", "validation_curves"}`` as
+    :func:`seed_summary`, and in each curve summary the simultaneous
+    intervals of the AUC gaps to the oracle and to random
+    (:func:`_simultaneous`).
+  """
+  values, replicates = {}, {}
   for key in per_seed[0]:
     if key[2].endswith("_per_order"):
       continue
     stacked = np.stack([s[key] for s in per_seed])  # [S, 1 + R, ...]
-    combined = stats.two_level(stacked[:, 1:], seed_weights)
-    values[key] = (stacked[:, 0].mean(0), stats.interval(combined))
+    replicates[key] = stats.seed_t_replicates(stacked, seed_weights)
+    values[key] = (stacked[:, 0].mean(0), stats.interval(replicates[key]))
   out = _nest(values)
+  _simultaneous(out, values, replicates)
   for (variant, name, stat) in values:
     entry = out[variant]["curve_summary"].get(name)
     if entry is not None and stat in entry:
@@ -283,5 +298,36 @@ def aggregate_statistics(per_seed: Sequence[Mapping[Key, np.ndarray]],
   return out
 
 
-__all__ = ["CURVE_METRICS", "BASELINES", "REFERENCES", "with_full_sample",
-           "seed_statistics", "seed_summary", "aggregate_statistics"]
+#: The families of simultaneous intervals: every curve's AUC minus the
+#: reference's, one family per reference, variant and metric.
+FAMILIES = ("oracle", "random")
+
+
+def _simultaneous(out: dict[str, Any],
+                  values: Mapping[Key, tuple[Any, Any]],
+                  replicates: Mapping[Key, np.ndarray]) -> None:
+  """Adds ``auc_<metric>_minus_<ref>_simultaneous_ci`` beside each curve's
+  marginal ``auc_<metric>_minus_<ref>_ci`` (``ref`` in :data:`FAMILIES`):
+  max-t intervals over the family of every curve of the variant against
+  ``ref`` (:func:`mha.pruning.stats.simultaneous_intervals`), from the same
+  replicates; and per variant ``simultaneous_critical_values``,
+  ``"auc_<metric>_minus_<ref>" -> {"c": ..., "members": K}``."""
+  families: dict[tuple[str, str], list[Key]] = {}
+  for key in values:
+    variant, _, stat = key
+    for ref in FAMILIES:
+      for metric in CURVE_METRICS:
+        if stat == f"auc_{metric}_minus_{ref}":
+          families.setdefault((variant, stat), []).append(key)
+  for (variant, stat), keys in families.items():
+    intervals, c = stats.simultaneous_intervals(
+        np.array([values[k][0] for k in keys]),
+        np.stack([replicates[k] for k in keys], axis=1))
+    for key, ci in zip(keys, intervals):
+      out[variant]["curve_summary"][key[1]][f"{stat}_simultaneous_ci"] = ci
+    out[variant].setdefault("simultaneous_critical_values", {})[stat] = {
+        "c": c, "members": len(keys)}
+
+
+__all__ = ["FAMILIES", "CURVE_METRICS", "BASELINES", "REFERENCES",
+           "with_full_sample", "seed_statistics", "seed_summary", "aggregate_statistics"]
