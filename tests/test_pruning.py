@@ -18,6 +18,7 @@ from mha import checkpoint as ckpt_lib
 from mha import data
 from mha import head_masks
 from mha import pruning
+from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
 from mha.pruning import study
 from mha.pruning.study import report as report_lib
@@ -389,9 +390,21 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
     assert sorted(map(list, zip(*np.nonzero(mask == 0)))) == sorted(
         e["removed"])
   assert np.asarray(seed["importance"]["fisher"]).shape == (2, 2)
+  # Attribution patching: an ordering per baseline, checked against actual
+  # patching (leave-one-out under the same baseline; zero's is the study's).
+  assert results["ablation"] == "zero"
+  for name in ("zero", "mean", "resample"):
+    check = seed["attribution"][name]
+    assert np.asarray(check["estimate"]).shape == (2, 2)
+    np.testing.assert_allclose(check["estimate"],
+                               seed["importance"][f"attribution_{name}"])
+    assert -1.0 <= check["spearman"]["rho"] <= 1.0
+  np.testing.assert_allclose(seed["attribution"]["zero"]["actual"],
+                             seed["importance"]["leave_one_out"], atol=1e-5)
   for name in ("gradient", "gradient_l2", "gradient_iterative", "shapley",
                "fisher", "leave_one_out", "confidence", "entropy",
-               "reverse_gradient"):
+               "reverse_gradient", "attribution_zero", "attribution_mean",
+               "attribution_resample"):
     assert sorted(seed["orders"][name]) == list(range(num_heads)), name
     curve = seed["curves"][name]["token_accuracy"]
     assert len(curve) == num_heads + 1
@@ -469,10 +482,40 @@ def _check_extensions_contract(results, out):
 
 
 @pytest.mark.slow
+def test_a_study_under_resample_ablation(tiny_run, tmp_path):
+  options = study.StudyOptions(num_seeds=1, speed=False, num_bootstrap=20,
+                               num_random_orders=1, reestimate=False,
+                               batch_size=64, searches=False,
+                               attribution=False, plots=False,
+                               ablation="resample")
+  results = study.run(tiny_run.workdir, str(tmp_path / "out"), options,
+                      log=lambda _: None)
+  assert results["ablation"] == "resample"
+  seed = results["seeds"][0]
+  assert "kwon_tuned" not in seed["searches"]  # It assumes zero ablation.
+  # Every head removed, on test: each replaced by its context on the
+  # test example's donor (drawn as the study draws them).
+  model, params = build.make_model(tiny_run.config), tiny_run.state.params
+  splits = data.load_splits(build.data_spec(tiny_run.config),
+                            tiny_run.config.data.data_dir)
+  abl = ablation_lib.build(
+      model, params, "resample", splits["validation"], splits["test"],
+      rng=np.random.default_rng([0, 4, 1]))
+  none = np.zeros((1, 2, 2), np.float32)
+  want = core.evaluate_masks(model, params, splits["test"], none,
+                                     ablation=abl)["token_accuracy"][0]
+  zero = core.evaluate_masks(model, params, splits["test"],
+                                     none)["token_accuracy"][0]
+  got = seed["oracle"][-1]["test"]["token_accuracy"]
+  assert got == pytest.approx(want, abs=1e-6) and got != zero
+
+
+@pytest.mark.slow
 def test_oracle_skipped_above_oracle_max_heads(tiny_run, tmp_path):
   options = study.StudyOptions(num_seeds=1, speed=False, oracle_max_heads=3,
                                num_bootstrap=20, num_random_orders=1,
-                               reestimate=False, batch_size=64)
+                               reestimate=False, batch_size=64,
+                               attribution=False)
   results = study.run(tiny_run.workdir, str(tmp_path / "out"), options,
                       log=lambda _: None)
   seed = results["seeds"][0]
@@ -634,6 +677,8 @@ def test_bad_option_exits_2_writing_nothing(tiny_workdir, tmp_path,
     ({"shapley": "maybe"}, "--shapley 'maybe' is not one of: auto, exact"),
     ({"shapley_pairs": 1}, "--shapley_pairs must be >= 2"),
     ({"plot_format": "gif"}, "--plot_format 'gif' is not one of: png, svg, pdf"),
+    ({"ablation": "half"},
+     "--ablation 'half' is not one of: zero, mean, mean_position, resample"),
 ])
 def test_bad_options_are_refused(changes, message):
   with pytest.raises(ValueError) as raised:

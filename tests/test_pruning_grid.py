@@ -31,7 +31,7 @@ def _args(root, data_dir) -> list[str]:
   # cell.
   return [f"--workdir={root}", "--tasks=reverse,sort,histogram",
           "--models=tiny", "--num_seeds=1", "--num_bootstrap=20",
-          "--num_random_orders=4", "--noplots", "--nokwon",
+          "--num_random_orders=4", "--noplots", "--nokwon", "--noattribution",
           f"--overrides=data.data_dir={data_dir}"]
 
 

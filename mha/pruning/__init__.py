@@ -18,6 +18,9 @@ study (:mod:`mha.pruning.study`) that composes them:
 * :mod:`mha.pruning.retrain`: many pruned models fine-tuned at once;
 * :mod:`mha.pruning.shapley`: sampled Shapley values, pairwise interactions;
 * :mod:`mha.pruning.searches`: the layer-additive surrogate and beam search;
+* :mod:`mha.pruning.ablation`: what a removed head outputs (zero, mean,
+  mean per position, resample) for every mask evaluation and the oracle;
+  attribution patching;
 * :mod:`mha.pruning.kwon`: retraining-free pruning after Kwon et al. (2022):
   Fisher mask search, rearrangement, mask tuning.
 

@@ -49,6 +49,7 @@ from flax import struct
 from mha import data
 from mha import evaluate as eval_lib
 from mha import head_masks
+from mha import sharding as sharding_lib
 from mha.aliases import Array, Params
 from mha.model import Transformer, TransformerConfig
 
@@ -178,6 +179,18 @@ def ablated_logits(model: Transformer, params: Params, inputs: Array,
 # --------------------------------------------------------------------------
 
 
+def batches(split: data.Split, batch_size: int
+            ) -> Iterator[tuple[Array, Array]]:
+  """``(inputs, targets)`` batches of ``split`` in order, split across every
+  device (rounded up to a multiple of them; the padding rows at the end
+  count nothing), like :mod:`mha.evaluate`: the batches of every mask
+  evaluation (:func:`mha.pruning.core.batches`)."""
+  mesh = sharding_lib.make_mesh()
+  for batch in sharding_lib.eval_batches(
+      split, min(batch_size, max(len(split), 1)), mesh):
+    yield batch["inputs"], batch["targets"]
+
+
 @functools.partial(jax.jit, static_argnames="model")
 def _output_sums(model, params, inputs):
   """Per layer the sums ``[H, T, D]`` of each head's output over the
@@ -193,13 +206,12 @@ def position_means(model: Transformer, params: Params, split: data.Split, *,
   """``([L, H, T, D], [L, H, D])``: each head's mean output (context times
   its output-projection rows) at each position over the examples of
   ``split`` long enough to have it, and over every valid position."""
-  from mha.pruning import core  # pylint: disable=import-outside-toplevel
   config = model.config
   length = split.inputs.shape[1]
   total = np.zeros((config.num_layers, config.max_heads, length,
                     config.d_model), np.float64)
   counts = np.zeros(length, np.float64)
-  for inputs, _ in core.batches(split, batch_size):
+  for inputs, _ in batches(split, batch_size):
     sums, count = jax.device_get(_output_sums(model, params, inputs))
     counts += np.asarray(count, np.float64)
     for layer, value in enumerate(sums):
@@ -259,16 +271,15 @@ def batched(split: data.Split, batch_size: int,
             ablation: Ablation | None
             ) -> Iterator[tuple[Array, Array, Ablation | None]]:
   """``(inputs, targets, ablation)`` batches of ``split`` as
-  :func:`mha.pruning.core.batches` cuts them, resample's donors cut the
+  :func:`batches` cuts them, resample's donors cut the
   same way (padding rows: donors of no tokens)."""
-  from mha.pruning import core  # pylint: disable=import-outside-toplevel
   if ablation is None or ablation.donors is None:
-    for inputs, targets in core.batches(split, batch_size):
+    for inputs, targets in batches(split, batch_size):
       yield inputs, targets, ablation
     return
   donors = np.asarray(ablation.donors)
-  pairs = zip(core.batches(split, batch_size),
-              core.batches(data.Split(donors, donors), batch_size))
+  pairs = zip(batches(split, batch_size),
+              batches(data.Split(donors, donors), batch_size))
   for (inputs, targets), (donor, _) in pairs:
     yield inputs, targets, ablation.replace(donors=donor)
 

@@ -40,7 +40,7 @@ from mha.head_masks import (all_but_one_masks, existing_heads, full_head_mask,
                             leave_one_out_masks, masked_logits)
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import ablation as ablation_lib
-from mha.pruning.ablation import Ablation, ablated_logits
+from mha.pruning.ablation import Ablation, ablated_logits, batches
 
 
 
@@ -193,14 +193,6 @@ _metric_sums_one_mask = jax.jit(masked_metric_sums, static_argnames="model")
 _attention_statistics = jax.jit(attention_statistics, static_argnames="model")
 
 
-def batches(split: data.Split, batch_size: int):
-  """``(inputs, targets)`` batches of ``split`` in order, split across every
-  device (rounded up to a multiple of them; the padding rows at the end
-  count nothing), like :mod:`mha.evaluate`."""
-  mesh = sharding_lib.make_mesh()
-  for batch in sharding_lib.eval_batches(
-      split, min(batch_size, max(len(split), 1)), mesh):
-    yield batch["inputs"], batch["targets"]
 
 
 # --------------------------------------------------------------------------

@@ -5,8 +5,10 @@ Each ordering is a 1-D array of flat head indices (``layer * H + head``,
 are taken on one split (the study uses validation): gradient importance
 (Michel et al., per-example ``|dL/d xi|``, raw and L2-normalised per layer,
 and re-estimated after each removal), Fisher importance (Kwon et al.,
-per-example ``(dL/d xi)^2``, :mod:`mha.pruning.kwon`), leave-one-out loss
-increase, attention
+per-example ``(dL/d xi)^2``, :mod:`mha.pruning.kwon`), attribution
+patching (the first-order estimate of each head's removal under a zero, a
+mean-per-position and a resample baseline, :mod:`mha.pruning.ablation`),
+leave-one-out loss increase, attention
 confidence and entropy (Voita et al.), exact Shapley values (with every
 subset evaluated, :mod:`mha.pruning.oracle`), and the reverse gradient order
 as a sanity baseline. Random orders come from
@@ -28,6 +30,7 @@ from mha import evaluate as eval_lib
 from mha.aliases import Log, Params
 from mha.model import Transformer
 from mha.progress import quiet, timed
+from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
 from mha.pruning import kwon
 from mha.pruning import oracle
@@ -39,6 +42,9 @@ ORDERINGS = {
     "gradient_l2": "gradient (L2 per layer)",
     "gradient_iterative": "gradient (re-estimated)",
     "fisher": "Fisher (Kwon et al.)",
+    "attribution_zero": "attribution patching (zero)",
+    "attribution_mean": "attribution patching (mean per position)",
+    "attribution_resample": "attribution patching (resample)",
     "leave_one_out": "leave-one-out",
     "confidence": "confidence",
     "entropy": "entropy",
@@ -59,7 +65,8 @@ def halves(split: data.Split) -> tuple[data.Split, data.Split]:
 def _leave_one_out(model: Transformer, params: Params, validation: data.Split,
                    batch_size: int,
                    table: Mapping[str, np.ndarray] | None,
-                   subsets: Mapping[str, np.ndarray] | None
+                   subsets: Mapping[str, np.ndarray] | None,
+                   ablation: ablation_lib.Ablation | None = None
                    ) -> dict[str, Any]:
   """:func:`core.leave_one_out`, looked up in the metrics of every subset
   (``subsets``) or in the per-example subset ``table`` when there is one."""
@@ -70,7 +77,7 @@ def _leave_one_out(model: Transformer, params: Params, validation: data.Split,
         config, {k: np.asarray(v)[ids] for k, v in subsets.items()})
   if table is None:
     return core.leave_one_out(model, params, validation,
-                              batch_size=batch_size)
+                              batch_size=batch_size, ablation=ablation)
   return core.leave_one_out_from_metrics(config, core.summarize_examples(
       {k: np.asarray(v)[ids] for k, v in table.items()}))
 
@@ -80,15 +87,22 @@ def measure_importance(model: Transformer, params: Params,
                        log: Log = quiet,
                        timings: dict[str, float] | None = None,
                        table: Mapping[str, np.ndarray] | None = None,
-                       subsets: Mapping[str, np.ndarray] | None = None
-                       ) -> dict[str, Any]:
+                       subsets: Mapping[str, np.ndarray] | None = None,
+                       ablation: ablation_lib.Ablation | None = None,
+                       baselines: Mapping[str, ablation_lib.Ablation]
+                       | None = None) -> dict[str, Any]:
   """Every per-head measure on ``validation``: ``[L, H]`` arrays (NaN where
   no head), and ``validation``, the unpruned metrics. ``subsets``: the
   metrics of every subset on ``validation`` (``[2**N]`` each, from the
   streamed oracle), or ``table``, their per-example sums, when evaluated.
   ``fisher_blocks`` (``[L, H, H]``, :func:`mha.pruning.kwon.fisher_blocks`)
   is the Fisher information ``fisher`` is the diagonal of. ``timings``
-  receives the seconds of each measure."""
+  receives the seconds of each measure. ``ablation`` (built for
+  ``validation``): what a removed head outputs in leave-one-out (and in
+  ``subsets``/``table``); the mask-gradient measures (gradient, Fisher) are
+  taken at zero ablation. ``baselines``: the ablations of attribution
+  patching, ``attribution_<name>`` (default
+  :func:`attribution_baselines`)."""
   timings = {} if timings is None else timings
   half_a, half_b = halves(validation)
 
@@ -105,7 +119,18 @@ def measure_importance(model: Transformer, params: Params,
           " (from the subsets)" if table is not None or subsets is not None
           else " (every head's mask, vmapped)"),
       lambda: _leave_one_out(model, params, validation, batch_size, table,
-                             subsets))
+                             subsets, ablation))
+  if baselines is None:
+    baselines = attribution_baselines(model, params, validation,
+                                      batch_size=batch_size)
+  attribution = {}
+  if baselines:
+    attribution, timings["attribution_s"] = timed(
+        log, "attribution patching (" + ", ".join(baselines) + "): a "
+        "forward and a backward pass each",
+        lambda: {f"attribution_{name}": ablation_lib.attribution(
+            model, params, validation, abl, batch_size=batch_size)
+                 for name, abl in baselines.items()})
   blocks, timings["fisher_s"] = timed(
       log, "Fisher information of the head mask (per-example gradients "
       "squared, block-diagonal by layer)",
@@ -121,6 +146,7 @@ def measure_importance(model: Transformer, params: Params,
       "fisher": kwon.fisher_importance(blocks, model.config),
       "fisher_blocks": blocks,
       "leave_one_out": loo["loss_increase"],
+      **attribution,
       "confidence": attn["confidence"],
       "entropy": attn["entropy"],
       "leave_one_out_token_accuracy_drop":
@@ -129,6 +155,27 @@ def measure_importance(model: Transformer, params: Params,
       "gradient_validation_half_b": grad_b,
       "validation": loo["base"],
   }
+
+
+#: Attribution patching's baselines: ordering ``attribution_<name>`` ->
+#: the ablation mode it patches in (:mod:`mha.pruning.ablation`).
+ATTRIBUTION_BASELINES = {"zero": "zero", "mean": "mean_position",
+                         "resample": "resample"}
+
+
+def attribution_baselines(model: Transformer, params: Params,
+                          split: data.Split, *, batch_size: int = 1000,
+                          seed: int = 0
+                          ) -> dict[str, ablation_lib.Ablation]:
+  """The ablation of each of :data:`ATTRIBUTION_BASELINES` on ``split``
+  (means per position measured on it; resample's donors drawn with
+  ``seed``)."""
+  means = ablation_lib.position_means(model, params, split,
+                                      batch_size=batch_size)
+  return {name: ablation_lib.build(
+      model, params, mode, split, split, means=means,
+      rng=np.random.default_rng([seed, 3]))
+          for name, mode in ATTRIBUTION_BASELINES.items()}
 
 
 def orders_from_importance(importance: Mapping[str, np.ndarray]
@@ -145,6 +192,10 @@ def orders_from_importance(importance: Mapping[str, np.ndarray]
       # Low entropy = focused = important: remove the most diffuse first.
       "entropy": core.order_from_importance(-importance["entropy"]),
   }
+  for name in ATTRIBUTION_BASELINES:
+    key = f"attribution_{name}"
+    if key in importance:  # The estimated loss increase, least first.
+      orders[key] = core.order_from_importance(importance[key])
   shapley = importance.get("shapley_token_accuracy")
   if shapley is not None and not np.all(np.isnan(shapley)):
     orders["shapley"] = core.order_from_importance(shapley)
@@ -184,5 +235,6 @@ def compute_orders(model: Transformer, params: Params, validation: data.Split,
   return orders
 
 
-__all__ = ["ORDERINGS", "halves", "measure_importance",
+__all__ = ["ORDERINGS", "ATTRIBUTION_BASELINES", "attribution_baselines",
+           "halves", "measure_importance",
            "orders_from_importance", "compute_orders"]

@@ -24,6 +24,7 @@ from mha import head_roles
 from mha.aliases import Log, Params
 from mha.model import Transformer, TransformerConfig
 from mha.progress import timed
+from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
 from mha.pruning import kwon
 from mha.pruning import oracle
@@ -140,7 +141,9 @@ def plan_masks(config: TransformerConfig, orders: Mapping[str, np.ndarray],
 
 def _per_example(model: Transformer, params: Params, split: data.Split,
                  masks: np.ndarray, table: Mapping[str, np.ndarray] | None,
-                 options: StudyOptions) -> dict[str, np.ndarray]:
+                 options: StudyOptions,
+                 ablation: ablation_lib.Ablation | None = None
+                 ) -> dict[str, np.ndarray]:
   """Per-example sums ``[M, n]`` of ``masks``: looked up in ``table`` (every
   subset) when given; else every subset is evaluated when that is cheaper
   (the masks are at least :data:`SUBSET_COST` of the subsets), else just
@@ -150,13 +153,14 @@ def _per_example(model: Transformer, params: Params, split: data.Split,
       config, options.oracle_max_heads) and (
       len(masks) >= oracle.SUBSET_COST * 2 ** oracle.num_heads(config)):
     table = oracle.evaluate_subsets(model, params, split, per_example=True,
-                                    batch_size=options.batch_size)
+                                    batch_size=options.batch_size,
+                                    ablation=ablation)
   if table is not None:
     ids = oracle.subset_index(config, masks)
     return {k: np.asarray(v)[ids] for k, v in table.items()}
   return core.evaluate_masks(model, params, split, masks,
-                                batch_size=options.batch_size,
-                                per_example=True)
+                             batch_size=options.batch_size,
+                             per_example=True, ablation=ablation)
 
 
 def _oracle_entries(config: TransformerConfig, plan: Plan, variant: str,
@@ -261,12 +265,16 @@ def _measure_seed(model: Transformer, params: Params,
   the seed's curves and tables need, on validation and test."""
   config = model.config
   val, test = splits["validation"], splits["test"]
+  ablations, baselines = _ablations_of(model, params, splits, options, log,
+                                       timings)
   subsets, shapley, removals = oracle.evaluate_oracle(
       model, params, val, batch_size=options.batch_size,
-      max_heads=options.oracle_max_heads, log=log, timings=timings)
+      max_heads=options.oracle_max_heads, log=log, timings=timings,
+      ablation=ablations["validation"])
   importance = orderings.measure_importance(
       model, params, val, batch_size=options.batch_size, log=log,
-      timings=timings, subsets=subsets)
+      timings=timings, subsets=subsets, ablation=ablations["validation"],
+      baselines=baselines)
   validation = importance.pop("validation")
   fisher_blocks = importance.pop("fisher_blocks")
   importance["shapley_token_accuracy"] = shapley
@@ -277,7 +285,8 @@ def _measure_seed(model: Transformer, params: Params,
      importance["shapley_token_accuracy_ci"]), timings["shapley_s"] = timed(
          log, f"Shapley values sampled: {options.shapley_pairs} antithetic "
          "pairs of permutations",
-         lambda: sampled_shapley(model, params, val, options))
+         lambda: sampled_shapley(model, params, val, options,
+                                 ablations["validation"]))
   interactions = (None if subsets is None else
                   _interactions(config, subsets))
   orders = orderings.orders_from_importance(importance)
@@ -291,12 +300,20 @@ def _measure_seed(model: Transformer, params: Params,
   n = oracle.num_heads(config)
   evaluations: dict[str, int] = {}
   found = run_searches(model, params, val, options, log, timings,
-                       evaluations)
+                       evaluations, ablations["validation"])
   tuned = {}
   if options.kwon:
-    found["kwon"], tuned["kwon_tuned"] = run_kwon(
-        model, params, val, fisher_blocks, log, timings)
-    evaluations.update(kwon=0, kwon_tuned=0)
+    # The tuning fits the kept heads' mask values with removed heads at
+    # zero: its masks mean nothing under another ablation.
+    tune = options.ablation == "zero"
+    found["kwon"], masks = run_kwon(model, params, val, fisher_blocks, log,
+                                    timings, tune=tune)
+    evaluations["kwon"] = 0
+    if tune:
+      tuned["kwon_tuned"], evaluations["kwon_tuned"] = masks, 0
+    else:
+      log(f"  Kwon et al.'s mask tuning skipped: it assumes zero ablation, "
+          f"not --ablation={options.ablation}")
   plan = plan_masks(config, orders, random_orders, removals,
                     core.pruning_counts(n, options.step_fraction),
                     {name: [e["removed"] for e in entries]
@@ -304,22 +321,87 @@ def _measure_seed(model: Transformer, params: Params,
   masks = np.stack(plan.masks)
   val_sums, timings["validation_masks_s"] = timed(
       log, f"{len(masks)} distinct masks on validation",
-      lambda: _per_example(model, params, val, masks, None, options))
+      lambda: _per_example(model, params, val, masks, None, options,
+                           ablations["validation"]))
   test_sums, timings["test_masks_s"] = timed(
       log, f"{len(masks)} distinct masks on test (curves, oracle, tables)",
-      lambda: _per_example(model, params, test, masks, None, options))
+      lambda: _per_example(model, params, test, masks, None, options,
+                           ablations["test"]))
+  patching = None
+  if baselines:
+    patching, timings["attribution_check_s"] = timed(
+        log, "attribution patching against actual patching (leave-one-out "
+        "under each baseline)",
+        lambda: _attribution_check(model, params, val, importance,
+                                   baselines, options))
   return {"importance": importance, "validation": validation,
           "orders": {**orders, "random": random_orders}, "plan": plan,
           "val_sums": val_sums, "test_sums": test_sums, "num_heads": n,
           "oracle_ran": subsets is not None, "shapley_method": method,
-          "search_evaluations": evaluations,
+          "search_evaluations": evaluations, "attribution": patching,
           "interactions": interactions}
+
+
+def _ablations_of(model: Transformer, params: Params,
+                  splits: Mapping[str, data.Split], options: StudyOptions,
+                  log: Log, timings: dict[str, float]
+                  ) -> tuple[dict[str, ablation_lib.Ablation],
+                             dict[str, ablation_lib.Ablation]]:
+  """``--ablation`` built for validation and test (means measured on
+  validation; resample's donors drawn within each split), and attribution
+  patching's baselines on validation."""
+  val = splits["validation"]
+
+  def build():
+    means = ablation_lib.position_means(model, params, val,
+                                        batch_size=options.batch_size)
+    built = {name: ablation_lib.build(
+        model, params, options.ablation, val, split, means=means,
+        rng=np.random.default_rng([options.seed, 4, i]))
+             for i, (name, split) in enumerate(
+                 (("validation", val), ("test", splits["test"])))}
+    baselines = {name: ablation_lib.build(
+        model, params, mode, val, val, means=means,
+        rng=np.random.default_rng([options.seed, 3]))
+                 for name, mode in orderings.ATTRIBUTION_BASELINES.items()
+                 if options.attribution}
+    return built, baselines
+  (built, baselines), timings["ablation_s"] = timed(
+      log, f"ablation {options.ablation} (removed heads' replacements)"
+      + (" and attribution patching's baselines" if options.attribution
+         else ""), build)
+  return built, baselines
+
+
+def _attribution_check(model: Transformer, params: Params,
+                       validation: data.Split, importance: Mapping[str, Any],
+                       baselines: Mapping[str, ablation_lib.Ablation],
+                       options: StudyOptions) -> dict[str, Any]:
+  """Attribution patching against actual patching on validation: per
+  baseline, the estimated and the actual loss increase of removing each
+  head alone (``[L][H]``) and their Spearman correlation and mean
+  absolute error."""
+  config = model.config
+  out = {}
+  for name, abl in baselines.items():
+    estimate = np.asarray(importance[f"attribution_{name}"])
+    actual = core.leave_one_out(model, params, validation,
+                                batch_size=options.batch_size,
+                                ablation=abl)["loss_increase"]
+    exists = head_masks.existing_heads(config)
+    out[name] = {
+        "mode": abl.mode, "estimate": estimate, "actual": actual,
+        "spearman": stats.spearman(estimate[exists], actual[exists]),
+        "mean_abs_error": float(np.mean(np.abs(estimate - actual)[exists])),
+    }
+  return out
 
 
 def run_searches(model: Transformer, params: Params, validation: data.Split,
                  options: StudyOptions, log: Log,
                  timings: dict[str, float],
-                 evaluations: dict[str, int]
+                 evaluations: dict[str, int],
+                 ablation: ablation_lib.Ablation | None = None
                  ) -> dict[str, list[dict[str, Any]]]:
   """Both searches of :mod:`mha.pruning.searches` on ``validation`` (the
   oracle's value: :func:`mha.pruning.oracle.subset_values`, every subset
@@ -346,7 +428,7 @@ def run_searches(model: Transformer, params: Params, validation: data.Split,
                                                 axis=0)])
       return oracle.subset_values(core.evaluate_masks(
           model, params, validation, padded, batch_size=options.batch_size,
-          chunk_size=8))[:len(masks)]
+          chunk_size=8, ablation=ablation))[:len(masks)]
     out[name], timings[f"{name}_s"] = timed(
         log, f"{SEARCH_LABELS[name]}", lambda: search(value_fn))
     evaluations[name] = evaluated[0]
@@ -354,8 +436,9 @@ def run_searches(model: Transformer, params: Params, validation: data.Split,
 
 
 def run_kwon(model: Transformer, params: Params, validation: data.Split,
-             blocks: np.ndarray, log: Log, timings: dict[str, float]
-             ) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
+             blocks: np.ndarray, log: Log, timings: dict[str, float], *,
+             tune: bool = True
+             ) -> tuple[list[dict[str, Any]], list[np.ndarray] | None]:
   """Kwon et al.'s retraining-free pruning (:mod:`mha.pruning.kwon`) for
   every number of heads removed, on ``validation``: the Fisher search's
   removal, rearranged within layers (entries ``{k, removed}``), and its mask
@@ -368,6 +451,8 @@ def run_kwon(model: Transformer, params: Params, validation: data.Split,
   removals, timings["kwon_s"] = timed(
       log, SEARCH_LABELS["kwon"],
       lambda: [kwon.search(blocks, config, k) for k in range(n + 1)])
+  if not tune:
+    return [{"k": k, "removed": r} for k, r in enumerate(removals)], None
   masks, timings["kwon_tuned_s"] = timed(
       log, f"{SEARCH_LABELS['kwon_tuned']}: least squares per layer, "
       f"{n + 1} subsets",
@@ -378,7 +463,9 @@ def run_kwon(model: Transformer, params: Params, validation: data.Split,
 
 
 def sampled_shapley(model: Transformer, params: Params, split: data.Split,
-                    options: StudyOptions) -> tuple[np.ndarray, np.ndarray]:
+                    options: StudyOptions,
+                    ablation: ablation_lib.Ablation | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
   """Shapley values of validation token accuracy by antithetic permutation
   sampling (:func:`mha.pruning.shapley.sampled_shapley`): ``[L, H]`` values
   and ``[L, H, 2]`` 95% intervals (sampling and examples), NaN where no
@@ -393,7 +480,7 @@ def sampled_shapley(model: Transformer, params: Params, split: data.Split,
     masks[:, flat] = kept
     sums = core.evaluate_masks(
         model, params, split, masks.reshape((-1,) + exists.shape),
-        batch_size=options.batch_size, per_example=True)
+        batch_size=options.batch_size, per_example=True, ablation=ablation)
     # Each example's share of the split's token accuracy: their mean is it.
     return np.asarray(sums["correct"], np.float64) * len(split) / tokens
 
@@ -471,6 +558,9 @@ def analyze_seed(model: Transformer, params: Params,
       model, params, splits["validation"], options.batch_size)
   if m["shapley_method"] is not None:
     out["shapley_method"] = m["shapley_method"]
+  if m["attribution"] is not None:
+    # Attribution patching's estimates against actual patching.
+    out["attribution"] = m["attribution"]
   if m["interactions"] is not None:
     out["interactions"] = m["interactions"]
   if not m["oracle_ran"]:

@@ -185,6 +185,7 @@ def run(workdir: str, out_dir: str, options: StudyOptions,
   seeds, agg, extra = _analyze_all(checkpoints, splits, options, log)
   results = _header(workdir, first, options, splits) | extra | {
       "interval_method": stats.interval_method(len(seeds)),
+      "ablation": options.ablation,
       "seeds": seeds, "aggregate": agg,
       "jax": {"version": jax.__version__, "backend": jax.default_backend(),
               "devices": [str(d) for d in jax.devices()]}}

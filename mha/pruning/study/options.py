@@ -20,6 +20,7 @@ from mha import cli
 from mha.figures import PLOT_FORMATS
 from mha.head_masks import parse_heads
 from mha.pruning import speed
+from mha.pruning.ablation import MODES as ABLATION_MODES
 from mha.pruning.orderings import ORDERINGS
 
 #: ``--shapley``: how the Shapley values are computed.
@@ -107,6 +108,16 @@ class StudyOptions:
   plot_format: str = _option(
       "png", "File format of the report's figures: png, svg or pdf (vector "
       "graphics, for papers; report.md inlines PNG and SVG and links PDF).")
+  attribution: bool = _option(
+      True, "Attribution patching's three orderings (zero, mean per "
+      "position and resample baselines) and their check against actual "
+      "patching.")
+  ablation: str = _option(
+      "zero", "What a removed head outputs: zero, mean (its mean context "
+      "over validation), mean_position (that mean at each position) or "
+      "resample (its context on another example of the same length). The "
+      "oracle, every curve, the searches, leave-one-out and Shapley values "
+      "are computed under it.")
   gates: bool = _option(
       False, "Learn hard-concrete head gates (Voita et al.) for each "
       "--gate_lambdas strength and evaluate their kept heads like every "
@@ -171,6 +182,9 @@ class StudyOptions:
                         if k not in ("random", "shapley"))
       raise ValueError(
           f"--speed_order {self.speed_order!r} is not one of: {valid}")
+    if self.ablation not in ABLATION_MODES:
+      raise ValueError(f"--ablation {self.ablation!r} is not one of: "
+                       f"{', '.join(ABLATION_MODES)}")
     if self.plot_format not in PLOT_FORMATS:
       raise ValueError(f"--plot_format {self.plot_format!r} is not one of: "
                        f"{', '.join(PLOT_FORMATS)}")

@@ -79,6 +79,13 @@ ORDERING_STYLES: dict[str, dict[str, object]] = {
     # Kwon et al.'s Fisher ordering and its two searches: one brown family,
     # dash-dotted, told apart by their markers.
     "Fisher (Kwon et al.)": dict(color="#8C564B", marker="h", linestyle="-."),
+    # Attribution patching under its three baselines: one teal family.
+    "attribution patching (zero)": dict(color="#17BECF", marker="1",
+                                        linestyle="-"),
+    "attribution patching (mean per position)": dict(
+        color="#17BECF", marker="2", linestyle="--"),
+    "attribution patching (resample)": dict(color="#17BECF", marker="3",
+                                            linestyle=":"),
     "Kwon et al. (Fisher search, rearranged)": dict(
         color="#8C564B", marker="<", linestyle="-.", fillstyle="none"),
     "Kwon et al., mask tuned": dict(color="#8C564B", marker=">",
