@@ -21,8 +21,10 @@ from mha import cli
 from mha import config_validation
 from mha import data
 from mha import head_masks
+from mha.pruning import ablation
 from mha.pruning import core
 from mha.pruning import export
+from mha.pruning import orderings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "prune_heads.py")
@@ -242,7 +244,12 @@ def scores(source, splits, subsets):
       model, params, jnp.asarray(validation.inputs),
       jnp.asarray(validation.targets), full), np.float64)
   fisher = np.mean(grads ** 2, axis=0)
+  # Attribution patching: the estimated loss increase under each baseline.
+  baselines = orderings.attribution_baselines(model, params, validation)
+  attribution = {f"attribution_{name}": ablation.attribution(
+      model, params, validation, abl) for name, abl in baselines.items()}
   return {
+      **attribution,
       "fisher": fisher,
       "gradient": grad,
       "gradient_l2": core.normalize_per_layer(grad),
