@@ -214,8 +214,8 @@ def compute_orders(model: Transformer, params: Params, validation: data.Split,
   heads; ``gradient_iterative`` only with ``reestimate``).
 
   ``names``: when given, the orderings wanted; the expensive ones (every
-  subset for ``shapley``, the re-estimated gradient) are computed only when
-  asked for. The cheap measures come back regardless.
+  subset for ``shapley``, the re-estimated gradient, attribution patching)
+  are computed only when asked for. The cheap measures come back regardless.
   """
   wanted = lambda name: names is None or name in names
   subsets = None
@@ -223,8 +223,19 @@ def compute_orders(model: Transformer, params: Params, validation: data.Split,
                                                  oracle_max_heads):
     subsets = eval_lib.summarize(oracle.subset_totals(
         model, params, validation, batch_size=batch_size))
+  # Attribution patching only for the baselines asked for.
+  baselines = None
+  if names is not None:
+    wanted_baselines = [n for n in ATTRIBUTION_BASELINES
+                        if wanted(f"attribution_{n}")]
+    baselines = {}
+    if wanted_baselines:
+      baselines = {n: b for n, b in attribution_baselines(
+          model, params, validation, batch_size=batch_size).items()
+                   if n in wanted_baselines}
   importance = measure_importance(model, params, validation,
-                                  batch_size=batch_size, subsets=subsets)
+                                  batch_size=batch_size, subsets=subsets,
+                                  baselines=baselines)
   if subsets is not None:
     importance["shapley_token_accuracy"] = oracle.shapley_values(
         subsets["token_accuracy"], model.config)
