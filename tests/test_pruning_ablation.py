@@ -56,6 +56,7 @@ def _contexts(model, params, inputs):
   return found
 
 
+@pytest.mark.slow  # compiles several programs: the full suite only
 def test_resample_replaces_each_removed_heads_context_by_the_donors(setup):
   model, params, split, modes = setup
   abl = modes["resample"]
@@ -82,6 +83,7 @@ def test_resample_replaces_each_removed_heads_context_by_the_donors(setup):
                              atol=2e-5)
 
 
+@pytest.mark.slow  # compiles several programs: the full suite only
 def test_mean_equals_the_folded_mean_ablation(setup):
   model, params, split, modes = setup
   masks = head_masks.leave_one_out_masks(CONFIG)
@@ -94,6 +96,7 @@ def test_mean_equals_the_folded_mean_ablation(setup):
     np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # compiles several programs: the full suite only
 def test_oracle_and_batches_agree_with_mask_evaluation(setup):
   model, params, split, modes = setup
   abl = modes["resample"]
@@ -117,6 +120,7 @@ def test_oracle_and_batches_agree_with_mask_evaluation(setup):
   assert not np.allclose(zero["loss_sum"][:-1], want["loss_sum"][:-1])
 
 
+@pytest.mark.slow  # compiles several programs: the full suite only
 @pytest.mark.parametrize("mode", ["zero", "resample"])
 def test_attribution_is_minus_the_mask_derivative(setup, mode):
   model, params, split, modes = setup
