@@ -101,6 +101,28 @@ def tiny_config(data_dir: str, *overrides: str) -> ml_collections.ConfigDict:
                                       *overrides]))
 
 
+def random_model_and_split(config, *, seed: int = 0, n: int = 24,
+                           min_length: int = 1):
+  """An untrained ``Transformer(config)``, its parameters (``seed``) and a
+  split of ``n`` random examples of ``min_length`` to ``config.max_len``
+  tokens whose targets are a fixed function of each token: the pruning
+  techniques' tests need a model, not a trained one."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from mha import data  # pylint: disable=import-outside-toplevel
+  from mha.model import Transformer  # pylint: disable=import-outside-toplevel
+  model = Transformer(config)
+  params = model.init(jax.random.key(seed),
+                      jnp.ones((1, config.max_len), jnp.int32))["params"]
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, config.vocab_size, (n, config.max_len))
+  lengths = rng.integers(min_length, config.max_len + 1, n)
+  tokens[np.arange(config.max_len)[None, :] >= lengths[:, None]] = 0
+  targets = np.where(tokens != 0, (tokens * 3 + 1) % config.vocab_size, 0)
+  return model, params, data.Split(tokens.astype(np.int32),
+                                   targets.astype(np.int32))
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, data_dir) -> TinyRun:
   """The ``tiny`` config trained to completion (20 steps)."""

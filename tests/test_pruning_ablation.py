@@ -2,14 +2,12 @@
 (mha.pruning.ablation), through the mask evaluation and the oracle."""
 
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import random_model_and_split
 
-from mha import data
 from mha import head_masks
-from mha.model import Transformer, TransformerConfig
+from mha.model import TransformerConfig
 from mha.pruning import ablation
 from mha.pruning import core
 from mha.pruning import mean_ablation
@@ -20,16 +18,7 @@ CONFIG = TransformerConfig(vocab_size=7, num_layers=2, num_heads=2,
 
 
 def _model_and_split(seed=0, n=20):
-  model = Transformer(CONFIG)
-  params = model.init(jax.random.key(seed),
-                      jnp.ones((1, CONFIG.max_len), jnp.int32))["params"]
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(1, CONFIG.vocab_size, (n, CONFIG.max_len))
-  lengths = rng.integers(2, CONFIG.max_len + 1, n)
-  tokens[np.arange(CONFIG.max_len)[None, :] >= lengths[:, None]] = 0
-  targets = np.where(tokens != 0, (tokens * 3 + 1) % CONFIG.vocab_size, 0)
-  return model, params, data.Split(tokens.astype(np.int32),
-                                   targets.astype(np.int32))
+  return random_model_and_split(CONFIG, seed=seed, n=n, min_length=2)
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import random_model_and_split
 
 from mha import data
 from mha import head_masks
-from mha.model import Transformer, TransformerConfig
+from mha.model import TransformerConfig
 from mha.pruning import core
 from mha.pruning import kwon
 
@@ -16,16 +17,7 @@ CONFIG = TransformerConfig(vocab_size=7, num_layers=2, num_heads=3,
 
 
 def _model_and_split(config=CONFIG, seed=0, n=24):
-  model = Transformer(config)
-  params = model.init(jax.random.key(seed),
-                      jnp.ones((1, config.max_len), jnp.int32))["params"]
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(1, config.vocab_size, (n, config.max_len))
-  lengths = rng.integers(1, config.max_len + 1, n)
-  tokens[np.arange(config.max_len)[None, :] >= lengths[:, None]] = 0
-  targets = np.where(tokens != 0, (tokens * 3 + 1) % config.vocab_size, 0)
-  return model, params, data.Split(tokens.astype(np.int32),
-                                   targets.astype(np.int32))
+  return random_model_and_split(config, seed=seed, n=n)
 
 
 def test_fisher_equals_a_loop_of_per_example_gradients():

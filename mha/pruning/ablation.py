@@ -38,7 +38,7 @@ each head's removal under a baseline, ``-dL/dm_h`` at the full mask.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import flax.linen as nn
 import jax
@@ -51,7 +51,7 @@ from mha import evaluate as eval_lib
 from mha import head_masks
 from mha import sharding as sharding_lib
 from mha.aliases import Array, Params
-from mha.model import Transformer, TransformerConfig
+from mha.model import Transformer
 
 #: The ablation modes, ``--ablation``'s choices.
 MODES = ("zero", "mean", "mean_position", "resample")
@@ -67,7 +67,9 @@ class Ablation:
       ``mean_position``: one row per position): what each removed head adds
       to its layer's output, ``r_h W_o[h]`` (zeros where no head).
     donors: ``[n, T]`` int32 (``resample``): each example's donor tokens,
-      aligned with the split (or with a batch of it inside a call).
+      aligned with the split (or with a batch of it inside a call). Once
+      :meth:`resolved`, resample carries its donors' shifts ``[L, H, B, T,
+      D]`` in ``shifts`` instead.
   """
 
   mode: str = struct.field(pytree_node=False)
@@ -82,11 +84,26 @@ class Ablation:
     config = model.config
     if self.mode == "zero":
       return [None] * config.num_layers
-    if self.mode == "resample":
+    if self.shifts is None:  # resample, not yet resolved
       outs = head_outputs(model, params, jnp.asarray(self.donors))
       return [None if o is None else jax.lax.stop_gradient(o) for o in outs]
     return [self.shifts[l, :c] if c else None
             for l, c in enumerate(config.heads_per_layer)]
+
+  def resolved(self, model: Transformer, params: Params) -> "Ablation":
+    """This ablation with its shifts computed: resample's donors run once
+    here (``shifts`` ``[L, H, B, T, D]``, zeros where no head), not once per
+    mask where many masks share a batch. Other modes are returned as they
+    are."""
+    if self.mode != "resample" or self.shifts is not None:
+      return self
+    config = model.config
+    shape = ((config.max_heads,) + tuple(self.donors.shape)
+             + (config.d_model,))
+    rows = [jnp.zeros(shape, jnp.float32) if shift is None else
+            jnp.zeros(shape, jnp.float32).at[:shift.shape[0]].set(shift)
+            for shift in self.layer_shifts(model, params)]
+    return self.replace(shifts=jnp.stack(rows), donors=None)
 
 
 def check_mode(mode: str) -> str:
@@ -110,7 +127,7 @@ def _is_out_projection(context: Any) -> bool:
               and isinstance(context.module, nn.DenseGeneral))
 
 
-def _layer_of(context: Any) -> int | None:
+def layer_of(context: Any) -> int | None:
   """The layer index when ``context`` is the call of a layer's attention
   output projection (``layer_<l>/attention/out``), else None."""
   path = context.module.path
@@ -127,7 +144,7 @@ def head_outputs(model: Transformer, params: Params,
   found: dict[int, Array] = {}
 
   def capture(next_fun, args, kwargs, context):
-    layer = _layer_of(context)
+    layer = layer_of(context)
     if layer is not None:
       kernel = params[f"layer_{layer}"]["attention"]["out"]["kernel"]
       found[layer] = jnp.einsum("bthd,hdo->hbto", args[0], kernel)
@@ -138,6 +155,12 @@ def head_outputs(model: Transformer, params: Params,
   return [found.get(layer) for layer in range(model.config.num_layers)]
 
 
+def _shifted(out: Array, layer_mask: Array, shift: Array) -> Array:
+  """``out`` plus ``sum_h (1 - m_h) shift_h``: each removed head's shift."""
+  return out + jnp.tensordot(1.0 - layer_mask, shift, axes=1).astype(
+      out.dtype)
+
+
 def block_interceptor(layer_mask: Array, shift: Array):
   """An ``nn.intercept_methods`` interceptor for one block applied alone:
   adds ``sum_h (1 - m_h) shift_h`` (``shift`` ``[H, B | 1, T | 1, D]``) to
@@ -145,10 +168,8 @@ def block_interceptor(layer_mask: Array, shift: Array):
 
   def intercept(next_fun, args, kwargs, context):
     out = next_fun(*args, **kwargs)
-    if not _is_out_projection(context):
-      return out
-    return out + jnp.tensordot(1.0 - layer_mask, shift,
-                               axes=1).astype(out.dtype)
+    return (_shifted(out, layer_mask, shift) if _is_out_projection(context)
+            else out)
   return intercept
 
 
@@ -163,12 +184,10 @@ def ablated_logits(model: Transformer, params: Params, inputs: Array,
 
   def intercept(next_fun, args, kwargs, context):
     out = next_fun(*args, **kwargs)
-    layer = _layer_of(context)
+    layer = layer_of(context)
     if layer is None or shifts[layer] is None:
       return out
-    count = shifts[layer].shape[0]
-    return out + jnp.tensordot(1.0 - mask[layer, :count], shifts[layer],
-                               axes=1).astype(out.dtype)
+    return _shifted(out, mask[layer, :shifts[layer].shape[0]], shifts[layer])
 
   with nn.intercept_methods(intercept):
     return head_masks.masked_logits(model, params, inputs, head_mask)
@@ -327,6 +346,6 @@ def attribution(model: Transformer, params: Params, split: data.Split,
                   np.nan)
 
 
-__all__ = ["MODES", "Ablation", "check_mode", "head_outputs",
+__all__ = ["MODES", "Ablation", "check_mode", "layer_of", "head_outputs",
            "ablated_logits", "position_means", "resample_donors", "build",
            "batched", "attribution", "block_interceptor"]

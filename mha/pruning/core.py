@@ -33,11 +33,11 @@ import numpy as np
 
 from mha import data
 from mha import evaluate as eval_lib
-from mha import sharding as sharding_lib
 from mha.aliases import Array, HeadSpec, Params
 from mha.evaluate import example_metric_sums  # Re-exported: per example.
 from mha.head_masks import (all_but_one_masks, existing_heads, full_head_mask,
-                            leave_one_out_masks, masked_logits)
+                            leave_one_out_masks,
+                            masked_logits)  # noqa: F401  (re-exported)
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import ablation as ablation_lib
 from mha.pruning.ablation import Ablation, ablated_logits, batches
@@ -167,26 +167,10 @@ def _abs_gradient_sums(model, params, inputs, targets, head_mask,
 def _metric_sums_per_mask(model, params, inputs, targets, masks,
                           per_example=False, ablation=None):
   fn = masked_example_sums if per_example else masked_metric_sums
-  if ablation is not None and ablation.mode == "resample":
-    # The donors' head outputs once, not once per mask.
-    ablation = ablation_lib.Ablation(
-        "mean", shifts=_stacked_shifts(model, params, ablation))
+  if ablation is not None:  # resample's donors once, not once per mask
+    ablation = ablation.resolved(model, params)
   return jax.vmap(lambda m: fn(model, params, inputs, targets, m,
                                ablation))(masks)
-
-
-def _stacked_shifts(model: Transformer, params: Params,
-                    ablation: Ablation) -> Array:
-  """``[L, H, B, T, D]``: resample's shifts of every layer, zeros where no
-  head (an ablation whose ``shifts`` broadcast like mean's)."""
-  config = model.config
-  rows = []
-  for layer, shift in enumerate(ablation.layer_shifts(model, params)):
-    count = config.heads_per_layer[layer]
-    shape = (config.max_heads,) + ablation.donors.shape + (config.d_model,)
-    full = jnp.zeros(shape, jnp.float32)
-    rows.append(full if shift is None else full.at[:count].set(shift))
-  return jnp.stack(rows)
 
 
 _metric_sums_one_mask = jax.jit(masked_metric_sums, static_argnames="model")

@@ -30,7 +30,6 @@ still an ordinary smaller model once the heads are sliced out
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -42,18 +41,8 @@ from mha import head_masks
 from mha.aliases import Array, HeadSpec, Params
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
+from mha.pruning.ablation import layer_of
 
-
-
-def _layer_of(context: Any) -> int | None:
-  """The layer index when ``context`` is the call of a layer's attention
-  output projection (``layer_<l>/attention/out``), else None."""
-  path = context.module.path
-  if (context.method_name == "__call__" and len(path) >= 3
-      and path[-2:] == ("attention", "out")
-      and isinstance(context.module, nn.DenseGeneral)):
-    return int(path[-3].split("_")[-1])
-  return None
 
 
 def _context_sums(model: Transformer, params: Params,
@@ -64,7 +53,7 @@ def _context_sums(model: Transformer, params: Params,
   valid = (inputs != 0).astype(jnp.float32)
 
   def capture(next_fun, args, kwargs, context):
-    layer = _layer_of(context)
+    layer = layer_of(context)
     if layer is not None:
       found[layer] = jnp.einsum("...thd,...t->hd", args[0], valid)
     return next_fun(*args, **kwargs)
@@ -138,7 +127,7 @@ def mean_ablated_logits(model: Transformer, params: Params, means: np.ndarray,
   mask = jnp.asarray(head_mask, jnp.float32)
 
   def replace(next_fun, args, kwargs, context):
-    layer = _layer_of(context)
+    layer = layer_of(context)
     if layer is None:
       return next_fun(*args, **kwargs)
     count = config.heads_per_layer[layer]

@@ -173,15 +173,12 @@ def attention_outputs(model: Transformer, params: Params, layer: int,
 
   def one(m):
     with _ablated(m, added):
-      return _captured(m)
-
-  def _captured(m):
-    _, captured = block.apply(
-        {"params": _block_params(model, params, layer, m, shift)}, x,
-        attention_mask, m, deterministic=True, return_weights=False,
-        capture_intermediates=lambda mdl, _: isinstance(
-            mdl, MultiHeadAttention),
-        mutable=["intermediates"])
+      _, captured = block.apply(
+          {"params": _block_params(model, params, layer, m, shift)}, x,
+          attention_mask, m, deterministic=True, return_weights=False,
+          capture_intermediates=lambda mdl, _: isinstance(
+              mdl, MultiHeadAttention),
+          mutable=["intermediates"])
     return captured["intermediates"]["attention"]["__call__"][0][0]
   return jax.vmap(one)(masks)
 
