@@ -345,6 +345,7 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
       f"--workdir={tiny_workdir}", f"--out={out}", "--num_seeds=2",
       "--num_random_orders=3", "--num_bootstrap=50",
       "--speed_fractions=0.5", "--batch_sizes=1,4", "--speed_repeats=1",
+      "--speed_max_repeats=1", "--speed_min_seconds=0.01",
       "--batch_size=32", "--remove_heads=1:0",
       # Gates, retraining and mean ablation (issue 15), as small as they go.
       "--full", "--gate_steps=2", "--gate_lambdas=0.01,1", "--retrain_steps=2",
@@ -426,15 +427,20 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
 
 
 def _check_rerendered_report(out):
-  """``python -m mha.pruning.study.report OUT`` renders, from results.json
-  alone, the report the study wrote, byte for byte."""
+  """``python -m mha.pruning.study.report OUT --noplots`` renders, from
+  results.json alone, the report the study wrote, byte for byte, and leaves
+  the figures alone. (The study itself renders its figures from the
+  results.json it wrote, as a re-render does: ``outputs.write_outputs``.)"""
   path = os.path.join(out, "report.md")
   with open(path, "rb") as f:
     written = f.read()
   os.remove(path)
-  assert report_lib.main([out]) == 0
+  figure = os.path.join(out, "curves_token_accuracy.png")
+  before = os.stat(figure).st_mtime_ns
+  assert report_lib.main([out, "--noplots"]) == 0
   with open(path, "rb") as f:
     assert f.read() == written
+  assert os.stat(figure).st_mtime_ns == before
 
 
 def test_report_of_a_folder_without_results_exits_2(tmp_path, capsys):
@@ -676,6 +682,9 @@ def test_bad_option_exits_2_writing_nothing(tiny_workdir, tmp_path,
     ({"oracle_max_heads": 0}, "--oracle_max_heads must be >= 1"),
     ({"num_bootstrap": 0}, "--num_bootstrap must be >= 1"),
     ({"speed_repeats": 0}, "--speed_repeats must be >= 1"),
+    ({"speed_max_repeats": 5}, "--speed_max_repeats (5) must be >= "
+                               "--speed_repeats (10)"),
+    ({"speed_target_width": -0.1}, "--speed_target_width must be >= 0"),
     ({"batch_sizes": (1, 0)}, "--batch_sizes"),
     ({"speed_order": "random"}, "--speed_order 'random'"),
     ({"shapley": "maybe"}, "--shapley 'maybe' is not one of: auto, exact"),

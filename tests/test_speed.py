@@ -192,3 +192,62 @@ def test_speed_table_structure(models):
   assert entries[0]["flop_ratio"] == {"1": 1.0, "4": 1.0}
   assert entries[2]["transcendentals_ratio"]["4"] < 1.0  # no softmax left
   assert any("rotated" in line for line in logged)
+
+
+def test_adaptive_rounds_stop_each_cell_once_its_interval_is_tight():
+  rng = np.random.default_rng(0)
+  ran: list[int] = []
+
+  def window(row):
+    ran.append(row)
+    # Model 1 is exactly twice as fast as model 0 in every round; model 2's
+    # ratio is noisy, so its interval never gets within 1% of it.
+    return {0: 100.0, 1: 200.0,
+            2: 150.0 * math.exp(0.5 * rng.standard_normal())}[row]
+
+  rates, orders = speed.run_rounds(window, 3, repeats=10, max_repeats=25,
+                                   target_width=0.01)
+  assert [len(r) for r in rates] == [25, 10, 25]
+  assert orders[:3] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]  # the rotation
+  assert all(sorted(o) == [0, 2] for o in orders[10:])  # model 1 stopped
+  assert orders[10:12] == [[0, 2], [2, 0]]  # still rotated
+  assert ran == [row for order in orders for row in order]
+  # Without a target, exactly `repeats` rounds: the fixed protocol.
+  rates, orders = speed.run_rounds(window, 3, repeats=10, max_repeats=25,
+                                   target_width=None)
+  assert [len(r) for r in rates] == [10, 10, 10] and len(orders) == 10
+  # Every model tight: all stop at the floor.
+  rates, _ = speed.run_rounds(lambda row: 100.0 * (row + 1), 3, repeats=10,
+                              max_repeats=25, target_width=0.01)
+  assert [len(r) for r in rates] == [10, 10, 10]
+
+
+def test_adaptive_stopping_keeps_the_intervals_coverage():
+  # Skewed, heavy-tailed windows (10% slowed 1.2-3x), 400 simulated tables:
+  # the stopping rule looks at the interval's width only, and the speed-up's
+  # interval still covers the true median (nominal >= 95% at a fixed n).
+  result = speed.stopping_coverage(400, noise=0.08, spikes=0.1, seed=1)
+  assert result["coverage"] >= 0.93, result
+  assert 10 <= result["mean_rounds"] <= speed.MAX_REPEATS
+  assert 0.0 < result["tight"] < 1.0  # both ways of stopping happened
+
+
+def test_adaptive_speed_table_records_rounds_and_tightness(models):
+  model, params = models[0]
+  table = speed.speed_table(model, params, ORDER, _split(),
+                            fractions=FRACTIONS, batch_sizes=BATCH_SIZES,
+                            repeats=6, min_seconds=0.0, target_width=1e-9,
+                            max_repeats=8, log=lambda _: None)
+  timing = table["timing"]
+  assert timing["adaptive"] and timing["max_repeats"] == 8
+  assert timing["target_width"] == 1e-9
+  for entry in table["entries"]:
+    for bs in ("1", "4"):
+      n = entry["rounds"][bs]
+      assert 6 <= n <= 8 and len(entry["examples_per_sec_rounds"][bs]) == n
+      low, high = entry["speedup_ci"][bs]
+      assert low <= entry["speedup"][bs] <= high
+  # The reference runs as long as the longest of the others.
+  first = table["entries"][0]["rounds"]
+  assert all(first[bs] == max(e["rounds"][bs] for e in table["entries"])
+             for bs in ("1", "4"))

@@ -2,18 +2,28 @@
 
 The protocol (:func:`time_models`): per batch size, every model is compiled
 once ahead of time (the same executable gives XLA's cost analysis: FLOPs,
-bytes accessed, transcendental functions) and warmed up; then ``repeats``
-rounds each time every model for one window of at least ``min_seconds``
-(a fixed number of calls, calibrated per model), the models' order rotated by
-one every round, so that neither a slot in the round nor a drift of the
-machine favours one model. A model's figure is the median of its rounds, with
-a distribution-free confidence interval of the median from order statistics
+bytes accessed, transcendental functions) and warmed up; then rounds each
+time every model for one window of at least ``min_seconds`` (a fixed number
+of calls, calibrated per model), the models' order rotated by one every
+round, so that neither a slot in the round nor a drift of the machine favours
+one model. A model's figure is the median of its rounds, with a
+distribution-free confidence interval of the median from order statistics
 (:func:`median_interval`); its speed-up is the median of the per-round ratios
-to the unpruned model (paired: the same round, minutes apart at most), with
-the same kind of interval.
+to the unpruned model (paired: the same round, seconds apart), with the same
+kind of interval.
+
+How many rounds: at least ``repeats`` (10 by default) for every model. With
+a ``target_width`` (the study's default), timing is adaptive: after the
+floor, a cell (one model at one batch size) stops once its speed-up's
+interval is at most ``target_width`` of the speed-up wide, or at
+``max_repeats`` rounds; the unpruned model runs while any other does, so
+every ratio stays paired. The rule looks at the interval's width only, never
+at where it lies; :func:`stopping_coverage` measures, by simulation, that the
+intervals keep their coverage under it. Without a ``target_width`` every cell
+runs exactly ``repeats`` rounds (the fixed protocol).
 
     timings = time_models([(model, params), (pruned, p)],
-                          {1: inputs_1, 64: inputs_64})
+                          {1: inputs_1, 64: inputs_64}, target_width=0.1)
     timings.examples_per_sec, timings.speedup_ci, timings.costs["flops"]
 """
 
@@ -37,8 +47,13 @@ from mha.model import Transformer
 from mha.pruning import core
 
 
-REPEATS = 10  # Rounds of timing (the issue's floor).
-MIN_SECONDS = 0.2  # Shortest timing window per model and round.
+REPEATS = 10  # Rounds of timing: the floor (issue 14's).
+MIN_SECONDS = 0.2  # Shortest timing window per model and round (fixed).
+#: The adaptive protocol's defaults (the study's): windows of 0.02 s, a cell
+#: stops once its speed-up's interval is within 10% of it, 40 rounds at most.
+ADAPTIVE_MIN_SECONDS = 0.02
+TARGET_WIDTH = 0.10
+MAX_REPEATS = 40
 CONFIDENCE = 0.95  # Nominal coverage of the median's interval.
 # XLA's cost analysis keys -> our JSON names.
 COST_KEYS = {"flops": "flops", "bytes accessed": "bytes_accessed",
@@ -111,19 +126,27 @@ def rotation(num_models: int, repeats: int) -> list[list[int]]:
 @dataclasses.dataclass(frozen=True)
 class Timings:
   """What :func:`time_models` measured; arrays are ``[models, batch sizes]``
-  (``..., 2]`` for intervals ``[low, high]``, ``..., repeats]`` for rounds).
+  (``..., 2]`` for intervals ``[low, high]``, ``..., rounds]`` for rounds).
 
   Attributes:
     batch_sizes: the batch sizes, in column order.
     examples_per_sec: median over the rounds.
     examples_per_sec_ci: its interval (:func:`median_interval`).
-    rounds: examples/s of every round.
+    rounds: examples/s of every round, NaN after a cell stopped (a cell's
+      rounds are the first ``rounds_run`` ones).
     speedup: median over the rounds of the ratio to model 0 in that round.
     speedup_ci: its interval.
     costs: XLA's ``flops``, ``bytes_accessed``, ``transcendentals``.
     calls_per_window: calls timed together in one window.
-    schedule: the models' order in every round (:func:`rotation`).
-    coverage: the intervals' exact coverage for this number of rounds.
+    schedule: the models' order in every round of the first batch size
+      (:func:`rotation` for the fixed protocol).
+    coverage: the smallest exact coverage of a cell's interval for its
+      number of rounds (for a fixed number of rounds; under adaptive
+      stopping see :func:`stopping_coverage`).
+    rounds_run: rounds each cell ran.
+    tight: whether a cell's speed-up interval met ``target_width`` (always
+      False without one; model 0, the reference, follows the others).
+    schedules: the order of every round, per batch size.
   """
 
   batch_sizes: tuple[int, ...]
@@ -136,6 +159,9 @@ class Timings:
   calls_per_window: np.ndarray
   schedule: list[list[int]]
   coverage: float
+  rounds_run: np.ndarray | None = None
+  tight: np.ndarray | None = None
+  schedules: list[list[list[int]]] | None = None
 
 
 def _window(fn: Callable, params: Params, inputs: Array, calls: int) -> float:
@@ -159,16 +185,62 @@ def _calls_for(fn: Callable, params: Params, inputs: Array,
   return max(1, math.ceil(1.1 * calls * min_seconds / max(seconds, 1e-9)))
 
 
+def is_tight(ratios: Sequence[float], target_width: float) -> bool:
+  """Whether the median interval of ``ratios`` is at most ``target_width``
+  of their median wide (the adaptive protocol's stopping rule)."""
+  median, low, high, _ = median_interval(ratios)
+  return bool(high - low <= target_width * abs(median))
+
+
+def run_rounds(window: Callable[[int], float], num_models: int, *,
+               repeats: int, max_repeats: int,
+               target_width: float | None
+               ) -> tuple[list[list[float]], list[list[int]]]:
+  """The rounds of one batch size: ``window(row)`` times model ``row`` once
+  and returns its rate. Every model runs ``repeats`` rounds, the order
+  rotated by one each round; with a ``target_width``, a model other than 0
+  then stops once :func:`is_tight` holds for its ratios to model 0 (paired
+  by round), or after ``max_repeats`` rounds, and model 0 runs while any
+  other does.
+
+  Returns:
+    Every model's rates, round by round, and the order of every round.
+  """
+  rates: list[list[float]] = [[] for _ in range(num_models)]
+  orders: list[list[int]] = []
+  active = list(range(num_models))
+  last = repeats if target_width is None else max(repeats, max_repeats)
+  while active and len(orders) < last:
+    shift = len(orders) % len(active)
+    order = active[shift:] + active[:shift]
+    for row in order:
+      rates[row].append(window(row))
+    orders.append(order)
+    if len(orders) >= repeats:
+      if target_width is None:
+        break
+      others = [row for row in active[1:] if not is_tight(
+          np.asarray(rates[row]) / np.asarray(rates[0][:len(rates[row])]),
+          target_width)]
+      active = [0] + others if others else []
+  return rates, orders
+
+
 def time_models(models: Sequence[tuple[Transformer, Params]],
                 inputs_by_batch: Mapping[int, np.ndarray], *,
                 repeats: int = REPEATS, min_seconds: float = MIN_SECONDS,
+                target_width: float | None = None,
+                max_repeats: int = MAX_REPEATS,
                 progress: Callable[[str], None] | None = None) -> Timings:
   """Times prediction of every model at every batch size (see the module
-  docstring for the protocol). ``repeats`` below 10 or ``min_seconds`` below
-  0.2 are for tests only."""
+  docstring for the protocol): ``repeats`` rounds of windows of at least
+  ``min_seconds``, and with a ``target_width`` more rounds, up to
+  ``max_repeats``, for the cells whose speed-up interval is wider than that
+  share of the speed-up. ``repeats`` below 10 or ``min_seconds`` below 0.02
+  are for tests only."""
   m, b = len(models), len(inputs_by_batch)
-  schedule = rotation(m, repeats)
-  rounds = np.zeros((m, b, repeats))
+  per_column: list[list[list[float]]] = []
+  schedules: list[list[list[int]]] = []
   calls = np.zeros((m, b), np.int64)
   costs = {name: np.zeros((m, b)) for name in COST_KEYS.values()}
   for col, (batch_size, inputs) in enumerate(inputs_by_batch.items()):
@@ -181,23 +253,93 @@ def time_models(models: Sequence[tuple[Transformer, Params]],
       compiled(params, inputs).block_until_ready()  # warm-up
       calls[row, col] = _calls_for(compiled, params, inputs, min_seconds)
       fns.append(compiled)
-    for r, order in enumerate(schedule):
-      for row in order:
-        seconds = _window(fns[row], models[row][1], inputs, calls[row, col])
-        rounds[row, col, r] = calls[row, col] * batch_size / seconds
+    window = lambda row, col=col, fns=fns, inputs=inputs, bs=batch_size: (
+        calls[row, col] * bs / _window(fns[row], models[row][1], inputs,
+                                       calls[row, col]))
+    rates, orders = run_rounds(window, m, repeats=repeats,
+                               max_repeats=max_repeats,
+                               target_width=target_width)
+    per_column.append(rates)
+    schedules.append(orders)
     if progress:
       progress(f"batch {batch_size}: " + ", ".join(
-          f"{np.median(r):,.0f}" for r in rounds[:, col]) + " examples/s")
-  stats = np.asarray([[median_interval(rounds[i, j]) for j in range(b)]
-                      for i in range(m)])  # [m, b, 4]
-  ratio = np.asarray([[median_interval(rounds[i, j] / rounds[0, j])
-                       for j in range(b)] for i in range(m)])
+          f"{np.median(r):,.0f}" for r in rates) + " examples/s, "
+          + "/".join(str(len(r)) for r in rates) + " rounds")
+  longest = max((len(o) for o in schedules), default=0)
+  rounds = np.full((m, b, longest), np.nan)
+  rounds_run = np.zeros((m, b), np.int64)
+  tight = np.zeros((m, b), bool)
+  stats = np.zeros((m, b, 4))
+  ratio = np.zeros((m, b, 4))
+  for col, rates in enumerate(per_column):
+    for row in range(m):
+      r = np.asarray(rates[row])
+      rounds[row, col, :len(r)] = r
+      rounds_run[row, col] = len(r)
+      ratios = r / np.asarray(rates[0][:len(r)])
+      stats[row, col] = median_interval(r)
+      ratio[row, col] = median_interval(ratios)
+      if target_width is not None and row:
+        tight[row, col] = is_tight(ratios, target_width)
+    if target_width is not None and m > 1:
+      tight[0, col] = bool(tight[1:, col].all())
   return Timings(
       batch_sizes=tuple(inputs_by_batch), examples_per_sec=stats[..., 0],
       examples_per_sec_ci=stats[..., 1:3], rounds=rounds,
       speedup=ratio[..., 0], speedup_ci=ratio[..., 1:3], costs=costs,
-      calls_per_window=calls, schedule=schedule,
-      coverage=float(stats[0, 0, 3]) if m and b else float("nan"))
+      calls_per_window=calls, schedule=schedules[0] if schedules else [],
+      coverage=float(stats[..., 3].min()) if m and b else float("nan"),
+      rounds_run=rounds_run, tight=tight, schedules=schedules)
+
+
+def stopping_coverage(simulations: int = 2000, *, repeats: int = REPEATS,
+                      max_repeats: int = MAX_REPEATS,
+                      target_width: float = TARGET_WIDTH,
+                      noise: float = 0.08, spikes: float = 0.1,
+                      speedup: float = 1.5, seed: int = 0
+                      ) -> dict[str, float]:
+  """How often the speed-up's interval covers the true median speed-up
+  under the adaptive protocol, by simulation of :func:`run_rounds` on two
+  models.
+
+  A window's time is ``base * drift * exp(noise * Z) * spike``: the drift
+  (one per round, shared by both models, as a machine's load is) cancels in
+  the paired ratio; ``Z`` is standard normal; with probability ``spikes``
+  the window is slowed by a factor uniform in [1.2, 3] (another process
+  taking the core), which makes the rates skewed and heavy-tailed. The true
+  median ratio is taken from 10^6 simulated rounds.
+
+  Returns:
+    ``coverage`` (share of simulations whose interval holds the true
+    median), ``mean_rounds`` and ``tight`` (share that met the target).
+  """
+  rng = np.random.default_rng(seed)
+
+  def times(size):
+    spike = np.where(rng.random(size) < spikes,
+                     rng.uniform(1.2, 3.0, size), 1.0)
+    return np.exp(noise * rng.standard_normal(size)) * spike
+
+  base = np.array([1.0, 1.0 / speedup])
+  truth = float(np.median(times(10 ** 6) / times(10 ** 6) * speedup))
+  hits = rounds = tight = 0
+  for _ in range(simulations):
+    drift = np.exp(0.2 * rng.standard_normal(max(repeats, max_repeats)))
+    count = [0]  # Windows so far; both models run in every round.
+
+    def window(row, drift=drift, count=count):
+      count[0] += 1
+      return 1.0 / (base[row] * drift[(count[0] - 1) // 2] * times(1)[0])
+
+    rates, _ = run_rounds(window, 2, repeats=repeats,
+                          max_repeats=max_repeats, target_width=target_width)
+    ratios = np.asarray(rates[1]) / np.asarray(rates[0][:len(rates[1])])
+    _, low, high, _ = median_interval(ratios)
+    hits += low <= truth <= high
+    rounds += len(ratios)
+    tight += is_tight(ratios, target_width)
+  return {"coverage": hits / simulations, "mean_rounds": rounds / simulations,
+          "tight": tight / simulations, "truth": truth}
 
 
 def time_predictions(models: Sequence[tuple[Transformer, Params]],
@@ -269,6 +411,12 @@ def _timing_fields(timings: Timings, row: int) -> dict[str, Any]:
       "calls_per_window": per_bs(
           [int(c) for c in timings.calls_per_window[row]]),
   }
+  if timings.rounds_run is not None:
+    fields["rounds"] = per_bs([int(n) for n in timings.rounds_run[row]])
+    fields["tight"] = per_bs([bool(t) for t in timings.tight[row]])
+    fields["examples_per_sec_rounds"] = per_bs(
+        [[float(v) for v in r[:n]] for r, n in
+         zip(timings.rounds[row], timings.rounds_run[row])])
   for name, values in timings.costs.items():
     ratio = "flop_ratio" if name == "flops" else f"{name}_ratio"
     fields[name] = floats(values[row])
@@ -280,19 +428,24 @@ def speed_table(model: Transformer, params: Params, order: np.ndarray,
                 test: data.Split, *, fractions: Sequence[float],
                 batch_sizes: Sequence[int], repeats: int = REPEATS,
                 min_seconds: float = MIN_SECONDS,
+                target_width: float | None = None,
+                max_repeats: int = MAX_REPEATS,
                 log: Callable[[str], None] = print) -> dict[str, Any]:
   """Prunes the first ``fraction`` of ``order`` physically for every one of
   ``fractions`` (and 0), checks each pruned model against the masked one on
   ``test``, and times prediction at every batch size (:func:`time_models`).
 
   Returns:
-    ``batch_sizes``; ``timing``: the protocol (``repeats``, ``min_seconds``,
-    the rotation ``schedule``, the ``interval`` method and its exact
-    ``coverage``); ``entries``: one per fraction, with the pruned model's
-    heads, parameters and test metrics and, per batch size,
-    ``examples_per_sec`` (median) and ``examples_per_sec_ci``,
-    ``examples_per_sec_rounds``, ``speedup`` (median of per-round ratios to
-    the unpruned model) and ``speedup_ci``, ``calls_per_window``, and XLA's
+    ``batch_sizes``; ``timing``: the protocol (``repeats``, the floor;
+    ``min_seconds``; ``adaptive`` with its ``target_width`` and
+    ``max_repeats``; the rotation ``schedule`` of the first batch size, the
+    ``interval`` method and the smallest exact ``coverage`` for the rounds
+    run); ``entries``: one per fraction, with the pruned model's heads,
+    parameters and test metrics and, per batch size, ``examples_per_sec``
+    (median) and ``examples_per_sec_ci``, ``examples_per_sec_rounds``,
+    ``rounds`` (how many) and ``tight`` (the target met), ``speedup``
+    (median of per-round ratios to the unpruned model) and ``speedup_ci``,
+    ``calls_per_window``, and XLA's
     ``flops``, ``bytes_accessed``, ``transcendentals`` with their ratios to
     the unpruned model (``flop_ratio``, ``bytes_accessed_ratio``,
     ``transcendentals_ratio``).
@@ -303,11 +456,15 @@ def speed_table(model: Transformer, params: Params, order: np.ndarray,
   batches = {}
   for bs in batch_sizes:
     batches[bs] = np.tile(test.inputs, (-(-bs // len(test)), 1))[:bs]
+  rounds = (f"{repeats} rounds" if target_width is None else
+            f"{repeats} to {max(repeats, max_repeats)} rounds (a cell stops "
+            f"once its speed-up is known within {target_width:.0%})")
   log(f"  timing {len(models)} models x {len(batches)} batch sizes: "
-      f"{repeats} rounds of >= {min_seconds:g} s windows, order rotated "
-      "every round; median and its interval")
+      f"{rounds} of >= {min_seconds:g} s windows, order rotated every "
+      "round; median and its interval")
   timings = time_models(models, batches, repeats=repeats,
-                        min_seconds=min_seconds,
+                        min_seconds=min_seconds, target_width=target_width,
+                        max_repeats=max_repeats,
                         progress=lambda s: log("    " + s))
   for row, entry in enumerate(entries):
     entry.update(_timing_fields(timings, row))
@@ -315,6 +472,10 @@ def speed_table(model: Transformer, params: Params, order: np.ndarray,
       "batch_sizes": list(batch_sizes),
       "timing": {
           "repeats": repeats, "min_seconds": min_seconds,
+          "adaptive": target_width is not None,
+          "target_width": target_width,
+          "max_repeats": (max(repeats, max_repeats) if target_width is not None
+                          else repeats),
           "schedule": timings.schedule,
           "interval": "distribution-free confidence interval of the median "
                       "from order statistics (binomial ranks)",
@@ -331,6 +492,9 @@ __all__ = [
     "compiled_flops",
     "median_interval",
     "rotation",
+    "is_tight",
+    "run_rounds",
+    "stopping_coverage",
     "Timings",
     "time_models",
     "time_predictions",

@@ -198,7 +198,10 @@ def run(workdir: str, out_dir: str, options: StudyOptions,
             first.model, first.params, order, splits["test"],
             fractions=options.speed_fractions,
             batch_sizes=options.batch_sizes, repeats=options.speed_repeats,
-            log=log) | {"order": options.speed_order})
+            min_seconds=options.speed_min_seconds,
+            target_width=options.speed_target_width or None,
+            max_repeats=options.speed_max_repeats, log=log)
+        | {"order": options.speed_order})
     seeds[0]["timings"]["speed_s"] = seconds
   if options.remove_heads:
     results["custom_pruning"] = analysis.custom_pruning(

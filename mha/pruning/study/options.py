@@ -91,8 +91,18 @@ class StudyOptions:
   batch_sizes: tuple[int, ...] = _option(
       (1, 16, 64, 256), "Batch sizes of the speed table.")
   speed_repeats: int = _option(
-      speed.REPEATS, "Timing rounds of >= 0.2 s per model, the models' order "
+      speed.REPEATS, "Timing rounds per model at least, the models' order "
       "rotated every round (median and its interval).")
+  speed_max_repeats: int = _option(
+      speed.MAX_REPEATS, "Timing rounds per model at most: a cell stops "
+      "earlier once its speed-up is known within --speed_target_width.")
+  speed_target_width: float = _option(
+      speed.TARGET_WIDTH, "Adaptive timing: a cell stops once its speed-up's "
+      "interval is at most this share of the speed-up wide; 0 runs exactly "
+      "--speed_repeats rounds.")
+  speed_min_seconds: float = _option(
+      speed.ADAPTIVE_MIN_SECONDS, "Shortest timing window per model and "
+      "round, seconds.")
   speed_order: str = _option(
       "gradient_l2", "Ordering pruned for the speed table.")
   remove_heads: tuple[tuple[int, int], ...] = _option(
@@ -169,6 +179,14 @@ class StudyOptions:
           f"--step_fraction must be in [0, 1], got {self.step_fraction}")
     if not 0.0 <= self.tolerance <= 1.0:
       raise ValueError(f"--tolerance must be in [0, 1], got {self.tolerance}")
+    if self.speed_max_repeats < self.speed_repeats:
+      raise ValueError(
+          f"--speed_max_repeats ({self.speed_max_repeats}) must be >= "
+          f"--speed_repeats ({self.speed_repeats})")
+    for name in ("speed_target_width", "speed_min_seconds"):
+      value = getattr(self, name)
+      if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"--{name} must be >= 0, got {value}")
     for f in self.speed_fractions:
       if not 0.0 <= f <= 1.0:
         raise ValueError(

@@ -156,13 +156,15 @@ def _speed_plot(results: Mapping[str, Any], out_dir: str) -> str:
       f"({results['jax']['backend']})")
 
 
-def write(results: Mapping[str, Any], out_dir: str) -> list[str]:
+def write(results: Mapping[str, Any], out_dir: str, *,
+          figures: bool = True) -> list[str]:
   """Writes the plots and ``report.md`` to ``out_dir``; returns the paths.
 
   With the study's ``plots`` option off, ``report.md`` alone, without its
-  figures' lines."""
+  figures' lines; with ``figures=False``, ``report.md`` alone, its figures'
+  lines kept (the figures already written stay as they are)."""
   plots = results["options"].get("plots", True)
-  paths = _write_plots(results, out_dir) if plots else []
+  paths = _write_plots(results, out_dir) if plots and figures else []
   report = os.path.join(out_dir, "report.md")
   with open(report, "w", encoding="utf-8") as f:
     f.write("\n".join(line for line in report_lines(results)
@@ -887,6 +889,22 @@ def _speed_explanation(sp: Mapping[str, Any]) -> list[str]:
           + "; ".join(beyond) + ".", ""]
 
 
+def _rounds_text(results: Mapping[str, Any]) -> str:
+  """How many timing rounds the speed table ran, in words."""
+  sp = results["speed"]
+  timing = sp.get("timing", {})
+  if not timing.get("adaptive"):
+    return (f"{timing.get('repeats', results['options']['speed_repeats'])} "
+            "rounds")
+  counts = [n for e in sp["entries"] for n in e.get("rounds", {}).values()]
+  tight = [t for e in sp["entries"][1:] for t in e.get("tight", {}).values()]
+  return (f"{min(counts)} to {max(counts)} rounds (adaptive: at least "
+          f"{timing['repeats']}, and a cell stops once its speed-up's "
+          f"interval is within {timing['target_width']:.0%} of it, or at "
+          f"{timing['max_repeats']}; {sum(tight)} of {len(tight)} pruned "
+          "cells met that)")
+
+
 def _speed_section(results: Mapping[str, Any]) -> list[str]:
   sp, labels = results["speed"], _labels(results)
   sizes = [str(b) for b in sp["batch_sizes"]]
@@ -896,8 +914,8 @@ def _speed_section(results: Mapping[str, Any]) -> list[str]:
       f"Heads removed by the `{labels.get(sp['order'], sp['order'])}` order "
       f"of seed {results['seeds'][0]['seed']}, sliced out of the parameters "
       "with `prune_heads`. Examples/s of the jitted prediction, the median "
-      f"over {timing.get('repeats', results['options']['speed_repeats'])} "
-      f"rounds, on {results['jax']['backend']}; the speed-up with its "
+      f"over {_rounds_text(results)}, on {results['jax']['backend']}; the "
+      "speed-up with its "
       f"{timing.get('confidence', 0.95):.0%} interval"
       + (f" ({timing['interval']})" if "interval" in timing else "") +
       ". FLOPs, bytes accessed and transcendentals from XLA's cost analysis "
@@ -937,14 +955,17 @@ def _timings_section(results: Mapping[str, Any]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """``python -m mha.pruning.study.report DIR``: re-renders ``report.md``
-  and the plots of ``DIR/results.json`` in ``DIR``. A missing or unreadable
+  """``python -m mha.pruning.study.report DIR [--noplots]``: re-renders
+  ``report.md`` and the plots of ``DIR/results.json`` in ``DIR``. A missing or unreadable
   ``results.json`` is one line on stderr and exit code 2."""
   parser = argparse.ArgumentParser(
       prog="python -m mha.pruning.study.report",
       description="Re-render report.md and the plots of a pruning study "
                   "from its results.json.")
   parser.add_argument("dir", help="The study's output folder.")
+  parser.add_argument("--noplots", action="store_true",
+                      help="Re-render report.md only; the figures already "
+                      "there stay as they are.")
   args = parser.parse_args(argv)
   path = os.path.join(args.dir, "results.json")
   try:
@@ -954,7 +975,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"report: error: cannot read {path}: "
           f"{getattr(e, 'strerror', None) or e}", file=sys.stderr)
     return 2
-  for written in write(results, args.dir):
+  for written in write(results, args.dir, figures=not args.noplots):
     print(written)
   return 0
 
