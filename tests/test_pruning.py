@@ -393,6 +393,11 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
   assert np.asarray(seed["importance"]["fisher"]).shape == (2, 2)
   assert results["ablation"] == "zero"
   assert "attribution" not in seed  # --noattribution
+  # The gradient and leave-one-out orderings, re-estimated per resample.
+  info = seed["bootstrap_importance"]
+  assert info["reestimated"] == ["gradient", "gradient_l2",
+                                 "reverse_gradient", "leave_one_out"]
+  assert info["conditional"] == [] and info["distinct_orders"]["gradient"] >= 1
   for name in ("gradient", "gradient_l2", "gradient_iterative", "shapley",
                "fisher", "leave_one_out", "confidence", "entropy",
                "reverse_gradient"):
@@ -729,3 +734,34 @@ def test_bad_input_is_refused_before_any_work(tiny_workdir, tmp_path):
   with pytest.raises(FileNotFoundError, match="no checkpoints"):
     study.check_inputs(str(empty), out, options)
   assert os.listdir(empty) == [] and not os.path.exists(out)
+
+
+def test_orders_are_re_estimated_from_per_example_values():
+  # Two layers x two heads; example 0 says head 0 matters least, example 1
+  # head 3 (gradients), and leave-one-out's losses likewise.
+  from mha.model import TransformerConfig  # pylint: disable=import-outside-toplevel
+  from mha.pruning.study import analysis  # pylint: disable=import-outside-toplevel
+  config = TransformerConfig(vocab_size=8, num_layers=2, num_heads=2,
+                             d_model=8, mlp_dim=8, max_len=4)
+  grads = np.array([[[0.0, 1.0], [2.0, 3.0]], [[3.0, 2.0], [1.0, 0.0]]])
+  plan = analysis.Plan()
+  plan.add(head_masks.full_head_mask(config))
+  plan.single = np.asarray([plan.add(m) for m in
+                            head_masks.leave_one_out_masks(config)])
+  # Loss sums [1 + 4 masks, 2 examples]: removing head h costs example 0
+  # h, example 1 3 - h.
+  loss = np.array([[0.0, 0.0], [0.0, 3.0], [1.0, 2.0], [2.0, 1.0],
+                   [3.0, 0.0]])
+  ones = np.ones_like(loss)
+  sums = {"loss_sum": loss, "tokens": ones, "correct": ones, "exact": ones,
+          "sequences": ones}
+  weights = np.array([[1.0, 1.0], [2.0, 0.0], [0.0, 2.0]])
+  orders = analysis.replicate_orders(config, plan, grads, sums, weights)
+  for name in ("gradient", "leave_one_out"):
+    assert orders[name][1].tolist() == [0, 1, 2, 3], name
+    assert orders[name][2].tolist() == [3, 2, 1, 0], name
+  assert orders["reverse_gradient"][1].tolist() == [3, 2, 1, 0]
+  # Full sample (a tie everywhere): the index order, as the study's own.
+  assert orders["gradient"][0].tolist() == [0, 1, 2, 3]
+  # L2 per layer: within each layer as the raw gradient.
+  assert orders["gradient_l2"][1][:2].tolist() == [0, 2]

@@ -194,6 +194,21 @@ def test_oracle_is_chosen_again_in_each_replicate():
       out[("all", "oracle", "curve_token_accuracy")][:, 1], [1.0, 1.0, 0.0])
 
 
+def test_a_reestimated_ordering_uses_each_replicates_own_masks():
+  # Masks 0 (full), 1 and 2 (one head removed each): on test, mask 1 is
+  # right on both examples, mask 2 on neither. The ordering's point 1 is
+  # mask 1 in the full sample and replicate 1, mask 2 in replicate 2.
+  val = {"correct": np.array([[1, 1], [1, 1], [0, 0]]),
+         "tokens": np.ones((3, 2)), "loss_sum": np.zeros((3, 2)),
+         "exact": np.zeros((3, 2)), "sequences": np.ones((3, 2))}
+  ids = np.array([[0, 1], [0, 1], [0, 2]])[:, None]  # [1 + R, 1, P]
+  out = summary.seed_statistics({"all": {"a": ids}}, {"all": np.array([0, 1])},
+                                2, val, val, np.ones((2, 2)), np.ones((2, 2)),
+                                tolerance=0.01)
+  np.testing.assert_array_equal(
+      out[("all", "a", "curve_token_accuracy")][:, 1], [1.0, 1.0, 0.0])
+
+
 def test_seed_t_interval_covers_where_the_seed_percentile_one_does_not():
   # Seeds dominate (seed variance 100 x the examples'), 3 seeds: the
   # percentile bootstrap over seeds covers about 0.77 (normal theory and

@@ -156,11 +156,9 @@ def attention_statistics(model: Transformer, params: Params,
 
 
 @functools.partial(jax.jit, static_argnames="model")
-def _abs_gradient_sums(model, params, inputs, targets, head_mask,
-                       ablation=None):
-  grads = head_mask_gradients(model, params, inputs, targets, head_mask,
-                              ablation)
-  return jnp.sum(jnp.abs(grads), axis=0)
+def _abs_gradients(model, params, inputs, targets, head_mask, ablation=None):
+  return jnp.abs(head_mask_gradients(model, params, inputs, targets,
+                                     head_mask, ablation))
 
 
 @functools.partial(jax.jit, static_argnames=("model", "per_example"))
@@ -194,7 +192,8 @@ def gradient_importance(model: Transformer, params: Params, split: data.Split,
                         *, head_mask: np.ndarray | None = None,
                         batch_size: int = 1000,
                         normalize: bool = False,
-                        ablation: Ablation | None = None) -> np.ndarray:
+                        ablation: Ablation | None = None,
+                        per_example: bool = False) -> np.ndarray:
   """Michel et al.'s importance ``I_h = E_x |dL(x)/d xi_h|`` at ``head_mask``.
 
   Args:
@@ -205,18 +204,30 @@ def gradient_importance(model: Transformer, params: Params, split: data.Split,
     normalize: divide each layer by its L2 norm.
     ablation: what a removed head outputs (:mod:`mha.pruning.ablation`,
       built for ``split``); zero when None.
+    per_example: return each example's ``|dL(x)/d xi_h|`` instead of their
+      mean (whose weighted means give the importance under any resample of
+      the examples).
 
   Returns:
-    ``[L, H]``, NaN where a head does not exist.
+    ``[L, H]`` (``[n, L, H]`` with ``per_example``), NaN where a head does
+    not exist.
   """
   config = model.config
   mask = jnp.asarray(full_head_mask(config) if head_mask is None else head_mask)
-  total = np.zeros(mask.shape, np.float64)
-  for inputs, targets, abl in ablation_lib.batched(split, batch_size,
-                                                   ablation):
-    total += np.asarray(_abs_gradient_sums(model, params, inputs, targets,
-                                           mask, abl))
-  importance = total / max(len(split), 1)
+  if per_example and normalize:
+    raise ValueError("normalize applies to the mean over examples, not to "
+                     "per_example values")
+  # Per-example values, summed on the host in float64 (padding rows, which
+  # count nothing, cut off): one compiled program for both uses.
+  rows = [np.asarray(_abs_gradients(model, params, inputs, targets, mask,
+                                    abl), np.float64)
+          for inputs, targets, abl in ablation_lib.batched(
+              split, batch_size, ablation)]
+  values = (np.concatenate(rows)[:len(split)] if rows
+            else np.zeros((0,) + mask.shape))
+  if per_example:
+    return np.where(existing_heads(config), values, np.nan)
+  importance = values.sum(axis=0) / max(len(split), 1)
   importance = np.where(existing_heads(config), importance, np.nan)
   return normalize_per_layer(importance) if normalize else importance
 

@@ -102,16 +102,19 @@ def measure_importance(model: Transformer, params: Params,
   ``subsets``/``table``); the mask-gradient measures (gradient, Fisher) are
   taken at zero ablation. ``baselines``: the ablations of attribution
   patching, ``attribution_<name>`` (default
-  :func:`attribution_baselines`)."""
+  :func:`attribution_baselines`). ``gradient_per_example`` ``[n, L, H]``
+  holds each example's ``|dL/d xi|``, whose mean is ``gradient``."""
   timings = {} if timings is None else timings
   half_a, half_b = halves(validation)
 
-  def gradients():  # The mean of |g| over both halves is the whole's.
-    a = core.gradient_importance(model, params, half_a, batch_size=batch_size)
-    b = core.gradient_importance(model, params, half_b, batch_size=batch_size)
-    return a, b, (len(half_a) * a + len(half_b) * b) / max(len(validation), 1)
+  def gradients():  # Per example: the halves' means and the whole's.
+    per = core.gradient_importance(model, params, validation,
+                                   batch_size=batch_size, per_example=True)
+    mean = lambda rows: rows.sum(axis=0) / max(len(rows), 1)
+    return (mean(per[:len(half_a)]), mean(per[len(half_a):]), mean(per),
+            per)
 
-  (grad_a, grad_b, grad), timings["gradient_s"] = timed(
+  (grad_a, grad_b, grad, per_example), timings["gradient_s"] = timed(
       log, "gradient importance (vmap of grad, per-example |.|), two halves",
       gradients)
   loo, timings["leave_one_out_s"] = timed(
@@ -153,6 +156,7 @@ def measure_importance(model: Transformer, params: Params,
           loo["base"]["token_accuracy"] - loo["token_accuracy"],
       "gradient_validation_half_a": grad_a,
       "gradient_validation_half_b": grad_b,
+      "gradient_per_example": per_example,
       "validation": loo["base"],
   }
 

@@ -277,6 +277,7 @@ def _measure_seed(model: Transformer, params: Params,
       baselines=baselines)
   validation = importance.pop("validation")
   fisher_blocks = importance.pop("fisher_blocks")
+  gradient_per_example = importance.pop("gradient_per_example")
   importance["shapley_token_accuracy"] = shapley
   method = "exact" if subsets is not None and options.shapley != "sampled" else (
       "sampled" if options.shapley != "exact" else None)
@@ -339,7 +340,115 @@ def _measure_seed(model: Transformer, params: Params,
           "val_sums": val_sums, "test_sums": test_sums, "num_heads": n,
           "oracle_ran": subsets is not None, "shapley_method": method,
           "search_evaluations": evaluations, "attribution": patching,
-          "interactions": interactions}
+          "interactions": interactions, "ablations": ablations,
+          "gradient_per_example": gradient_per_example}
+
+
+#: The orderings re-estimated in every bootstrap resample, from per-example
+#: values (``--bootstrap_importance``).
+BOOTSTRAP_ORDERINGS = ("gradient", "gradient_l2", "reverse_gradient",
+                       "leave_one_out")
+
+
+def replicate_orders(config: TransformerConfig, plan: Plan,
+                     gradient_per_example: np.ndarray,
+                     val_sums: Mapping[str, np.ndarray],
+                     weights: np.ndarray) -> dict[str, np.ndarray]:
+  """The orders of :data:`BOOTSTRAP_ORDERINGS` under each resample of
+  validation: ``[R, N]`` flat head indices, least important first.
+
+  Gradient importance is the ``weights``-weighted mean of the per-example
+  ``|dL/d xi|`` (``[n, L, H]``); leave-one-out's loss increase is the
+  resampled loss of each single-head mask (``plan.single``, per-example sums
+  ``val_sums``) minus the full model's (mask 0)."""
+  w = np.asarray(weights, np.float64)
+  flat = gradient_per_example.reshape(len(gradient_per_example), -1)
+  grad = (w @ np.nan_to_num(flat)) / np.maximum(w.sum(1, keepdims=True), 1)
+  grad = np.where(np.isnan(flat[:1]), np.nan, grad).reshape(
+      (len(w),) + gradient_per_example.shape[1:])
+  loss = stats.resampled_metrics(
+      {k: np.asarray(v)[np.concatenate([[0], plan.single])]
+       for k, v in val_sums.items()}, w)["loss"]  # [R, 1 + N]
+  loo = np.stack([core.heads_to_array(config, row[1:] - row[0])
+                  for row in loss])
+  orders = {
+      "gradient": [core.order_from_importance(g) for g in grad],
+      "gradient_l2": [core.order_from_importance(core.normalize_per_layer(g))
+                      for g in grad],
+      "leave_one_out": [core.order_from_importance(v) for v in loo],
+  }
+  orders["reverse_gradient"] = [o[::-1] for o in orders["gradient"]]
+  return {name: np.stack(orders[name]) for name in BOOTSTRAP_ORDERINGS}
+
+
+def _bootstrap_importance(model: Transformer, params: Params,
+                          splits: Mapping[str, data.Split],
+                          options: StudyOptions, resamples: "Resamples",
+                          m: dict[str, Any], log: Log,
+                          timings: dict[str, float]
+                          ) -> tuple[dict[str, dict[str, np.ndarray]],
+                                     dict[str, Any]]:
+  """The curves of :data:`BOOTSTRAP_ORDERINGS` with a row of masks per
+  resample (``[1 + R, 1, P]`` ids; row 0 the study's own order), the masks
+  they add evaluated on validation and test and appended to ``m``'s sums
+  (and ``m["plan"]``). An ordering whose masks would take the seed past
+  ``--bootstrap_importance_max_masks`` new ones keeps its fixed curve.
+
+  Returns:
+    ``(curves, info)``: the statistics' curves (every variant), and for
+    ``results.json`` the orderings re-estimated, those left conditional, the
+    masks added and each ordering's number of distinct orders."""
+  config, plan = model.config, m["plan"]
+  curves = {variant: dict(by_name) for variant, by_name in plan.curves.items()}
+  info: dict[str, Any] = {"reestimated": [], "conditional": [],
+                          "masks_added": 0, "distinct_orders": {}}
+  if not options.bootstrap_importance:
+    return curves, info
+  orders = replicate_orders(config, plan, m["gradient_per_example"],
+                            m["val_sums"], resamples.validation)
+  before = len(plan.masks)
+  for name in BOOTSTRAP_ORDERINGS:
+    if name not in plan.curves["all"]:
+      continue
+    rows = np.concatenate([np.asarray(m["orders"][name])[None], orders[name]])
+    distinct, inverse = np.unique(rows, axis=0, return_inverse=True)
+    info["distinct_orders"][name] = int(len(distinct))
+    trial = Plan(masks=list(plan.masks), index=dict(plan.index))
+    ids = {}
+    for variant, points in plan.counts.items():
+      per_order = []
+      for order in distinct:
+        if variant == "no_layer_emptied":
+          order = core.keep_one_per_layer(config, order)
+        per_order.append([trial.add(head_masks.mask_without(config,
+                                                             order[:k]))
+                          for k in points])
+      ids[variant] = np.asarray(per_order, np.int64)[
+          np.asarray(inverse).reshape(-1)][:, None]
+    if len(trial.masks) - before > options.bootstrap_importance_max_masks:
+      info["conditional"].append(name)
+      continue
+    plan.masks, plan.index = trial.masks, trial.index
+    for variant in plan.counts:
+      curves[variant][name] = ids[variant]
+    info["reestimated"].append(name)
+  new = np.stack(plan.masks[before:]) if len(plan.masks) > before else None
+  info["masks_added"] = len(plan.masks) - before
+  if new is not None:
+    def evaluate():
+      for key, split in (("val_sums", "validation"), ("test_sums", "test")):
+        sums = _per_example(model, params, splits[split], new, None, options,
+                            m["ablations"][split])
+        m[key] = {k: np.concatenate([np.asarray(v), np.asarray(sums[k])])
+                  for k, v in m[key].items()}
+    _, timings["bootstrap_importance_s"] = timed(
+        log, f"orderings re-estimated in every resample ("
+        f"{', '.join(info['reestimated'])}): {len(new)} more masks on "
+        "validation and test", evaluate)
+  if info["conditional"]:
+    log(f"  kept conditional (over {options.bootstrap_importance_max_masks} "
+        f"masks): {', '.join(info['conditional'])}")
+  return curves, info
 
 
 def _ablations_of(model: Transformer, params: Params,
@@ -519,8 +628,10 @@ def analyze_seed(model: Transformer, params: Params,
   timings: dict[str, float] = {}
   m = _measure_seed(model, params, splits, options, rng, log, timings)
   plan = m["plan"]
+  curves, bootstrap_info = _bootstrap_importance(
+      model, params, splits, options, resamples, m, log, timings)
   statistics = summary.seed_statistics(
-      plan.curves, plan.counts, m["num_heads"], m["val_sums"],
+      curves, plan.counts, m["num_heads"], m["val_sums"],
       m["test_sums"], resamples.validation, resamples.test,
       options.tolerance)
   val = core.summarize_examples(m["val_sums"])
@@ -542,6 +653,7 @@ def analyze_seed(model: Transformer, params: Params,
           "oracle": _oracle_entries(config, plan, "no_layer_emptied", val,
                                     test)},
       **_ablations(config, plan, val, test, m["test_sums"]),
+      "bootstrap_importance": bootstrap_info,
       "timings": timings,
   }
   if plan.searches:
@@ -618,5 +730,6 @@ def aggregate(seed_results: Sequence[Mapping[str, Any]],
   return out
 
 
-__all__ = ["CURVE_LABELS", "SEARCH_LABELS", "Plan", "run_searches", "run_kwon", "plan_masks", "Resamples", "analyze_seed",
+__all__ = ["CURVE_LABELS", "SEARCH_LABELS", "BOOTSTRAP_ORDERINGS",
+           "replicate_orders", "Plan", "run_searches", "run_kwon", "plan_masks", "Resamples", "analyze_seed",
            "custom_pruning", "aggregate"]

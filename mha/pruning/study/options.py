@@ -75,6 +75,15 @@ class StudyOptions:
       2, "Rounds of swap local search polishing each surrogate subset.")
   num_bootstrap: int = _option(
       1000, "Bootstrap resamples of every 95% interval.")
+  bootstrap_importance: bool = _option(
+      True, "Re-estimate the gradient (raw, L2 per layer, reverse) and "
+      "leave-one-out orderings in every bootstrap resample, from per-example "
+      "values, so that their intervals include the orderings' own "
+      "uncertainty (the other orderings' intervals are conditional on "
+      "their order).")
+  bootstrap_importance_max_masks: int = _option(
+      1024, "At most this many masks evaluated for the re-estimated "
+      "orderings per seed; an ordering that needs more stays conditional.")
   num_random_orders: int = _option(
       20, "Random orders per seed (the baseline).")
   step_fraction: float = _option(
@@ -165,6 +174,9 @@ class StudyOptions:
                  "beam_width", "surrogate_top"):
       if getattr(self, name) < 1:
         raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+    if self.bootstrap_importance_max_masks < 0:
+      raise ValueError("--bootstrap_importance_max_masks must be >= 0, got "
+                       f"{self.bootstrap_importance_max_masks}")
     if self.search_polish_rounds < 0:
       raise ValueError("--search_polish_rounds must be >= 0, got "
                        f"{self.search_polish_rounds}")

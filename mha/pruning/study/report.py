@@ -265,15 +265,34 @@ def _intro(results: Mapping[str, Any]) -> list[str]:
       "of each head and Michel et al.'s tables are of the first seed "
       f"({seeds[0]['seed']}) only (the oracle's intervals over its test "
       "examples). All orderings share each resample, so "
-      "differences between them are paired. The intervals are conditional "
-      "on each seed's orderings: the importance measures are computed once "
-      "on the whole of validation, not again in each resample. Claims about "
+      "differences between them are paired. " + _conditional_sentence(seeds)
+      + " Claims about "
       "the orderings against random orders and against the oracle use "
       "simultaneous 95% intervals over each family (max-t: every gap's "
       "interval holds its truth at once with 95% probability); the tables "
       "show marginal ones.", "",
       _ablation_sentence(results.get("ablation", "zero")), "",
   ]
+
+
+def _conditional_sentence(seeds: Sequence[Mapping[str, Any]]) -> str:
+  """Which orderings' intervals include their own estimation, which are
+  conditional on the order."""
+  info = seeds[0].get("bootstrap_importance") or {}
+  again = info.get("reestimated", [])
+  if not again:
+    return ("The intervals are conditional on each seed's orderings: the "
+            "importance measures are computed once on the whole of "
+            "validation, not again in each resample.")
+  names = ", ".join(f"`{n}`" for n in again)
+  left = ", ".join(f"`{n}`" for n in info.get("conditional", []))
+  return (f"The orderings {names} are re-estimated in every resample of "
+          "validation (from per-example gradients and per-example "
+          "leave-one-out losses), so their intervals include the "
+          "uncertainty of the order itself"
+          + (f"; {left} needed too many masks and stay" if left else "")
+          + "; the other orderings' intervals are conditional on the order "
+          "computed once on the whole of validation.")
 
 
 #: What a removed head outputs under each ``--ablation`` mode.

@@ -110,9 +110,15 @@ def _values(name: str, ids: np.ndarray, val_m: Mapping[str, np.ndarray],
             select: Collection[str], *others: Mapping[str, np.ndarray]
             ) -> tuple[np.ndarray, ...]:
   """The ``[1 + R, orders, P]`` values of curve ``name`` on validation, test
-  and ``others``; a curve in ``select`` is chosen on ``val_m``."""
+  and ``others``; a curve in ``select`` is chosen on ``val_m``. ``ids``
+  ``[orders, P]`` are the same masks in every replicate; ``[1 + R, 1, P]``
+  (an ordering re-estimated in each replicate) a row of masks per
+  replicate."""
   if name in select:
     return _select(ids, val_m, test_m, metric, *others)
+  if ids.ndim == 3:
+    return tuple(np.take_along_axis(m[metric], ids[:, 0], axis=1)[:, None]
+                 for m in (val_m, test_m, *others))
   return tuple(m[metric][:, ids] for m in (val_m, test_m, *others))
 
 
@@ -150,7 +156,9 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
 
   Args:
     curves: variant -> curve name -> ``[orders, points]`` mask ids (for a
-      curve in ``select``: ``[candidates, points]``, the best first).
+      curve in ``select``: ``[candidates, points]``, the best first; for an
+      ordering re-estimated in each replicate, ``[1 + R, 1, points]``, row
+      0 the full sample's).
     counts: variant -> ``[points]`` heads removed.
     num_heads: ``N`` (fractions are ``counts / N``).
     val_sums, test_sums: per-example sums ``[M, n]`` of the masks.
@@ -220,7 +228,7 @@ def _no_layer_emptied_change(out: dict[Key, np.ndarray],
     if plain is None:
       continue
     for metric in CURVE_METRICS:
-      _, test = _values(name, plain[:, :points], val_m, test_m, metric,
+      _, test = _values(name, plain[..., :points], val_m, test_m, metric,
                         select)
       same_range = _auc(fractions, test)
       out[("no_layer_emptied", name, f"auc_{metric}_plain")] = (
