@@ -704,6 +704,9 @@ def test_bad_option_exits_2_writing_nothing(tiny_workdir, tmp_path,
     ({"plot_format": "gif"}, "--plot_format 'gif' is not one of: png, svg, pdf"),
     ({"ablation": "half"},
      "--ablation 'half' is not one of: zero, mean, mean_position, resample"),
+    ({"gate_targets": (2, -1)}, "--gate_targets must be numbers of heads "
+                                "removed >= 1, got [2, -1]"),
+    ({"gate_method": "l1"}, "--gate_method 'l1' is not one of: top_k"),
 ])
 def test_bad_options_are_refused(changes, message):
   with pytest.raises(ValueError) as raised:
@@ -732,7 +735,10 @@ def test_bad_input_is_refused_before_any_work(tiny_workdir, tmp_path):
   for bad, message in ((dict(beam_width=0), "--beam_width must be >= 1"),
                        (dict(surrogate_top=0), "--surrogate_top must be >= 1"),
                        (dict(search_polish_rounds=-1),
-                        "--search_polish_rounds must be >= 0")):
+                        "--search_polish_rounds must be >= 0"),
+                       (dict(gates=True, gate_targets=(1, 4)),
+                        r"--gate_targets: .* from 1 to 3 for this model's 4 "
+                        r"heads, got \[1, 4\]")):
     with pytest.raises(ValueError, match=message):
       study.check_inputs(tiny_workdir, out, dataclasses.replace(options,
                                                                 **bad))

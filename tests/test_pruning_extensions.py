@@ -3,6 +3,7 @@
 
 import json
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from mha.pruning import gates
 from mha.pruning import mean_ablation
 from mha.pruning import oracle
 from mha.pruning.study import StudyOptions
+from mha.pruning.study import analysis
 from conftest import random_model_and_split
 
 # Gates, retraining and mean ablation train or evaluate many models.
@@ -111,6 +113,21 @@ def test_exact_k_gates_keep_exactly_k_heads(method):
   for bad in ([0], [n], [1, 2.5], []):
     with pytest.raises(ValueError, match="from 1 to 4"):
       gates.train_exact_k(model, params, split, bad, steps=1, batch_size=16)
+
+
+def test_study_exact_k_entries_take_the_nearest_target():
+  # --gate_targets=1,3 on 4 heads: k = 2 is ranked by the gates of 1 (the
+  # smaller of two equally near), 0 and 4 need no gates; every k exact.
+  model, params, split = random_model_and_split(CONFIG, n=32)
+  run_config = types.SimpleNamespace(batch_size=16, seed=0)
+  options = StudyOptions(gates=True, gate_targets=(3, 1), gate_steps=2)
+  found = analysis.run_exact_k(model, params, split, options, run_config,
+                               lambda _: None)
+  assert found["targets"] == [1, 3] and found["log_alpha"].shape == (2, 2, 2)
+  assert [e["k"] for e in found["entries"]] == [0, 1, 2, 3, 4]
+  assert [e["target_k"] for e in found["entries"]] == [1, 1, 1, 3, 3]
+  for e in found["entries"]:
+    assert len(set(np.asarray(e["removed"]).tolist())) == e["k"]
 
 
 def test_top_k_gates_are_exact_under_jit_and_vmap():

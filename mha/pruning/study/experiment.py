@@ -62,7 +62,10 @@ def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
   if options.remove_heads:
     core.prune_heads(first.params, first.model_config, options.remove_heads)
   if options.gates and options.gate_targets:
-    gates.check_targets(first.model_config, options.gate_targets)
+    try:
+      gates.check_targets(first.model_config, options.gate_targets)
+    except ValueError as e:
+      raise ValueError(f"--gate_targets: {e}") from None
   heads = oracle.num_heads(first.model_config)
   needed = oracle.oracle_bytes(first.model_config)
   memory = oracle.machine_memory_bytes()
