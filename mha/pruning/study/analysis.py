@@ -458,6 +458,9 @@ def run_exact_k(model: Transformer, params: Params, train: data.Split,
   ``target_k``; besides, the training's ``targets``, ``method``,
   ``log_alpha`` ``[T][L][H]``, ``heads_kept`` in the last step, ``steps``
   and ``train_seconds``."""
+  if run_config is None:
+    raise ValueError("--gates: the exact-K gates need the run's config "
+                     "(their batch size and seed): pass run_config")
   config = model.config
   n = oracle.num_heads(config)
   targets = sorted(set(options.gate_targets)) or list(range(1, n))
