@@ -14,9 +14,11 @@ order and measures test accuracy with 95% bootstrap intervals
 ``<workdir>/pruning``). See mha/pruning/study/.
 
 Beyond ranking heads (off by default; ``--full`` = all three):
-``--gates`` learns hard-concrete head gates for each ``--gate_lambdas``
-strength, ``--retrain`` fine-tunes pruned models for ``--retrain_steps``
-against the same architectures from scratch, ``--mean_ablation`` redraws
+``--gates`` learns exact-K head gates for every number of heads removed
+(``--gate_targets``, ``--gate_method``) and hard-concrete gates for each
+``--gate_lambdas`` strength, ``--retrain`` fine-tunes pruned models for
+``--retrain_steps`` against the same architectures from scratch,
+``--mean_ablation`` redraws
 every curve with removed heads outputting their mean
 (mha/pruning/study/extensions.py).
 

@@ -120,8 +120,10 @@ class StudyOptions:
       "oracle, every curve, the searches, leave-one-out and Shapley values "
       "are computed under it.")
   gates: bool = _option(
-      False, "Learn hard-concrete head gates (Voita et al.) for each "
-      "--gate_lambdas strength and evaluate their kept heads like every "
+      False, "Learn exact-K head gates, one per number of heads removed "
+      "(--gate_targets, --gate_method; the gates' main result), and "
+      "hard-concrete head gates (Voita et al.) for each "
+      "--gate_lambdas strength, and evaluate their kept heads like every "
       "other subset.")
   gate_lambdas: tuple[float, ...] = _option(
       (0.1, 0.3, 1.0, 2.0, 3.0, 4.0, 6.0),
