@@ -18,9 +18,8 @@ Beyond ranking heads (off by default; ``--full`` = all three):
 (``--gate_targets``, ``--gate_method``) and hard-concrete gates for each
 ``--gate_lambdas`` strength, ``--retrain`` fine-tunes pruned models for
 ``--retrain_steps`` against the same architectures from scratch,
-``--mean_ablation`` redraws
-every curve with removed heads outputting their mean
-(mha/pruning/study/extensions.py).
+``--mean_ablation`` redraws every curve with removed heads outputting their
+mean (mha/pruning/study/extensions.py).
 
 A user's mistake (no checkpoint, a fraction outside [0, 1], a head that
 does not exist, ``--oracle_max_heads`` below 1, a seed directory trained
