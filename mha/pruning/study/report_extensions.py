@@ -149,6 +149,12 @@ def _exact_k_lines(results: Mapping[str, Any]) -> list[str]:
       "removes exactly k heads by construction; it is the curve "
       f"'{results['curve_labels'][g['exact_k_curve']]}' of the pruning "
       "curves and the searches' table.", ""]
+  targets = [r["target_k"] for r in rows]
+  n = int(results["seeds"][0]["counts"][-1])
+  if targets != list(range(1, n)):
+    lines[-2] += (f" Trained for k = {', '.join(map(str, targets))} only "
+                  "(`--gate_targets`): the curve's other points remove the "
+                  "k heads of lowest log α of the nearest target.")
   if "auc_token_accuracy_minus_oracle" in summary:
     lines += [
         "- AUC of test token accuracy "
