@@ -14,11 +14,12 @@ order and measures test accuracy with 95% bootstrap intervals
 ``<workdir>/pruning``). See mha/pruning/study/.
 
 Beyond ranking heads (off by default; ``--full`` = all three):
-``--gates`` learns hard-concrete head gates for each ``--gate_lambdas``
-strength, ``--retrain`` fine-tunes pruned models for ``--retrain_steps``
-against the same architectures from scratch, ``--mean_ablation`` redraws
-every curve with removed heads outputting their mean
-(mha/pruning/study/extensions.py).
+``--gates`` learns exact-K head gates for every number of heads removed
+(``--gate_targets``, ``--gate_method``) and hard-concrete gates for each
+``--gate_lambdas`` strength, ``--retrain`` fine-tunes pruned models for
+``--retrain_steps`` against the same architectures from scratch,
+``--mean_ablation`` redraws every curve with removed heads outputting their
+mean (mha/pruning/study/extensions.py).
 
 A user's mistake (no checkpoint, a fraction outside [0, 1], a head that
 does not exist, ``--oracle_max_heads`` below 1, a seed directory trained

@@ -390,6 +390,16 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
     assert mask.shape == (2, 2)
     assert sorted(map(list, zip(*np.nonzero(mask == 0)))) == sorted(
         e["removed"])
+  # Exact-K gates (--full has --gates): every k, exactly k removed, the
+  # oracle's keys plus the target whose gates chose it (every k trained).
+  entries = seed["searches"]["gates_k"]
+  assert [e["k"] for e in entries] == list(range(num_heads + 1))
+  for e in entries:
+    assert len({tuple(h) for h in e["removed"]}) == e["k"]
+    assert set(e) == {"k", "removed", "validation", "test", "target_k"}
+  assert [e["target_k"] for e in entries[1:-1]] == [1, 2, 3]
+  assert seed["gates_k"]["targets"] == [1, 2, 3]
+  assert seed["search_evaluations"]["gates_k"] == 0
   assert np.asarray(seed["importance"]["fisher"]).shape == (2, 2)
   assert results["ablation"] == "zero"
   assert "attribution" not in seed  # --noattribution
@@ -464,6 +474,16 @@ def _check_extensions_contract(results, out):
   assert set(seed["test"]) == {"loss", "token_accuracy", "exact_match"}
   assert len(rows[0]["test_token_accuracy_ci"]) == 2
   assert "lowest_loss_minus_oracle_token_accuracy_ci" in rows[0]
+  exact = results["gates"]["exact_k"]
+  assert [r["target_k"] for r in exact] == [1, 2, 3]
+  for r in exact:
+    assert r["k"] == r["target_k"] and len(r["per_seed"]) == 2
+    assert all(len(s["removed"]) == r["k"] for s in r["per_seed"])
+    assert len(r["minus_oracle_token_accuracy_ci"]) == 2
+    assert np.isfinite(r["minus_oracle_token_accuracy"])
+  assert results["gates"]["exact_k_method"] == "top_k"
+  assert len(results["aggregate"]["curve_summary"]["gates_k"][
+      "auc_token_accuracy_minus_oracle_ci"]) == 2
   retrained = results["retraining"]["orderings"]
   assert set(retrained) == {"gradient", "oracle", "gates", "random"}
   for entry in retrained["oracle"].values():
@@ -475,7 +495,8 @@ def _check_extensions_contract(results, out):
   assert "auc_token_accuracy_ci" in mean["curve_summary"]["oracle"]
   with open(os.path.join(out, "report.md"), encoding="utf-8") as f:
     report = f.read()
-  for section in ("## Learned gates", "## Retraining after pruning",
+  for section in ("## Learned gates", "### Exact-K gates",
+                  "## Retraining after pruning",
                   "## Mean ablation", "## Searches for the best subset"):
     assert section in report
   for png in ("curves_mean_ablation.png", "retraining.png"):
@@ -697,6 +718,9 @@ def test_bad_option_exits_2_writing_nothing(tiny_workdir, tmp_path,
     ({"plot_format": "gif"}, "--plot_format 'gif' is not one of: png, svg, pdf"),
     ({"ablation": "half"},
      "--ablation 'half' is not one of: zero, mean, mean_position, resample"),
+    ({"gate_targets": (2, -1)}, "--gate_targets must be numbers of heads "
+                                "removed >= 1, got [2, -1]"),
+    ({"gate_method": "l1"}, "--gate_method 'l1' is not one of: top_k"),
 ])
 def test_bad_options_are_refused(changes, message):
   with pytest.raises(ValueError) as raised:
@@ -725,7 +749,10 @@ def test_bad_input_is_refused_before_any_work(tiny_workdir, tmp_path):
   for bad, message in ((dict(beam_width=0), "--beam_width must be >= 1"),
                        (dict(surrogate_top=0), "--surrogate_top must be >= 1"),
                        (dict(search_polish_rounds=-1),
-                        "--search_polish_rounds must be >= 0")):
+                        "--search_polish_rounds must be >= 0"),
+                       (dict(gates=True, gate_targets=(1, 4)),
+                        r"--gate_targets: .* from 1 to 3 for this model's 4 "
+                        r"heads, got \[1, 4\]")):
     with pytest.raises(ValueError, match=message):
       study.check_inputs(tiny_workdir, out, dataclasses.replace(options,
                                                                 **bad))

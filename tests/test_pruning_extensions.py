@@ -3,6 +3,7 @@
 
 import json
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,8 @@ from mha.pruning import gates
 from mha.pruning import mean_ablation
 from mha.pruning import oracle
 from mha.pruning.study import StudyOptions
+from mha.pruning.study import analysis
+from conftest import random_model_and_split
 
 # Gates, retraining and mean ablation train or evaluate many models.
 pytestmark = pytest.mark.slow
@@ -83,6 +86,76 @@ def test_hard_concrete_gates_by_their_formulas():
                              gates.probability_open(log_alpha), atol=0.011)
   np.testing.assert_allclose(gates.deterministic(log_alpha),
                              [0.0, 0.5, 1.0], atol=1e-6)
+
+
+@pytest.mark.parametrize("method", gates.EXACT_K_METHODS)
+def test_exact_k_gates_keep_exactly_k_heads(method):
+  # Three layers, one of them with no heads: the absent heads are never
+  # counted, kept or removed.
+  config = TransformerConfig(vocab_size=8, num_layers=3,
+                             num_heads=(2, 0, 3), head_dim=4, d_model=8,
+                             mlp_dim=8, max_len=6)
+  model, params, split = random_model_and_split(config, n=32)
+  n = 5
+  targets = list(range(1, n))
+  trained = gates.train_exact_k(model, params, split, targets, steps=3,
+                                batch_size=16, method=method)
+  exists = head_masks.existing_heads(config).reshape(-1)
+  assert trained["log_alpha"].shape == (len(targets), 3, 3)
+  for k, removed in zip(targets, trained["removed"]):
+    removed = np.asarray(removed)
+    assert len(set(removed.tolist())) == k and exists[removed].all()
+    mask = head_masks.mask_without(config, removed)
+    assert mask.sum() == n - k  # exactly N - k heads kept
+  if method == "top_k":  # every step keeps exactly N - k heads
+    np.testing.assert_array_equal(trained["expected_heads"],
+                                  [n - k for k in targets])
+  for bad in ([0], [n], [1, 2.5], []):
+    with pytest.raises(ValueError, match="from 1 to 4"):
+      gates.train_exact_k(model, params, split, bad, steps=1, batch_size=16)
+
+
+def test_study_exact_k_entries_take_the_nearest_target():
+  # --gate_targets=1,3 on 4 heads: k = 2 is ranked by the gates of 1 (the
+  # smaller of two equally near), 0 and 4 need no gates; every k exact.
+  model, params, split = random_model_and_split(CONFIG, n=32)
+  run_config = types.SimpleNamespace(batch_size=16, seed=0)
+  options = StudyOptions(gates=True, gate_targets=(3, 1), gate_steps=2)
+  found = analysis.run_exact_k(model, params, split, options, run_config,
+                               lambda _: None)
+  assert found["targets"] == [1, 3] and found["log_alpha"].shape == (2, 2, 2)
+  assert [e["k"] for e in found["entries"]] == [0, 1, 2, 3, 4]
+  assert [e["target_k"] for e in found["entries"]] == [1, 1, 1, 3, 3]
+  for e in found["entries"]:
+    assert len(set(np.asarray(e["removed"]).tolist())) == e["k"]
+
+
+def test_top_k_gates_are_exact_under_jit_and_vmap():
+  exists = jnp.asarray([[True, True, True], [True, False, True]])
+  log_alpha = jnp.asarray([[0.3, -1.0, 2.0], [0.0, 5.0, -0.5]])
+  counts = jnp.arange(1, 5)
+  keys = jax.random.split(jax.random.key(0), len(counts))
+  sample = jax.jit(jax.vmap(
+      lambda k, key: gates.top_k_sample(log_alpha, key, k, exists, 0.5)))
+  z = np.asarray(sample(counts, keys))
+  np.testing.assert_array_equal(z.sum(axis=(1, 2)), counts)  # exactly k
+  assert set(np.unique(z)) <= {0.0, 1.0} and not z[:, 1, 1].any()
+  soft = jax.jit(jax.vmap(lambda k: gates.relaxed_top_k(
+      log_alpha, k, exists, 0.5)))(counts)
+  # The relaxation: gates in [0, 1], at most k heads' worth of mass (a
+  # head's share over the rounds is clipped at 1), more as k grows, none on
+  # the absent head.
+  soft = np.asarray(soft)
+  assert soft.min() >= 0.0 and soft.max() <= 1.0
+  total = soft.sum(axis=(1, 2))
+  assert np.all(total <= np.asarray(counts) + 1e-5) and np.all(
+      np.diff(total) > 0)
+  assert soft[:, 1, 1].max() < 1e-6
+  # Gradients flow to the scores (straight-through), and are finite.
+  grad = jax.grad(lambda la: jnp.sum(gates.top_k_sample(
+      la, keys[0], 2, exists, 0.5) * jnp.arange(6.0).reshape(2, 3)))(
+          log_alpha)
+  assert np.all(np.isfinite(grad)) and float(jnp.abs(grad).sum()) > 0
 
 
 @pytest.fixture(scope="module")

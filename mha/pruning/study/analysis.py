@@ -26,6 +26,7 @@ from mha.model import Transformer, TransformerConfig
 from mha.progress import timed
 from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
+from mha.pruning import gates as gates_lib
 from mha.pruning import kwon
 from mha.pruning import oracle
 from mha.pruning import orderings
@@ -40,7 +41,8 @@ from mha.pruning.study.options import StudyOptions
 SEARCH_LABELS = {"surrogate": "surrogate search (layer-additive)",
                  "beam": "beam search",
                  "kwon": "Kwon et al. (Fisher search, rearranged)",
-                 "kwon_tuned": "Kwon et al., mask tuned"}
+                 "kwon_tuned": "Kwon et al., mask tuned",
+                 "gates_k": "exact-K gates (one per k)"}
 #: The curves: every ordering, the oracle and the searches (not orderings:
 #: their subsets for k and k + 1 heads removed need not be nested).
 CURVE_LABELS = {**orderings.ORDERINGS, "oracle": "oracle (best subset)",
@@ -260,9 +262,11 @@ class Resamples:
 def _measure_seed(model: Transformer, params: Params,
                   splits: Mapping[str, data.Split], options: StudyOptions,
                   rng: np.random.Generator, log: Log,
-                  timings: dict[str, float]) -> dict[str, Any]:
+                  timings: dict[str, float],
+                  run_config: Any = None) -> dict[str, Any]:
   """Importance, orders, the oracle and the per-example sums of every mask
-  the seed's curves and tables need, on validation and test."""
+  the seed's curves and tables need, on validation and test
+  (``run_config``: the run's config, for the exact-K gates' batches)."""
   config = model.config
   val, test = splits["validation"], splits["test"]
   ablations, baselines = _ablations_of(model, params, splits, options, log,
@@ -315,6 +319,14 @@ def _measure_seed(model: Transformer, params: Params,
     else:
       log(f"  Kwon et al.'s mask tuning skipped: it assumes zero ablation, "
           f"not --ablation={options.ablation}")
+  gates_k = None
+  if options.gates and oracle.num_heads(config) > 1:
+    gates_k, timings["gates_k_s"] = timed(
+        log, f"{SEARCH_LABELS['gates_k']}: {options.gate_method}, "
+        f"{options.gate_steps} steps",
+        lambda: run_exact_k(model, params, splits["train"], options,
+                            run_config, log))
+    found["gates_k"], evaluations["gates_k"] = gates_k["entries"], 0
   plan = plan_masks(config, orders, random_orders, removals,
                     core.pruning_counts(n, options.step_fraction),
                     {name: [e["removed"] for e in entries]
@@ -341,7 +353,7 @@ def _measure_seed(model: Transformer, params: Params,
           "oracle_ran": subsets is not None, "shapley_method": method,
           "search_evaluations": evaluations, "attribution": patching,
           "interactions": interactions, "ablations": ablations,
-          "gradient_per_example": gradient_per_example}
+          "gradient_per_example": gradient_per_example, "gates_k": gates_k}
 
 
 #: The orderings re-estimated in every bootstrap resample, from per-example
@@ -544,6 +556,42 @@ def run_searches(model: Transformer, params: Params, validation: data.Split,
   return out
 
 
+def run_exact_k(model: Transformer, params: Params, train: data.Split,
+                options: StudyOptions, run_config: Any, log: Log
+                ) -> dict[str, Any]:
+  """Exact-K gates (:func:`mha.pruning.gates.train_exact_k`) for
+  ``options.gate_targets`` (empty: every ``k`` from 1 to ``N - 1``) on the
+  train split, with the run's batch size and seed. ``entries``: for every
+  ``k`` from 0 to ``N`` the removal of exactly ``k`` heads (lowest
+  ``log_alpha``) by the gates of the nearest target (ties: the smaller),
+  ``target_k``; besides, the training's ``targets``, ``method``,
+  ``log_alpha`` ``[T][L][H]``, ``heads_kept`` in the last step, ``steps``
+  and ``train_seconds``."""
+  if run_config is None:
+    raise ValueError("--gates: the exact-K gates need the run's config "
+                     "(their batch size and seed): pass run_config")
+  config = model.config
+  n = oracle.num_heads(config)
+  targets = sorted(set(options.gate_targets)) or list(range(1, n))
+  trained = gates_lib.train_exact_k(
+      model, params, train, targets, steps=options.gate_steps,
+      batch_size=int(run_config.batch_size), method=options.gate_method,
+      learning_rate=options.gate_learning_rate,
+      temperature=options.gate_temperature, seed=int(run_config.seed),
+      log=log)
+  entries = []
+  for k in range(n + 1):
+    t = min(range(len(targets)), key=lambda i: (abs(targets[i] - k),
+                                                targets[i]))
+    entries.append({"k": k, "target_k": targets[t],
+                    "removed": gates_lib.removal_of_size(
+                        trained["log_alpha"][t], config, k)})
+  return {"entries": entries, "targets": targets, "method": trained["method"],
+          "log_alpha": trained["log_alpha"],
+          "heads_kept": trained["expected_heads"], "steps": trained["steps"],
+          "train_seconds": trained["seconds"]}
+
+
 def run_kwon(model: Transformer, params: Params, validation: data.Split,
              blocks: np.ndarray, log: Log, timings: dict[str, float], *,
              tune: bool = True
@@ -614,10 +662,12 @@ def _interactions(config: TransformerConfig,
 def analyze_seed(model: Transformer, params: Params,
                  splits: Mapping[str, data.Split], options: StudyOptions,
                  rng: np.random.Generator, resamples: Resamples,
-                 log: Log = print) -> tuple[dict[str, Any],
-                                            dict[summary.Key, np.ndarray]]:
+                 log: Log = print, run_config: Any = None
+                 ) -> tuple[dict[str, Any], dict[summary.Key, np.ndarray]]:
   """Importance measures (validation), the oracle, pruning curves and
-  Michel et al.'s tables (test) of one model.
+  Michel et al.'s tables (test) of one model. ``run_config`` (the run's
+  config: batch size and seed of the exact-K gates' training) is needed
+  with ``options.gates``.
 
   Returns:
     ``(result, statistics)``: the JSON-able result of the seed, and its
@@ -626,7 +676,8 @@ def analyze_seed(model: Transformer, params: Params,
   """
   config = model.config
   timings: dict[str, float] = {}
-  m = _measure_seed(model, params, splits, options, rng, log, timings)
+  m = _measure_seed(model, params, splits, options, rng, log, timings,
+                    run_config)
   plan = m["plan"]
   curves, bootstrap_info = _bootstrap_importance(
       model, params, splits, options, resamples, m, log, timings)
@@ -665,6 +716,13 @@ def analyze_seed(model: Transformer, params: Params,
     for entry, mask_id in zip(out["searches"].get("kwon_tuned", []),
                               plan.searches.get("kwon_tuned", [])):
       entry["mask"] = plan.masks[mask_id].tolist()
+    # Exact-K gates: the target whose gates chose each subset.
+    for entry, found in zip(out["searches"].get("gates_k", []),
+                            m["gates_k"]["entries"] if m["gates_k"] else []):
+      entry["target_k"] = found["target_k"]
+  if m["gates_k"] is not None:  # How they trained.
+    out["gates_k"] = {k: v for k, v in m["gates_k"].items()
+                      if k != "entries"}
   # What each head attends to, on the split of the importance measures.
   out["head_roles"] = head_roles.head_roles(
       model, params, splits["validation"], options.batch_size)
@@ -731,5 +789,6 @@ def aggregate(seed_results: Sequence[Mapping[str, Any]],
 
 
 __all__ = ["CURVE_LABELS", "SEARCH_LABELS", "BOOTSTRAP_ORDERINGS",
-           "replicate_orders", "Plan", "run_searches", "run_kwon", "plan_masks", "Resamples", "analyze_seed",
+           "replicate_orders", "Plan", "run_searches", "run_kwon",
+           "run_exact_k", "plan_masks", "Resamples", "analyze_seed",
            "custom_pruning", "aggregate"]

@@ -34,6 +34,7 @@ from mha import data
 from mha.aliases import Log
 from mha.progress import timed
 from mha.pruning import core
+from mha.pruning import gates
 from mha.pruning import oracle
 from mha.pruning import orderings
 from mha.pruning import speed
@@ -60,6 +61,11 @@ def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
   seeds_lib.check_seeds(first, out_dir, options.num_seeds, options.retrain_seeds)
   if options.remove_heads:
     core.prune_heads(first.params, first.model_config, options.remove_heads)
+  if options.gates and options.gate_targets:
+    try:
+      gates.check_targets(first.model_config, options.gate_targets)
+    except ValueError as e:
+      raise ValueError(f"--gate_targets: {e}") from None
   heads = oracle.num_heads(first.model_config)
   needed = oracle.oracle_bytes(first.model_config)
   memory = oracle.machine_memory_bytes()
@@ -93,7 +99,7 @@ def _analyze_all(checkpoints: Sequence[ckpt_lib.LoadedCheckpoint],
         f"{core.count_params(ckpt.params):,} parameters):")
     seed_start = time.perf_counter()
     result, stat = analysis.analyze_seed(ckpt.model, ckpt.params, splits, options,
-                                rng, resamples, log)
+                                rng, resamples, log, run_config=ckpt.config)
     result["seed"] = int(ckpt.config.seed)
     result["step"] = int(ckpt.step)
     result["config"] = ckpt.config.to_dict()

@@ -13,7 +13,10 @@ and the oracle's numbers and combines over seeds in the same two-level way.
 * **Gates** (:mod:`mha.pruning.gates`): one gate vector per strength, trained
   on the train split from the converged model; its kept heads (plain, and
   never emptying a layer) evaluated as masks on validation and test, and
-  compared with the oracle's subset with as many heads removed.
+  compared with the oracle's subset with as many heads removed. The gates'
+  main result, exact-K gates (one gate vector per number of heads removed,
+  trained by the seed's analysis: ``searches.gates_k``, a curve), is
+  summarised per target as ``gates.exact_k``.
 * **Retraining** (:mod:`mha.pruning.retrain`): at each fraction of heads
   removed, the subsets of the gradient order, the oracle, the gates (the
   strength whose count is nearest, its lowest gates) and ``retrain_random``
@@ -253,6 +256,32 @@ def _gate_variant(seed: SeedInputs, log_alpha: np.ndarray,
                    "lowest_loss_minus_oracle": criterion.T}
 
 
+def _exact_k_seed(seed: SeedInputs
+                  ) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+  """The exact-K gates' subsets (``searches.gates_k``, evaluated by the
+  study) at each trained target: their entries (the oracle's keys and
+  ``target_k``) and statistics ``[T, 1 + R]``: test token accuracy and its
+  difference from the oracle's subset with as many heads removed."""
+  entries = seed.result.get("searches", {}).get("gates_k")
+  if not entries:
+    return [], {}
+  config = seed.model.config
+  examples = seed.result["examples"]
+  targets = seed.result["gates_k"]["targets"]
+  rows = [_find(examples, head_masks.mask_without(
+      config, head_masks.pairs_to_flat(config, entries[t]["removed"])))
+          for t in targets]
+  test = _metric_rows(_take(examples["test"], rows), seed.test_weights)
+  gap = np.full(test.shape, np.nan)
+  for i, t in enumerate(targets):
+    row = _oracle_row(seed, "all", t)
+    if row is not None:
+      gap[:, i] = test[:, i] - _metric_rows(
+          _take(examples["test"], [row]), seed.test_weights)[:, 0]
+  return ([dict(entries[t]) for t in targets],
+          {"test_token_accuracy": test.T, "minus_oracle": gap.T})
+
+
 def gates_seed(seed: SeedInputs, options: StudyOptions, log: Log
                ) -> tuple[dict[str, Any], dict[str, Any]]:
   """Trains the gates of every strength and evaluates their subsets:
@@ -279,6 +308,9 @@ def gates_seed(seed: SeedInputs, options: StudyOptions, log: Log
     entry[variant], statistics[variant] = _gate_variant(
         seed, trained["log_alpha"], options.gate_lambdas, variant,
         by_loss.get(variant))
+  entry["exact_k"], statistics["exact_k"] = _exact_k_seed(seed)
+  if entry["exact_k"]:
+    entry["exact_k_train_seconds"] = seed.result["gates_k"]["train_seconds"]
   return entry, statistics
 
 
@@ -330,7 +362,39 @@ def aggregate_gates(per_seed: Sequence[Mapping[str, Any]],
         entry["share_lowest_loss_subset"] = float(np.mean(same))
       rows.append(entry)
     out[variant] = rows
+  if per_seed[0]["exact_k"] and all(s["exact_k"] for s in per_seed):
+    out.update(_aggregate_exact_k(per_seed, statistics, seed_weights,
+                                  options, seeds))
   return out
+
+
+def _aggregate_exact_k(per_seed: Sequence[Mapping[str, Any]],
+                       statistics: Sequence[Mapping[str, Any]],
+                       seed_weights: np.ndarray, options: StudyOptions,
+                       seeds: Sequence[int]) -> dict[str, Any]:
+  """``gates.exact_k``: per target ``k`` (``target_k``, heads removed), every
+  seed's entry (the oracle's keys and ``target_k``) and the means over
+  seeds with intervals of test token accuracy and its gap to the oracle's
+  subset with as many heads removed; how the gates trained."""
+  rows = []
+  for i, first in enumerate(per_seed[0]["exact_k"]):
+    entry: dict[str, Any] = {
+        "target_k": first["target_k"], "k": first["k"],
+        "heads_removed": first["k"],
+        "per_seed": [dict(s["exact_k"][i], seed=int(seed))
+                     for s, seed in zip(per_seed, seeds)]}
+    for key, name in (("test_token_accuracy", "test_token_accuracy"),
+                      ("minus_oracle", "minus_oracle_token_accuracy")):
+      entry[name], entry[f"{name}_ci"] = _combine(
+          [st["exact_k"][key][i] for st in statistics], seed_weights)
+    rows.append(entry)
+  return {"exact_k": rows, "exact_k_method": options.gate_method,
+          "exact_k_steps": options.gate_steps,
+          "exact_k_train_seconds_per_seed": [s["exact_k_train_seconds"]
+                                             for s in per_seed],
+          "exact_k_curve": "gates_k",
+          "exact_k_subset": "the k heads of lowest log_alpha: exactly k "
+                            "removed by construction"}
 
 
 # --------------------------------------------------------------------------

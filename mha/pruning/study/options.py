@@ -21,6 +21,7 @@ from mha.figures import PLOT_FORMATS
 from mha.head_masks import parse_heads
 from mha.pruning import speed
 from mha.pruning.ablation import MODES as ABLATION_MODES
+from mha.pruning.gates import EXACT_K_METHODS
 from mha.pruning.orderings import ORDERINGS
 
 #: ``--shapley``: how the Shapley values are computed.
@@ -138,12 +139,27 @@ class StudyOptions:
       "oracle, every curve, the searches, leave-one-out and Shapley values "
       "are computed under it.")
   gates: bool = _option(
-      False, "Learn hard-concrete head gates (Voita et al.) for each "
-      "--gate_lambdas strength and evaluate their kept heads like every "
+      False, "Learn exact-K head gates, one per number of heads removed "
+      "(--gate_targets, --gate_method; the gates' main result), and "
+      "hard-concrete head gates (Voita et al.) for each "
+      "--gate_lambdas strength, and evaluate their kept heads like every "
       "other subset.")
   gate_lambdas: tuple[float, ...] = _option(
       (0.1, 0.3, 1.0, 2.0, 3.0, 4.0, 6.0),
       "Strengths of the expected-L0 penalty of the gates (per head kept).")
+  gate_targets: tuple[int, ...] = _option(
+      (), "Heads removed (k) of the exact-K gates that --gates trains, one "
+      "gate vector per k, each removing exactly k heads (searches.gates_k, "
+      "curve 'gates_k', gates.exact_k); empty: every k from 1 to N - 1. A k "
+      "left out takes the ranking of the nearest one given.")
+  gate_method: str = _option(
+      "top_k", "How the exact-K gates train: top_k (Gumbel top-k, exactly "
+      "N - k heads kept in every step; Li et al. 2021) or lagrangian "
+      "(hard-concrete gates, an L0 Lagrangian on the count kept; Wang et "
+      "al. 2020).")
+  gate_temperature: float = _option(
+      0.5, "Temperature of the top-k relaxation of --gate_method=top_k.",
+      flag=False)
   gate_steps: int = _option(200, "Training steps of the gates.")
   gate_learning_rate: float = _option(
       0.1, "Learning rate of the gates (Adam).", flag=False)
@@ -230,6 +246,16 @@ class StudyOptions:
         not (math.isfinite(x) and x >= 0) for x in self.gate_lambdas):
       raise ValueError("--gate_lambdas must be numbers >= 0, got "
                        f"{list(self.gate_lambdas)}")
+    if any(t < 1 for t in self.gate_targets):
+      raise ValueError("--gate_targets must be numbers of heads removed >= "
+                       f"1, got {list(self.gate_targets)}")
+    if self.gate_method not in EXACT_K_METHODS:
+      raise ValueError(f"--gate_method {self.gate_method!r} is not one of: "
+                       f"{', '.join(EXACT_K_METHODS)}")
+    if not (math.isfinite(self.gate_temperature)
+            and self.gate_temperature > 0):
+      raise ValueError("--gate_temperature must be > 0, got "
+                       f"{self.gate_temperature}")
     if not (math.isfinite(self.gate_learning_rate)
             and self.gate_learning_rate > 0):
       raise ValueError("--gate_learning_rate must be > 0, got "

@@ -98,6 +98,9 @@ ORDERING_STYLES: dict[str, dict[str, object]] = {
                                               fillstyle="none"),
     "beam search": dict(color="#00A6A6", marker="s", linestyle=(0, (1, 1.5)),
                         fillstyle="none"),
+    # The gates' main result: one subset per k, near the oracle as well.
+    "exact-K gates (one per k)": dict(color="#B8860B", marker="d",
+                                      linestyle="--", fillstyle="none"),
 }
 #: Runs up to this many get a min-max band; more get a percentile band.
 MINMAX_MAX_RUNS = 5

@@ -572,6 +572,11 @@ def _searches_section(results: Mapping[str, Any]) -> list[str]:
          "unpruned model's attention outputs, layer by layer. Its seconds "
          "exclude the Fisher information (the ordering 'Fisher')."
          if "kwon" in names else "")
+      + (" The exact-K gates evaluate no subset either: one gate vector per "
+         "number of heads removed, trained on the train split, removes its "
+         "heads of lowest learned gate (section 'Learned gates'); their "
+         "seconds are the training's."
+         if "gates_k" in names else "")
       + " Test token accuracy; 95% intervals over examples and seeds; "
       "seconds and subsets evaluated are means over seeds.", ""]
   has_oracle = "oracle" in summary
