@@ -426,36 +426,52 @@ def retrain_seed(seed: SeedInputs, options: StudyOptions, log_alpha: np.ndarray 
       seed.splits["test"], batch_size=options.batch_size)
   before = {k: v[:count] for k, v in before.items()}
 
-  log(f"  retraining: {archs} pruned architectures from scratch (Scratch-E) "
-      f"and {count} rewound to step 0, {run_steps} steps")
-  scratch = retrain.scratch_params(model, arch_masks,
-                                   base + 500 + np.arange(archs))
-  rewind = retrain.stack(retrain.step0_params(model, run), count)
+  # The fair controls: of the subsets of the orderings (and of the random
+  # ones with ``retrain_controls_random``); NaN rows for the others.
+  chosen = np.flatnonzero([options.retrain_controls_random
+                           or o != "random" for o, *_ in subsets])
+  c_masks, c_of = _architectures(config, masks[chosen])
+  c_archs = len(c_masks)
+  log(f"  retraining: {c_archs} pruned architectures from scratch "
+      f"(Scratch-E) and {len(chosen)} rewound to step 0, {run_steps} steps")
+  scratch = retrain.scratch_params(model, c_masks,
+                                   base + 500 + np.arange(c_archs))
+  rewind = retrain.stack(retrain.step0_params(model, run), len(chosen))
   e_rows, seconds["scratch_e_and_rewind"] = _train(
       seed, jax.tree.map(lambda a, b: np.concatenate([a, b]), scratch,
                          rewind),
-      np.concatenate([arch_masks, masks]), run_steps, options, log)
+      np.concatenate([c_masks, masks[chosen]]), run_steps, options, log)
 
   b_steps = np.asarray([retrain.scratch_b_steps(
       config, m, train_steps=run_steps, finetune_steps=options.retrain_steps)
-      for m in arch_masks])
-  b_rows = np.zeros((archs, e_rows.shape[1]))
+      for m in c_masks])
+  b_rows = np.zeros((c_archs, e_rows.shape[1]))
   seconds["scratch_b"] = 0.0
   for steps in sorted(set(b_steps.tolist())):
     rows = np.flatnonzero(b_steps == steps)
     log(f"  retraining: {len(rows)} pruned architectures from scratch "
         f"(Scratch-B), {steps} steps")
     b_rows[rows], spent = _train(
-        seed, jax.tree.map(lambda x: x[rows], scratch), arch_masks[rows],
+        seed, jax.tree.map(lambda x: x[rows], scratch), c_masks[rows],
         steps, options, log)
     seconds["scratch_b"] += spent
+
+  def per_subset(values: np.ndarray) -> np.ndarray:
+    out = np.full((count, values.shape[1]), np.nan)
+    out[chosen] = values
+    return out
+
+  b_per_subset = [None] * count
+  for row, a in zip(chosen, c_of):
+    b_per_subset[row] = int(b_steps[a])
   return {"subsets": [(o, f, i, _pairs(config, m)) for (o, f, i, _), m in
                       zip(subsets, masks)],
           "before": _metric_rows(before, seed.test_weights).T,
           "after": after_rows[:count], "scratch": after_rows[count:][arch_of],
-          "scratch_e": e_rows[:archs][arch_of], "rewind": e_rows[archs:],
-          "scratch_b": b_rows[arch_of],
-          "scratch_b_steps": [int(b_steps[a]) for a in arch_of],
+          "scratch_e": per_subset(e_rows[:c_archs][c_of]),
+          "rewind": per_subset(e_rows[c_archs:]),
+          "scratch_b": per_subset(b_rows[c_of]),
+          "scratch_b_steps": b_per_subset,
           "run_steps": run_steps,
           "seconds": float(sum(seconds.values())),
           "seconds_by_arm": seconds,
@@ -476,9 +492,11 @@ def _retrain_statistics(seed_run: Mapping[str, Any]
     groups.setdefault((ordering, fraction), []).append(row)
   out = {}
   for key, rows in groups.items():
+    # An arm not trained for these subsets (NaN) is left out.
     values = {name: np.asarray(seed_run[name])[rows].mean(axis=0)
               for name in ("before", "after", "scratch", "scratch_e",
-                           "scratch_b", "rewind") if name in seed_run}
+                           "scratch_b", "rewind") if name in seed_run
+              and not np.isnan(np.asarray(seed_run[name])[rows]).any()}
     values["fine_tuned"] = values["after"]
     values["recovered"] = values["after"] - values["before"]
     values["after_minus_from_scratch"] = values["after"] - values["scratch"]
@@ -529,7 +547,8 @@ def aggregate_retraining(per_seed: Sequence[Mapping[str, Any]],
                 if (o, f) == key] for s in per_seed]
     entry["share_emptying_a_layer"] = float(np.mean(sum(emptied, [])))
     b_steps = sorted({n for s in per_seed for (o, f, _, _), n in zip(
-        s["subsets"], s.get("scratch_b_steps", [])) if (o, f) == key})
+        s["subsets"], s.get("scratch_b_steps", []))
+        if (o, f) == key and n is not None})
     if b_steps:
       entry["scratch_b_steps"] = b_steps[0] if len(b_steps) == 1 else b_steps
     orderings.setdefault(ordering, {})[f"{fraction:g}"] = entry
@@ -540,6 +559,7 @@ def aggregate_retraining(per_seed: Sequence[Mapping[str, Any]],
       "schedule": "the run's optimizer (AdamW, warmup then cosine decay) over "
                   "retrain_steps, warmup the same share of them; a fresh "
                   "optimizer per model; the same batches for all",
+      "controls_random": options.retrain_controls_random,
       "from_scratch": "each pruned architecture (heads per layer) from fresh "
                       "parameters of the full model under the mask (the full "
                       "model's output-projection scale), retrain_steps steps: "

@@ -142,6 +142,10 @@ class StudyOptions:
       "retraining.", flag=False)
   retrain_random: int = _option(
       5, "Random subsets retrained per fraction and seed.")
+  retrain_controls_random: bool = _option(
+      False, "Also train the fair controls (Scratch-E, Scratch-B, rewind) "
+      "of the random subsets, not only of the orderings' (gradient, oracle, "
+      "gates): about twice their training time.")
   mean_ablation: bool = _option(
       False, "Also every curve with removed heads outputting their mean over "
       "validation instead of zero.")

@@ -1010,7 +1010,7 @@ _STAGES = {"before": ("o", "pruned, before fine-tuning"),
 
 
 def _drawn_stages(rows: Mapping[str, Mapping[str, Any]]) -> list[str]:
-  present = set.intersection(*(set(r) for r in rows.values()))
+  present = set.union(*(set(r) for r in rows.values()))
   stages = [s for s in _STAGES if s in present]
   if "scratch_e" in stages and "scratch" in stages:
     stages.remove("scratch")
@@ -1033,6 +1033,8 @@ def retraining_figure(fractions: Sequence[float],
   for f, (ax, fraction) in enumerate(zip(axes, fractions)):
     for x, name in enumerate(names):
       for stage in stages:
+        if stage not in rows[name]:  # e.g. no controls of random subsets
+          continue
         value, ci = rows[name][stage]
         v, (lo, hi) = float(value[f]), (float(c) for c in ci[f])
         ax.errorbar(x + offsets[stage], v, yerr=[[v - lo], [hi - v]],
