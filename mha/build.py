@@ -91,6 +91,13 @@ def make_optimizer(
   )
 
 
+def run_rngs(config: ml_collections.ConfigDict) -> Array:
+  """A run's two keys ``[2]``, both from ``config.seed``: parameter init
+  (``[0]``) and dropout (``[1]``). A run's step-0 parameters are
+  ``init_params(model, run_rngs(config)[0])``."""
+  return jax.random.split(jax.random.key(config.seed))
+
+
 def init_params(model: Transformer, rng: Array) -> Any:
   """Fresh parameters of ``model``."""
   tokens = jnp.ones((1, model.config.max_len), jnp.int32)

@@ -351,7 +351,7 @@ def _initial_state(config: ml_collections.ConfigDict, create: Any,
   Jitted: eager initialisation runs op by op and takes seconds. With several
   processes a key must be a global array, hence the output shardings.
   """
-  rngs = lambda: jax.random.split(jax.random.key(config.seed))
+  rngs = lambda: build.run_rngs(config)
   replicated = sharding_lib.replicated(mesh)
   if restored is not None:
     return restored[1], jax.jit(lambda: rngs()[1],

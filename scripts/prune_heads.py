@@ -17,9 +17,10 @@ Beyond ranking heads (off by default; ``--full`` = all three):
 ``--gates`` learns exact-K head gates for every number of heads removed
 (``--gate_targets``, ``--gate_method``) and hard-concrete gates for each
 ``--gate_lambdas`` strength, ``--retrain`` fine-tunes pruned models for
-``--retrain_steps`` against the same architectures from scratch,
-``--mean_ablation`` redraws every curve with removed heads outputting their
-mean (mha/pruning/study/extensions.py).
+``--retrain_steps`` against the same architectures from scratch (Scratch-E,
+Scratch-B) and the kept heads rewound to step 0, ``--mean_ablation``
+redraws every curve with removed heads outputting their mean
+(mha/pruning/study/extensions.py).
 
 A user's mistake (no checkpoint, a fraction outside [0, 1], a head that
 does not exist, ``--oracle_max_heads`` below 1, a seed directory trained
@@ -234,8 +235,10 @@ def _print_extensions(results) -> None:
     for fraction, e in by_fraction.items():
       print(f"  retrain {name:<9} {float(fraction):.0%} removed: before "
             f"{e['before']:.3f}, after {e['after']:.3f} "
-            f"[{e['after_ci'][0]:.3f}, {e['after_ci'][1]:.3f}], from scratch "
-            f"{e['from_scratch']:.3f}")
+            f"[{e['after_ci'][0]:.3f}, {e['after_ci'][1]:.3f}]"
+            + "".join(f", {label} {e[key]:.3f}" for key, label in (
+                ("scratch_e", "Scratch-E"), ("scratch_b", "Scratch-B"),
+                ("rewind", "rewind")) if key in e))
   mean = results.get("mean_ablation", {}).get("curve_summary", {})
   if "oracle" in mean:
     m = mean["oracle"]

@@ -349,7 +349,8 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
       "--batch_size=32", "--remove_heads=1:0",
       # Gates, retraining and mean ablation (issue 15), as small as they go.
       "--full", "--gate_steps=2", "--gate_lambdas=0.01,1", "--retrain_steps=2",
-      "--retrain_random=1", "--noattribution", env=subprocess_env)
+      "--retrain_random=1", "--retrain_fractions=0.5", "--noattribution",
+      env=subprocess_env)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "Wrote" in result.stdout
   with open(os.path.join(out, "results.json"), encoding="utf-8") as f:
@@ -487,9 +488,14 @@ def _check_extensions_contract(results, out):
   retrained = results["retraining"]["orderings"]
   assert set(retrained) == {"gradient", "oracle", "gates", "random"}
   for entry in retrained["oracle"].values():
-    for key in ("before", "after", "from_scratch"):
+    # The arms of issue 24 and the old control.
+    for key in ("before", "after", "from_scratch", "fine_tuned", "scratch_e",
+                "scratch_b", "rewind"):
       low, high = entry[f"{key}_ci"]
       assert low <= entry[key] <= high
+    # Scratch-B: at least the run's 20 steps and the 2 of fine-tuning.
+    assert entry["scratch_b_steps"] > 20 + 2
+  assert "scratch_e" not in retrained["random"]["0.5"]  # controls_random off
   mean = results["mean_ablation"]
   assert set(mean["curves"]) == set(results["aggregate"]["curves"])
   assert "auc_token_accuracy_ci" in mean["curve_summary"]["oracle"]

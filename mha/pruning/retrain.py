@@ -6,15 +6,36 @@ removed head's parameters get zero gradient, so fine-tuning the masked model
 is fine-tuning the pruned one (weight decay shrinks the removed heads'
 kernels, which nothing reads). That lets every pruned model of a seed train
 as one vmapped program over stacked parameters and masks, all on the same
-batches (paired), with a fresh optimizer each:
+batches (paired), with a fresh optimizer each. What differs between the arms
+is where they start and for how many steps they train:
 
-* *fine-tuned*: from the converged parameters;
-* *from scratch* (the control): fresh parameters of the same architecture
-  (the same mask), the same steps and schedule.
+* *fine-tuned*: from the converged parameters, for the fine-tuning steps;
+* *Scratch-E* and *Scratch-B* (Liu et al. 2019): the pruned architecture
+  from a fresh initialisation *of that architecture*
+  (:func:`scratch_params`: ``build.init_params`` of the model with fewer
+  heads per layer, so e.g. the output projection's fan-in is the pruned
+  one's), for the original run's steps (E) or for as many steps as cost the
+  FLOPs of the original run plus the fine-tuning (B, :func:`scratch_b_steps`);
+* *rewind* (Frankle & Carbin 2019): the kept heads' step-0 weights, i.e. the
+  run's own initial parameters (:func:`step0_params`) under the mask, for
+  the original run's steps.
+
+Why a masked model stands for the physically pruned one here, exactly: a
+scratch arm's parameters are the pruned architecture's initial parameters
+written into the kept heads' slots of the full layout, zeros in the removed
+heads' (:func:`embed_heads`; ``prune_heads`` of them gives back the pruned
+model's parameters, shapes and values). Under the mask the removed heads'
+parameters get zero gradient, so AdamW leaves them at zero (its weight decay
+of zero is zero) and the gradient clipping sees the pruned model's global
+norm: every step computes what the pruned model's step computes, up to
+floating-point summation order. (With attention dropout > 0 the dropout
+draws of a ``[B, H, Q, K]`` tensor differ from a pruned model's: equal in
+distribution, not in value. The configs here have none.)
 
 The optimizer is the run's (``build.make_optimizer``) for a config with
 ``num_train_steps = steps`` and the warmup scaled to the same share of the
-run; the batches are ``data.train_batch(train, seed=config.seed, step=s)``.
+run; the batches are ``data.train_batch(train, seed=config.seed, step=s)``,
+so a run of the original steps sees the original run's batches.
 ``config.init_from`` is the same fine-tuning for one saved pruned model from
 the command line (:mod:`mha.finetune`).
 """
@@ -22,6 +43,7 @@ the command line (:mod:`mha.finetune`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import time
 from typing import Any, Callable
@@ -37,7 +59,7 @@ from mha import data
 from mha import evaluate as eval_lib
 from mha import sharding as sharding_lib
 from mha.aliases import Params
-from mha.model import Transformer
+from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
 
 
@@ -114,6 +136,108 @@ def fresh_params(model: Transformer, seeds: np.ndarray) -> Params:
   return jax.jit(jax.vmap(lambda k: build.init_params(model, k)))(keys)
 
 
+#: ``build.init_params`` compiled once per architecture (eager
+#: initialisation runs op by op and takes seconds).
+_init = jax.jit(build.init_params, static_argnums=0)
+
+
+def step0_params(model: Transformer,
+                 config: ml_collections.ConfigDict) -> Params:
+  """The parameters the run of ``config`` started from (its step 0): the
+  same key as :func:`mha.train.train_and_evaluate` draws them with."""
+  return _init(model, build.run_rngs(config)[0])
+
+
+def pruned_model_config(config: TransformerConfig,
+                        mask: np.ndarray) -> TransformerConfig:
+  """The config of the model with ``mask``'s heads per layer (``[L, H]``)."""
+  return dataclasses.replace(
+      config, num_heads=tuple(int(c) for c in np.asarray(mask).sum(axis=1)),
+      head_dim=config.resolved_head_dim)
+
+
+#: The head axis of each attention parameter (``[D, H, Dh]`` kernels and
+#: ``[H, Dh]`` biases of query, key and value; the ``[H, Dh, D]`` out
+#: kernel); the out bias has none.
+_HEAD_AXIS = {("query", "kernel"): 1, ("key", "kernel"): 1,
+              ("value", "kernel"): 1, ("query", "bias"): 0,
+              ("key", "bias"): 0, ("value", "bias"): 0, ("out", "kernel"): 0}
+
+
+def embed_heads(pruned: Params, full: Params, mask: np.ndarray) -> Params:
+  """The inverse of :func:`mha.pruning.prune_heads`: a pruned model's
+  parameters written into the layout of ``full`` (parameters or their
+  shapes), its heads in the slots ``mask`` (``[L, H]``) keeps, zeros in the
+  others. Everything but the attention heads is ``pruned``'s."""
+  out = jax.tree.map(np.asarray, dict(pruned))
+  for layer, row in enumerate(np.asarray(mask)):
+    name = f"layer_{layer}"
+    kept = np.flatnonzero(row[:full[name]["attention"]["out"]["kernel"].shape[
+        0]])
+    source = pruned[name]["attention"]
+    attention = {}
+    for proj, leaves in full[name]["attention"].items():
+      attention[proj] = {}
+      for leaf, like in leaves.items():
+        axis = _HEAD_AXIS.get((proj, leaf))
+        if axis is None:
+          attention[proj][leaf] = np.asarray(source[proj][leaf])
+          continue
+        value = np.zeros(like.shape, like.dtype)
+        if len(kept):
+          index = [slice(None)] * value.ndim
+          index[axis] = kept
+          value[tuple(index)] = np.asarray(source[proj][leaf])
+        attention[proj][leaf] = value
+    out[name] = dict(out[name], attention=attention)
+  return out
+
+
+def scratch_params(model: Transformer, masks: np.ndarray,
+                   seeds: np.ndarray) -> Params:
+  """Stacked fresh parameters ``[R, ...]`` of the pruned architectures of
+  ``masks`` (``[R, L, H]``): the model with each mask's heads per layer
+  initialised with ``jax.random.key(seeds[r])`` (its own shapes, so its
+  own fan-ins), in the full layout (:func:`embed_heads`)."""
+  full = jax.eval_shape(lambda: build.init_params(model, jax.random.key(0)))
+  one = []
+  for mask, seed in zip(np.asarray(masks), np.asarray(seeds)):
+    pruned = Transformer(pruned_model_config(model.config, mask))
+    one.append(embed_heads(_init(pruned, jax.random.key(int(seed))), full,
+                           mask))
+  return jax.tree.map(lambda *xs: np.stack(xs), *one)
+
+
+def forward_flops(config: TransformerConfig) -> float:
+  """Matrix-multiply FLOPs (2 per multiply-add) of one forward pass of one
+  sequence of ``max_len`` tokens (batches are padded to it): per layer, the
+  query, key, value and output projections and the attention scores and
+  weighted values of its heads, and the feed-forward block; the logits.
+  LayerNorm, softmax, GELU and the embeddings (O(L d) each) are left out. A
+  training step costs about 3 forward passes for every architecture, so
+  ratios of this are ratios of training compute."""
+  n, d, dh = config.max_len, config.d_model, config.resolved_head_dim
+  flops = 2.0 * n * d * config.vocab_size
+  for heads in config.heads_per_layer:
+    flops += 4 * 2.0 * n * d * heads * dh  # query, key, value, out
+    flops += 2 * 2.0 * n * n * heads * dh  # scores, weighted values
+    flops += 2 * 2.0 * n * d * config.mlp_dim  # feed-forward
+  return flops
+
+
+def scratch_b_steps(config: TransformerConfig, mask: np.ndarray, *,
+                    train_steps: int, finetune_steps: int) -> int:
+  """Steps of the pruned architecture of ``mask`` that cost what pruning
+  and fine-tuning cost: ``train_steps`` of the full model and
+  ``finetune_steps`` of the pruned one, in :func:`forward_flops` (the
+  importance measurement and the search are not counted). That is
+  ``round(train_steps * F_full / F_pruned) + finetune_steps``: Liu et al.'s
+  (2019) Scratch-B, its steps scaled by the FLOP ratio."""
+  ratio = forward_flops(config) / forward_flops(
+      pruned_model_config(config, mask))
+  return int(round(train_steps * ratio)) + int(finetune_steps)
+
+
 def stack(params: Params, count: int) -> Params:
   """``count`` copies of ``params`` along a new leading axis."""
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (count,) + x.shape),
@@ -141,5 +265,6 @@ def example_sums(model: Transformer, params: Params, masks: np.ndarray,
           for k, v in pieces.items()}
 
 
-__all__ = ["retrain_config", "finetune_masked", "fresh_params", "stack",
-           "example_sums"]
+__all__ = ["retrain_config", "finetune_masked", "fresh_params", "step0_params",
+           "pruned_model_config", "embed_heads", "scratch_params",
+           "forward_flops", "scratch_b_steps", "stack", "example_sums"]

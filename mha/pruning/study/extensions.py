@@ -20,8 +20,13 @@ and the oracle's numbers and combines over seeds in the same two-level way.
 * **Retraining** (:mod:`mha.pruning.retrain`): at each fraction of heads
   removed, the subsets of the gradient order, the oracle, the gates (the
   strength whose count is nearest, its lowest gates) and ``retrain_random``
-  random orders, fine-tuned for ``retrain_steps``; the control trains each
-  pruned architecture (heads per layer) from scratch for as many steps.
+  random orders, fine-tuned for ``retrain_steps``; the controls: each
+  pruned architecture (heads per layer) initialised as that architecture and
+  trained from scratch for the run's steps (Scratch-E) and for the FLOPs of
+  the run plus the fine-tuning (Scratch-B), and the kept heads' step-0
+  weights trained for the run's steps (rewind). The old control (the full
+  model's fresh initialisation under the mask, ``retrain_steps`` steps) is
+  kept as ``from_scratch``.
 """
 
 from __future__ import annotations
@@ -405,7 +410,9 @@ def _aggregate_exact_k(per_seed: Sequence[Mapping[str, Any]],
 def _subsets(seed: SeedInputs, options: StudyOptions, log_alpha: np.ndarray | None
              ) -> list[tuple[str, float, int, np.ndarray]]:
   """``(ordering, fraction, index, removed flat heads)`` of every pruned
-  model to retrain."""
+  model to retrain; the gates' subset is the exact-K gates' for that
+  number of heads when they ran, else the strength's whose count is nearest
+  (its lowest gates)."""
   config = seed.model.config
   n = oracle.num_heads(config)
   orders, oracle_entries = seed.result["orders"], seed.result["oracle"]
@@ -417,7 +424,12 @@ def _subsets(seed: SeedInputs, options: StudyOptions, log_alpha: np.ndarray | No
       out.append(("oracle", fraction, 0, np.asarray(
           head_masks.pairs_to_flat(config, oracle_entries[k]["removed"]),
           np.int64)))
-    if log_alpha is not None:
+    exact = {e["k"]: e["removed"] for e in
+             seed.result.get("searches", {}).get("gates_k", [])}
+    if k in exact:  # The exact-K gates' subset of exactly k heads.
+      out.append(("gates", fraction, 0, np.asarray(
+          head_masks.pairs_to_flat(config, exact[k]), np.int64)))
+    elif log_alpha is not None:
       removed = [int(np.sum(gates_lib.kept_mask(la, config) == 0)
                      - np.sum(~head_masks.existing_heads(config)))
                  for la in log_alpha]
@@ -440,57 +452,129 @@ def _architectures(config: Any, masks: np.ndarray) -> tuple[np.ndarray,
   return masks[first], np.asarray([distinct.index(c) for c in counts])
 
 
+def _train(seed: SeedInputs, params: Params, masks: np.ndarray, steps: int,
+           options: StudyOptions, log: Log) -> tuple[np.ndarray, float]:
+  """Trains the stacked ``params`` under ``masks`` for ``steps`` steps:
+  their test metric rows ``[R, 1 + B]`` and the training seconds."""
+  trained, info = retrain.finetune_masked(
+      seed.model, params, masks, seed.splits["train"], seed.config,
+      steps=steps, log=log)
+  sums = retrain.example_sums(seed.model, trained, masks, seed.splits["test"],
+                              batch_size=options.batch_size)
+  return _metric_rows(sums, seed.test_weights).T, info["seconds"]
+
+
 def retrain_seed(seed: SeedInputs, options: StudyOptions, log_alpha: np.ndarray | None,
                  log: Log) -> dict[str, Any]:
-  """Fine-tunes every pruned model of :func:`_subsets` and trains each
-  architecture from scratch; per-example test sums before, after and from
-  scratch."""
-  model, config = seed.model, seed.model.config
+  """Retrains every pruned model of :func:`_subsets` in four arms
+  (:mod:`mha.pruning.retrain`): fine-tuned from the converged parameters
+  for ``retrain_steps``; each architecture (heads per layer) from a fresh
+  initialisation of that architecture for the run's steps (Scratch-E) and
+  for the FLOPs of the run plus the fine-tuning (Scratch-B); the kept heads'
+  step-0 weights for the run's steps (rewind). Also the old control, each
+  architecture from the full model's fresh initialisation under the mask
+  for ``retrain_steps`` (``scratch``). Test metric rows of each."""
+  model, config, run = seed.model, seed.model.config, seed.config
   subsets = _subsets(seed, options, log_alpha)
   masks = np.stack([head_masks.mask_without(config, r) for *_, r in subsets])
   arch_masks, arch_of = _architectures(config, masks)
-  all_masks = np.concatenate([masks, arch_masks])
-  params = retrain.stack(seed.params, len(masks))
-  fresh = retrain.fresh_params(
-      model, 1000 * (int(seed.config.seed) + 1) + np.arange(len(arch_masks)))
-  both = jax.tree.map(lambda a, b: np.concatenate([a, b]), params, fresh)
-  log(f"  retraining: {len(masks)} pruned models fine-tuned and "
-      f"{len(arch_masks)} architectures from scratch, "
+  count, archs = len(masks), len(arch_masks)
+  run_steps = int(run.num_train_steps)
+  base = 1000 * (int(run.seed) + 1)  # fresh keys, apart from the run's
+  seconds = {}
+  log(f"  retraining: {count} pruned models fine-tuned and {archs} "
+      f"architectures from scratch (full-model init), "
       f"{options.retrain_steps} steps")
-  trained, info = retrain.finetune_masked(
-      model, both, all_masks, seed.splits["train"], seed.config,
-      steps=options.retrain_steps, log=log)
-  test = seed.splits["test"]
-  after = retrain.example_sums(model, trained, all_masks, test,
-                               batch_size=options.batch_size)
+  both = jax.tree.map(lambda a, b: np.concatenate([a, b]),
+                      retrain.stack(seed.params, count),
+                      retrain.fresh_params(model, base + np.arange(archs)))
+  all_masks = np.concatenate([masks, arch_masks])
+  after_rows, seconds["fine_tuned"] = _train(
+      seed, both, all_masks, options.retrain_steps, options, log)
   # The stack of ``after``'s size: one compilation serves both.
   before = retrain.example_sums(
-      model, retrain.stack(seed.params, len(all_masks)), all_masks, test,
-      batch_size=options.batch_size)
-  before = {k: v[:len(masks)] for k, v in before.items()}
-  rows = lambda sums: _metric_rows(sums, seed.test_weights).T  # [M, 1+R]
-  after_rows = rows(after)
+      model, retrain.stack(seed.params, len(all_masks)), all_masks,
+      seed.splits["test"], batch_size=options.batch_size)
+  before = {k: v[:count] for k, v in before.items()}
+
+  # The fair controls: of the subsets of the orderings (and of the random
+  # ones with ``retrain_controls_random``); NaN rows for the others.
+  chosen = np.flatnonzero([options.retrain_controls_random
+                           or o != "random" for o, *_ in subsets])
+  c_masks, c_of = _architectures(config, masks[chosen])
+  c_archs = len(c_masks)
+  log(f"  retraining: {c_archs} pruned architectures from scratch "
+      f"(Scratch-E) and {len(chosen)} rewound to step 0, {run_steps} steps")
+  scratch = retrain.scratch_params(model, c_masks,
+                                   base + 500 + np.arange(c_archs))
+  rewind = retrain.stack(retrain.step0_params(model, run), len(chosen))
+  e_rows, seconds["scratch_e_and_rewind"] = _train(
+      seed, jax.tree.map(lambda a, b: np.concatenate([a, b]), scratch,
+                         rewind),
+      np.concatenate([c_masks, masks[chosen]]), run_steps, options, log)
+
+  b_steps = np.asarray([retrain.scratch_b_steps(
+      config, m, train_steps=run_steps, finetune_steps=options.retrain_steps)
+      for m in c_masks])
+  b_rows = np.zeros((c_archs, e_rows.shape[1]))
+  seconds["scratch_b"] = 0.0
+  for steps in sorted(set(b_steps.tolist())):
+    rows = np.flatnonzero(b_steps == steps)
+    log(f"  retraining: {len(rows)} pruned architectures from scratch "
+        f"(Scratch-B), {steps} steps")
+    b_rows[rows], spent = _train(
+        seed, jax.tree.map(lambda x: x[rows], scratch), c_masks[rows],
+        steps, options, log)
+    seconds["scratch_b"] += spent
+
+  def per_subset(values: np.ndarray) -> np.ndarray:
+    out = np.full((count, values.shape[1]), np.nan)
+    out[chosen] = values
+    return out
+
+  b_per_subset = [None] * count
+  for row, a in zip(chosen, c_of):
+    b_per_subset[row] = int(b_steps[a])
   return {"subsets": [(o, f, i, _pairs(config, m)) for (o, f, i, _), m in
                       zip(subsets, masks)],
-          "before": rows(before), "after": after_rows[:len(masks)],
-          "scratch": after_rows[len(masks):][arch_of],
-          "seconds": info["seconds"],
+          "before": _metric_rows(before, seed.test_weights).T,
+          "after": after_rows[:count], "scratch": after_rows[count:][arch_of],
+          "scratch_e": per_subset(e_rows[:c_archs][c_of]),
+          "rewind": per_subset(e_rows[c_archs:]),
+          "scratch_b": per_subset(b_rows[c_of]),
+          "scratch_b_steps": b_per_subset,
+          "run_steps": run_steps,
+          "seconds": float(sum(seconds.values())),
+          "seconds_by_arm": seconds,
           "heads_per_layer": [list(map(int, m.sum(axis=1))) for m in masks]}
+
+
+#: The retraining arms (``results.json``'s contract) and the old control.
+ARMS = ("fine_tuned", "scratch_e", "scratch_b", "rewind")
 
 
 def _retrain_statistics(seed_run: Mapping[str, Any]
                         ) -> dict[tuple[str, float], dict[str, Stat]]:
-  """Per (ordering, fraction): before, after, from scratch and their
-  differences, ``[1 + R]`` (random: the mean over its subsets)."""
+  """Per (ordering, fraction): before, after (= fine-tuned), from scratch
+  (the old control), Scratch-E, Scratch-B, rewind and their differences,
+  ``[1 + R]`` (random: the mean over its subsets)."""
   groups: dict[tuple[str, float], list[int]] = {}
   for row, (ordering, fraction, _, _) in enumerate(seed_run["subsets"]):
     groups.setdefault((ordering, fraction), []).append(row)
   out = {}
   for key, rows in groups.items():
-    values = {name: seed_run[name][rows].mean(axis=0)
-              for name in ("before", "after", "scratch")}
+    # An arm not trained for these subsets (NaN) is left out.
+    values = {name: np.asarray(seed_run[name])[rows].mean(axis=0)
+              for name in ("before", "after", "scratch", "scratch_e",
+                           "scratch_b", "rewind") if name in seed_run
+              and not np.isnan(np.asarray(seed_run[name])[rows]).any()}
+    values["fine_tuned"] = values["after"]
     values["recovered"] = values["after"] - values["before"]
     values["after_minus_from_scratch"] = values["after"] - values["scratch"]
+    for a, b in (("fine_tuned", "scratch_e"), ("fine_tuned", "scratch_b"),
+                 ("rewind", "scratch_e"), ("scratch_b", "scratch_e")):
+      if a in values and b in values:
+        values[f"{a}_minus_{b}"] = values[a] - values[b]
     out[key] = values
   for (ordering, fraction), values in out.items():
     random = out.get(("random", fraction))
@@ -512,7 +596,11 @@ def aggregate_retraining(per_seed: Sequence[Mapping[str, Any]],
            "recovered": "recovered",
            "after_minus_from_scratch": "after_minus_from_scratch",
            "after_minus_random": "after_minus_random",
-           "before_minus_random": "before_minus_random"}
+           "before_minus_random": "before_minus_random",
+           **{arm: arm for arm in ARMS},
+           **{f"{a}_minus_{b}": f"{a}_minus_{b}" for a, b in (
+               ("fine_tuned", "scratch_e"), ("fine_tuned", "scratch_b"),
+               ("rewind", "scratch_e"), ("scratch_b", "scratch_e"))}}
   orderings: dict[str, dict[str, Any]] = {}
   for key in per_seed_stats[0]:
     if not all(key in s for s in per_seed_stats):
@@ -529,6 +617,11 @@ def aggregate_retraining(per_seed: Sequence[Mapping[str, Any]],
                                                   s["heads_per_layer"])
                 if (o, f) == key] for s in per_seed]
     entry["share_emptying_a_layer"] = float(np.mean(sum(emptied, [])))
+    b_steps = sorted({n for s in per_seed for (o, f, _, _), n in zip(
+        s["subsets"], s.get("scratch_b_steps", []))
+        if (o, f) == key and n is not None})
+    if b_steps:
+      entry["scratch_b_steps"] = b_steps[0] if len(b_steps) == 1 else b_steps
     orderings.setdefault(ordering, {})[f"{fraction:g}"] = entry
   return {
       "steps": options.retrain_steps, "fractions": list(
@@ -537,8 +630,32 @@ def aggregate_retraining(per_seed: Sequence[Mapping[str, Any]],
       "schedule": "the run's optimizer (AdamW, warmup then cosine decay) over "
                   "retrain_steps, warmup the same share of them; a fresh "
                   "optimizer per model; the same batches for all",
+      "controls_random": options.retrain_controls_random,
       "from_scratch": "each pruned architecture (heads per layer) from fresh "
-                      "parameters, the same steps and schedule",
+                      "parameters of the full model under the mask (the full "
+                      "model's output-projection scale), retrain_steps steps: "
+                      "the old control, kept for comparison; it measures the "
+                      "training budget, not the kept weights",
+      "run_steps": int(per_seed[0]["run_steps"]) if "run_steps" in per_seed[
+          0] else None,
+      "arms": {
+          "fine_tuned": "the pruned model from the converged parameters, "
+                        "retrain_steps steps (= after)",
+          "scratch_e": "the pruned architecture (heads per layer) from a "
+                       "fresh initialisation of that architecture (its own "
+                       "fan-ins), the run's steps and schedule (Liu et al. "
+                       "2019, Scratch-E)",
+          "scratch_b": "the same initialisation as scratch_e, for the "
+                       "training FLOPs of the run plus the fine-tuning: "
+                       "round(run_steps * F_full / F_pruned) + retrain_steps "
+                       "steps, F the matrix-multiply FLOPs of a forward pass "
+                       "(retrain.forward_flops; the importance measurement "
+                       "and the search not counted) (Liu et al. 2019, "
+                       "Scratch-B)",
+          "rewind": "the kept heads' step-0 weights (the run's own initial "
+                    "parameters under the mask), the run's steps and "
+                    "schedule (Frankle & Carbin 2019, rewinding to "
+                    "step 0)"},
       "orderings": orderings,
       "subsets": [{"seed": int(seed), "subsets": [
           {"ordering": o, "fraction": f, "index": i, "removed": r,
@@ -546,12 +663,14 @@ def aggregate_retraining(per_seed: Sequence[Mapping[str, Any]],
           for (o, f, i, r), h in zip(s["subsets"], s["heads_per_layer"])]}
           for s, seed in zip(per_seed, seeds)],
       "train_seconds_per_seed": [s["seconds"] for s in per_seed],
+      "train_seconds_by_arm_per_seed": [s.get("seconds_by_arm", {})
+                                        for s in per_seed],
   }
 
 
 __all__ = ["SeedInputs", "mean_ablation_seed", "aggregate_mean_ablation",
            "gates_seed", "aggregate_gates", "retrain_seed",
-           "aggregate_retraining"]
+           "aggregate_retraining", "ARMS"]
 
 
 # --------------------------------------------------------------------------

@@ -166,14 +166,21 @@ class StudyOptions:
   retrain: bool = _option(
       False, "Fine-tune pruned models (gradient order, oracle, gates, random) "
       "for --retrain_steps against the same architectures from scratch "
+      "(Scratch-E: the run's steps; Scratch-B: the FLOPs of the run and the "
+      "fine-tuning) and the kept heads rewound to step 0 (the run's steps) "
       "(trains the gates too).")
   retrain_steps: int = _option(
-      100, "Steps of each fine-tuning and from-scratch run.")
+      100, "Steps of each fine-tuning (and of the old from-scratch "
+      "control).")
   retrain_fractions: tuple[float, ...] = _option(
       (0.25, 0.5, 0.75), "Fractions of the heads removed before "
-      "retraining.", flag=False)
+      "retraining.")
   retrain_random: int = _option(
       5, "Random subsets retrained per fraction and seed.")
+  retrain_controls_random: bool = _option(
+      False, "Also train the fair controls (Scratch-E, Scratch-B, rewind) "
+      "of the random subsets, not only of the orderings' (gradient, oracle, "
+      "gates): about twice their training time.")
   mean_ablation: bool = _option(
       False, "Also every curve with removed heads outputting their mean over "
       "validation instead of zero.")

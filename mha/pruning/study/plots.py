@@ -998,10 +998,26 @@ def plot_speed(
 # --------------------------------------------------------------------------
 # Retraining after pruning.
 
-#: Marker and offset of each stage of a retrained pruned model.
-_STAGES = {"before": ("o", -0.22, "pruned, before fine-tuning"),
-           "after": ("s", 0.0, "after fine-tuning"),
-           "scratch": ("X", 0.22, "same architecture from scratch")}
+#: Marker and label of each arm of a retrained pruned model, in drawing
+#: order (``scratch``: the old control, drawn only when the new ones are
+#: missing, as in a ``results.json`` written before them).
+_STAGES = {"before": ("o", "pruned, before fine-tuning"),
+           "after": ("s", "fine-tuned, {steps} steps"),
+           "scratch_e": ("X", "Scratch-E: architecture from scratch, "
+                              "the run's steps"),
+           "scratch_b": ("P", "Scratch-B: from scratch, the FLOPs of "
+                              "run + fine-tuning"),
+           "rewind": ("D", "rewind: kept heads' step-0 weights, "
+                           "the run's steps"),
+           "scratch": ("x", "same architecture from scratch, {steps} steps")}
+
+
+def _drawn_stages(rows: Mapping[str, Mapping[str, Any]]) -> list[str]:
+  present = set.union(*(set(r) for r in rows.values()))
+  stages = [s for s in _STAGES if s in present]
+  if "scratch_e" in stages and "scratch" in stages:
+    stages.remove("scratch")
+  return stages
 
 
 def retraining_figure(fractions: Sequence[float],
@@ -1010,17 +1026,23 @@ def retraining_figure(fractions: Sequence[float],
   """Builds the figure of :func:`plot_retraining`."""
   if not rows or not len(fractions):
     raise ValueError("retraining_figure needs fractions and rows")
-  fig = _new_figure(3.4 * len(fractions) + 2.6, 3.9)
+  stages = _drawn_stages(rows)
+  offsets = dict(zip(stages, np.linspace(-0.3, 0.3, len(stages))
+                     if len(stages) > 1 else [0.0]))
+  fig = _new_figure(3.4 * len(fractions) + 3.4, 3.9)
   axes = fig.subplots(1, len(fractions), sharey=True, squeeze=False)[0]
   names = list(rows)
   styles = _ordering_styles(names)
   for f, (ax, fraction) in enumerate(zip(axes, fractions)):
     for x, name in enumerate(names):
-      for stage, (marker, offset, _) in _STAGES.items():
+      for stage in stages:
+        if stage not in rows[name]:  # e.g. no controls of random subsets
+          continue
         value, ci = rows[name][stage]
         v, (lo, hi) = float(value[f]), (float(c) for c in ci[f])
-        ax.errorbar(x + offset, v, yerr=[[v - lo], [hi - v]], fmt=marker,
-                    color=styles[name]["color"], markersize=6, capsize=2,
+        ax.errorbar(x + offsets[stage], v, yerr=[[v - lo], [hi - v]],
+                    fmt=_STAGES[stage][0], color=styles[name]["color"],
+                    markersize=6, capsize=2,
                     markerfacecolor="white" if stage == "before" else
                     styles[name]["color"])
     ax.set_xticks(range(len(names)), names, rotation=35, ha="right",
@@ -1031,11 +1053,10 @@ def retraining_figure(fractions: Sequence[float],
     ax.set_xlim(-0.6, len(names) - 0.4)
   axes[0].set_ylabel("test token accuracy", fontsize=_LABEL_SIZE)
   axes[0].set_ylim(-0.02, 1.02)
-  handles = [Line2D([], [], marker=m, linestyle="", color="0.3",
+  handles = [Line2D([], [], marker=_STAGES[s][0], linestyle="", color="0.3",
                     markerfacecolor="white" if s == "before" else "0.3",
-                    label=label.replace("fine-tuning", f"{steps} steps")
-                    if s == "after" else label)
-             for s, (m, _, label) in _STAGES.items()]
+                    label=_STAGES[s][1].format(steps=steps))
+             for s in stages]
   fig.legend(handles=handles, loc="outside right upper", fontsize=8.5,
              frameon=False, title="mean over seeds, 95% CI",
              title_fontsize=8.5)
@@ -1048,12 +1069,14 @@ def plot_retraining(fractions: Sequence[float],
                     rows: Mapping[str, Mapping[str, Sequence[Any]]],
                     path: str, *, steps: int, title: str | None = None) -> str:
   """Writes a PNG of test accuracy before and after fine-tuning pruned
-  models, and of the same architectures trained from scratch.
+  models, and of their controls: the same architectures trained from
+  scratch (Scratch-E, Scratch-B) and the kept heads rewound to step 0.
 
   Args:
     fractions: ``[F]`` fractions of heads removed (one panel each).
-    rows: ordering -> ``{"before", "after", "scratch"}`` -> ``(values [F],
-      intervals [F, 2])``.
+    rows: ordering -> ``{"before", "after", "scratch_e", "scratch_b",
+      "rewind"}`` (or the old ``"scratch"`` instead of the last three) ->
+      ``(values [F], intervals [F, 2])``.
     path: where to write the PNG.
     steps: the fine-tuning steps (for the legend).
     title: optional figure title.

@@ -69,7 +69,10 @@ def write_plots(results: Mapping[str, Any], out_dir: str,
       rows[label] = {
           stage: ([e[key] for e in entries], [e[f"{key}_ci"] for e in entries])
           for stage, key in (("before", "before"), ("after", "after"),
-                             ("scratch", "from_scratch"))}
+                             ("scratch", "from_scratch"),
+                             ("scratch_e", "scratch_e"),
+                             ("scratch_b", "scratch_b"), ("rewind", "rewind"))
+          if all(key in e for e in entries)}
     paths.append(pruning_plots.plot_retraining(
         fractions, rows,
         os.path.join(out_dir, md.figure(results, RETRAINING_PNG)),
@@ -228,6 +231,26 @@ def _matters(entries: Mapping[str, Mapping[str, Any]], key: str) -> str:
   return "; ".join(out) or "n/a"
 
 
+def _versus(entries: Mapping[str, Mapping[str, Any]], key: str) -> str:
+  """Each ordering's paired difference ``key`` with its interval."""
+  return "; ".join(f"{_RETRAIN_LABELS.get(n, n)} {md.ci(e, key, sign=True)}"
+                   for n, e in entries.items() if key in e) or "n/a"
+
+
+def _arms_lines(r: Mapping[str, Any]) -> list[str]:
+  """What each arm is (a ``results.json`` written before the fair controls
+  has only the old one)."""
+  arms = r.get("arms")
+  if not arms:
+    return [f"The control is {r['from_scratch']}.", ""]
+  labels = {"fine_tuned": "Fine-tuned", "scratch_e": "Scratch-E",
+            "scratch_b": "Scratch-B", "rewind": "Rewind"}
+  return [f"The arms ({r['run_steps']} steps in the original run):", ""] + [
+      f"- **{labels.get(k, k)}** (`{k}`): {v}." for k, v in arms.items()] + [
+      f"- **From scratch, old control** (`from_scratch`): "
+      f"{r['from_scratch']}.", ""]
+
+
 def _retraining_section(results: Mapping[str, Any]) -> list[str]:
   r = results["retraining"]
   lines = [
@@ -235,39 +258,64 @@ def _retraining_section(results: Mapping[str, Any]) -> list[str]:
       f"At each fraction of heads removed, the subsets of the gradient "
       f"order, the oracle, the learned gates (the strength whose count is "
       f"nearest, its lowest gates) and {r['random_subsets']} random orders "
-      f"are fine-tuned for {r['steps']} steps ({r['schedule']}); the control "
-      f"is {r['from_scratch']}. Test token accuracy, means over seeds with "
-      "95% intervals (random: the mean of its subsets). Cost: "
+      f"are fine-tuned for {r['steps']} steps ({r['schedule']}). Test token "
+      "accuracy, means over seeds with 95% intervals (random: the mean of "
+      "its subsets). Cost: "
       f"{np.mean(r['train_seconds_per_seed']):.1f} s of training per seed "
-      "(all its pruned models and controls in one vmapped program).", "",
-      md.image(results, "retraining", RETRAINING_PNG), ""]
+      "(the models of one step count in one vmapped program).", ""]
+  lines += _arms_lines(r)
+  lines += [md.image(results, "retraining", RETRAINING_PNG), ""]
+  fair = "arms" in r
   for fraction in r["fractions"]:
     entries = {name: by[f"{fraction:g}"] for name, by in
                r["orderings"].items() if f"{fraction:g}" in by}
-    lines += [
+    text = (
         f"- **{fraction:.0%} removed.** Does the choice of heads still "
         "matter after fine-tuning? " + _matters(entries, "after_minus_random")
         + ". Before fine-tuning: " + _matters(entries, "before_minus_random")
-        + ". Accuracy that comes back: " + "; ".join(
-            f"{_RETRAIN_LABELS.get(n, n)} {md.ci(e, 'recovered', sign=True)}"
-            for n, e in entries.items()) + ". Subsets that empty a layer: "
-        + "; ".join(f"{_RETRAIN_LABELS.get(n, n)} "
-                    f"{md.fmt(e.get('share_emptying_a_layer'), 2)}"
-                    for n, e in entries.items()) + "."]
+        + ". Accuracy that comes back: " + _versus(entries, "recovered"))
+    if fair:
+      text += (
+          ". Do the kept weights beat training the architecture afresh? "
+          "Fine-tuned − Scratch-E: " + _versus(
+              entries, "fine_tuned_minus_scratch_e")
+          + "; fine-tuned − Scratch-B (the same FLOPs): " + _versus(
+              entries, "fine_tuned_minus_scratch_b")
+          + ". Does the kept heads' initialisation matter? Rewind − "
+          "Scratch-E: " + _versus(entries, "rewind_minus_scratch_e"))
+    lines.append(text + ". Subsets that empty a layer: " + "; ".join(
+        f"{_RETRAIN_LABELS.get(n, n)} "
+        f"{md.fmt(e.get('share_emptying_a_layer'), 2)}"
+        for n, e in entries.items()) + ".")
   lines.append("")
-  rows = [[f"{float(f):.0%}", _RETRAIN_LABELS.get(name, name),
-           md.ci(e, "before"), md.ci(e, "after"), md.ci(e, "from_scratch"),
-           md.ci(e, "recovered", sign=True),
-           md.ci(e, "after_minus_from_scratch", sign=True),
-           md.ci(e, "after_minus_random", sign=True),
-           md.fmt(e.get("share_emptying_a_layer"), 2)]
-          for f in [f"{x:g}" for x in r["fractions"]]
-          for name, by in r["orderings"].items() if f in by
-          for e in [by[f]]]
+  cells = [(f, name, by[f]) for f in [f"{x:g}" for x in r["fractions"]]
+           for name, by in r["orderings"].items() if f in by]
+  if fair:
+    lines += md.table(
+        ["removed", "subset", "before", "fine-tuned", "Scratch-E",
+         "Scratch-B (steps)", "rewind", "fine-tuned − Scratch-E",
+         "fine-tuned − Scratch-B", "rewind − Scratch-E"],
+        [[f"{float(f):.0%}", _RETRAIN_LABELS.get(name, name),
+          md.ci(e, "before"), md.ci(e, "fine_tuned"), md.ci(e, "scratch_e"),
+          f"{md.ci(e, 'scratch_b')} ({e.get('scratch_b_steps', 'n/a')})",
+          md.ci(e, "rewind"),
+          md.ci(e, "fine_tuned_minus_scratch_e", sign=True),
+          md.ci(e, "fine_tuned_minus_scratch_b", sign=True),
+          md.ci(e, "rewind_minus_scratch_e", sign=True)]
+         for f, name, e in cells])
+    lines += ["", "The old control and the comparison with random subsets:",
+              ""]
   return lines + md.table(
-      ["removed", "subset", "before", "after fine-tuning", "from scratch",
-       "recovered", "after − scratch", "after − random",
-       "share of subsets emptying a layer"], rows)
+      ["removed", "subset", "before", "after fine-tuning",
+       "from scratch (old control)", "recovered", "after − scratch (old)",
+       "after − random", "share of subsets emptying a layer"],
+      [[f"{float(f):.0%}", _RETRAIN_LABELS.get(name, name),
+        md.ci(e, "before"), md.ci(e, "after"), md.ci(e, "from_scratch"),
+        md.ci(e, "recovered", sign=True),
+        md.ci(e, "after_minus_from_scratch", sign=True),
+        md.ci(e, "after_minus_random", sign=True),
+        md.fmt(e.get("share_emptying_a_layer"), 2)]
+       for f, name, e in cells])
 
 
 def _mean_ablation_section(results: Mapping[str, Any]) -> list[str]:
