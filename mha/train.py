@@ -367,8 +367,8 @@ def _initial_state(config: ml_collections.ConfigDict, create: Any,
   rngs = lambda: jax.random.split(jax.random.key(config.seed))
   replicated = sharding_lib.replicated(mesh)
   if restored is not None:
-    return restored[1], jax.jit(lambda: rngs()[1],
-                                out_shardings=replicated)()
+    return restored[1], _run_once(jax.jit(lambda: rngs()[1],
+                                          out_shardings=replicated))
 
   def initial():
     init_rng, dropout_rng = rngs()
@@ -378,7 +378,27 @@ def _initial_state(config: ml_collections.ConfigDict, create: Any,
                                jax.tree.leaves(create(init_rng)))
     return state, dropout_rng
 
-  return jax.jit(initial, out_shardings=(state_shardings, replicated))()
+  return _run_once(jax.jit(initial,
+                           out_shardings=(state_shardings, replicated)))
+
+
+# The XLA options of a program that runs once: optimization level 1 of the
+# backend (LLVM) instead of the default 2. The initial state is thousands of
+# lines of random-number generation (threefry for every parameter array); at
+# level 1 it compiles in about half the time (docs/performance.md) into bitwise
+# the same parameters (tests/test_train.py), and running it once takes
+# milliseconds either way. Level 0 would be quicker still but changes the
+# normal draws in the last bits.
+RUN_ONCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
+
+
+def _run_once(jitted: Any) -> Any:
+  """Calls ``jitted`` (no arguments), compiled with
+  ``RUN_ONCE_COMPILER_OPTIONS`` (unless ``jax_disable_most_optimizations``
+  already asks for less, as the tests do)."""
+  if jax.config.read("jax_disable_most_optimizations"):
+    return jitted()
+  return jitted.lower().compile(RUN_ONCE_COMPILER_OPTIONS)()
 
 
 def _checked_workdir(config: ml_collections.ConfigDict,
