@@ -8,7 +8,8 @@ steps/s and ETA), TensorBoard event files and ``workdir/metrics.jsonl``; at
 the end of the first step, a line and ``startup/*`` scalars say how long
 start-up took and how many programs were compiled (or loaded from the
 persistent compilation cache, ``mha.compilation_cache``). A run compiles
-three programs: the initial state, the train step, the evaluation step.
+three programs: the initial state, the train step, the evaluation step (the
+last two on background threads while the run goes on).
 
 A run never loses more than the steps since its last checkpoint and never
 mixes with another: the config is checked before anything is compiled or
@@ -202,10 +203,18 @@ class _StopRequest:
 
 
 def _all_finite(tree: Any) -> Array:
-  """Whether every float in ``tree`` is finite (a bool scalar)."""
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return jnp.all(jnp.stack(leaves))
+  """Whether every float in ``tree`` is finite (a bool scalar).
+
+  One reduction over the concatenated leaves (of each float dtype) rather
+  than one per leaf: the same answer in a few kernels instead of one per
+  array of the parameters and both Adam moments (78 in the default model).
+  """
+  by_dtype: dict[Any, list[Array]] = {}
+  for x in jax.tree.leaves(tree):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      by_dtype.setdefault(x.dtype, []).append(jnp.ravel(x))
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(jnp.concatenate(leaves)))
+                            for leaves in by_dtype.values()]))
 
 
 class _NoWriter:
@@ -312,6 +321,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     step = _StepFunction(config, model, mesh, state_shardings,
                          abstract_state if restored is None else restored[1])
     cleanup.callback(step.wait)  # No compiling left behind, even on errors.
+    # Once the step is compiled: the evaluation program, while training.
+    eval_compile = _compile_evaluation(config, model, mesh, state_shardings,
+                                       abstract_state, after=step.wait)
+    cleanup.callback(eval_compile.join)
     state, dropout_rng = _initial_state(config, create, restored, mesh,
                                         state_shardings)
     if restored is None and config.init_from is not None:
@@ -354,8 +367,8 @@ def _initial_state(config: ml_collections.ConfigDict, create: Any,
   rngs = lambda: build.run_rngs(config)
   replicated = sharding_lib.replicated(mesh)
   if restored is not None:
-    return restored[1], jax.jit(lambda: rngs()[1],
-                                out_shardings=replicated)()
+    return restored[1], _run_once(jax.jit(lambda: rngs()[1],
+                                          out_shardings=replicated))
 
   def initial():
     init_rng, dropout_rng = rngs()
@@ -365,7 +378,27 @@ def _initial_state(config: ml_collections.ConfigDict, create: Any,
                                jax.tree.leaves(create(init_rng)))
     return state, dropout_rng
 
-  return jax.jit(initial, out_shardings=(state_shardings, replicated))()
+  return _run_once(jax.jit(initial,
+                           out_shardings=(state_shardings, replicated)))
+
+
+# The XLA options of a program that runs once: optimization level 1 of the
+# backend (LLVM) instead of the default 2. The initial state is thousands of
+# lines of random-number generation (threefry for every parameter array); at
+# level 1 it compiles in about half the time (docs/performance.md) into bitwise
+# the same parameters (tests/test_train.py), and running it once takes
+# milliseconds either way. Level 0 would be quicker still but changes the
+# normal draws in the last bits.
+RUN_ONCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
+
+
+def _run_once(jitted: Any) -> Any:
+  """Calls ``jitted`` (no arguments), compiled with
+  ``RUN_ONCE_COMPILER_OPTIONS`` (unless ``jax_disable_most_optimizations``
+  already asks for less, as the tests do)."""
+  if jax.config.read("jax_disable_most_optimizations"):
+    return jitted()
+  return jitted.lower().compile(RUN_ONCE_COMPILER_OPTIONS)()
 
 
 def _checked_workdir(config: ml_collections.ConfigDict,
@@ -551,6 +584,40 @@ class _StepFunction:
                rng: Array) -> tuple[TrainState, dict[str, Array]]:
     self.wait()
     return self._jitted(state, batch, rng)
+
+
+def _compile_evaluation(config: ml_collections.ConfigDict, model: Transformer,
+                        mesh: Mesh, state_shardings: Any, abstract_state: Any,
+                        *, after: Any) -> threading.Thread:
+  """Starts compiling the evaluation program (``mha.evaluate.eval_step`` for
+  the run's eval batches and parameter shardings) on a background thread,
+  once ``after()`` returns; returns the thread.
+
+  A run used to compile it at its first validation, with every step waiting;
+  this way the first steps run meanwhile and the first validation finds it
+  compiled (or loaded from the persistent cache). A failure is left to the
+  first evaluation, which compiles again and raises it where it belongs.
+  """
+  laid_out = lambda x, sharding: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
+  params = jax.tree.map(laid_out, abstract_state.params,
+                        state_shardings.params)
+  rows = sharding_lib.padded_batch_size(config.eval_batch_size, mesh)
+  tokens = jax.ShapeDtypeStruct((rows, config.data.max_len), jnp.int32,
+                                sharding=sharding_lib.batch_sharding(mesh))
+
+  def compile_it():
+    after()
+    try:
+      eval_lib.eval_step.lower(model, params, {"inputs": tokens,
+                                               "targets": tokens}).compile()
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+  thread = threading.Thread(target=compile_it, daemon=True,
+                            name="mha-compile-evaluation")
+  thread.start()
+  return thread
 
 
 def _train_loop(run: _Run, state: TrainState) -> TrainState:

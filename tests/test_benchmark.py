@@ -157,3 +157,18 @@ def test_pruning_benchmarks_refuse_bad_input_in_one_line(script, args, message,
   assert result.returncode == 2 and len(lines) == 1, result.stderr
   assert lines[0].startswith(f"{script}: error: ") and message in lines[0]
   assert os.listdir(tmp_path) == []  # nothing written
+
+
+def test_compile_benchmark_reports_the_three_programs(subprocess_env):
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "scripts", "compile_benchmark.py"),
+       "--config_arg=tiny", "--rounds=1", "--steps=3", "--json"],
+      cwd=ROOT, env=subprocess_env, capture_output=True, text=True,
+      timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-2000:]
+  report = json.loads(result.stdout.strip().splitlines()[-1])
+  assert set(report) == {"initial state", "train step", "evaluation"}
+  for program in report.values():
+    assert program["compile_wall_s"] > 0 and program["compile_cpu_s"] > 0
+    assert program["hlo_lines"] > 0 and program["kernels"] > 0
+  assert report["train step"]["steps_per_s"] > 0

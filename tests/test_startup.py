@@ -150,7 +150,8 @@ def test_first_step_row_says_when_and_what_was_compiled(tiny_run):
   assert 0 < row["startup/seconds_since_call"] <= row[
       "startup/seconds_since_process_start"]
   assert 0 <= row["startup/programs_from_cache"] <= row[
-      "startup/programs_compiled"] <= 2  # the initial state, the train step
+      "startup/programs_compiled"] <= 3  # the initial state, the train step
+  # (and the evaluation step, when its background compilation was quicker)
 
 
 # ---------------------------------------------------------------- imports

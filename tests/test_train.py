@@ -187,6 +187,18 @@ def _parse_flags(argv):
 # loader.load_module() (config_flags.py, version 1.x); nothing of ours does.
 @pytest.mark.filterwarnings(
     "ignore:the load_module\\(\\) method is deprecated:DeprecationWarning")
+def test_all_finite_sees_every_leaf_of_every_float_dtype():
+  tree = {"a": np.zeros((2, 3), np.float32), "b": np.ones(4, jax.numpy.bfloat16),
+          "c": np.arange(3), "d": (np.float32(1.0),)}
+  assert bool(jax.jit(train._all_finite)(tree))
+  for key, index, bad in [("a", (1, 2), np.nan), ("b", 3, np.inf),
+                          ("a", (0, 0), -np.inf)]:
+    broken = jax.tree.map(np.array, tree)
+    broken[key][index] = bad
+    assert not bool(jax.jit(train._all_finite)(broken)), (key, bad)
+  assert not bool(train._all_finite({"x": np.float32(np.nan)}))
+
+
 def test_config_overrides_from_the_command_line():
   config = _parse_flags([
       "train.py", f"--config={CONFIG_FILE}:sort,tiny",
@@ -269,3 +281,23 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
         f"eval.py: error: {stderr.strip()[len('eval.py: error: '):]}"]
     assert message in stderr
   assert not os.path.exists(os.path.join(workdir, "eval"))
+
+
+@pytest.mark.parametrize("arg", ["tiny", "", "deep8", "tiny,model.dtype=bfloat16"])
+def test_initial_state_compiled_once_cheaply_is_bitwise_the_plain_one(arg):
+  # train._run_once compiles with RUN_ONCE_COMPILER_OPTIONS (a lower LLVM
+  # optimization level): the parameters and optimizer state must not change.
+  # At the optimization level of real runs (the suite compiles with most
+  # optimizations off, where _run_once adds nothing).
+  config = _get_config(arg)
+  model = build.make_model(config)
+  create = lambda: build.create_train_state(config, model,
+                                            jax.random.key(config.seed))
+  jax.config.update("jax_disable_most_optimizations", False)
+  try:
+    plain = jax.jit(create)()
+    cheap = train._run_once(jax.jit(create))
+  finally:
+    jax.config.update("jax_disable_most_optimizations", True)
+  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(cheap)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

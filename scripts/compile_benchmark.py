@@ -1,0 +1,142 @@
+r"""Compile time of a run's three programs, and the train step's speed.
+
+    python scripts/compile_benchmark.py                # the default config
+    python scripts/compile_benchmark.py --config_arg=tiny --rounds=1
+
+The three programs ``train.py`` compiles (the initial state, the train step
+and the evaluation step, as ``mha.train`` jits and compiles them, on one
+device) are
+lowered and compiled ``--rounds`` times each, in turns, with the persistent
+compilation cache off and JAX's in-memory caches cleared before every
+lowering. For each: the median wall time and CPU time (the process's,
+XLA's compiler threads included: less sensitive than wall time to a machine
+shared with other work), the optimized HLO's lines and the kernels (fusions
+and library calls) of its entry computation. Then the train step's time,
+median of ``--steps`` calls on a batch already on the device, as ms and as
+the steps/s of the progress line.
+
+To compare two versions of the code, run this script with ``PYTHONPATH`` set
+to each checkout in turn, alternating; it only uses names both have.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import statistics
+import sys
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+
+from configs import default
+from mha import build
+from mha import cli
+from mha import data
+from mha import evaluate as eval_lib
+from mha import train
+
+_CONFIG_ARG = flags.DEFINE_string("config_arg", "",
+                                  "The argument of configs/default.py.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Compilations of each program.",
+                               lower_bound=1)
+_STEPS = flags.DEFINE_integer("steps", 300, "Timed train steps.",
+                              lower_bound=1)
+_JSON = flags.DEFINE_bool("json", False, "Print one JSON line instead.")
+
+_PROG = "compile_benchmark.py"
+
+
+def kernels(hlo_text: str) -> int:
+  """Fusions and calls of the entry computation of an optimized HLO module:
+  roughly, the kernels XLA:CPU compiles and launches."""
+  entry = hlo_text[hlo_text.index("ENTRY"):]
+  return len(re.findall(r" (?:fusion|dot|custom-call|scatter|gather)\(",
+                        entry))
+
+
+def programs(config) -> dict[str, tuple]:
+  """``{name: (jitted, args)}`` of the three programs of a run."""
+  model = build.make_model(config)
+  create = functools.partial(build.create_train_state, config, model)
+  init = jax.jit(lambda: create(jax.random.key(config.seed)))
+  state = init()
+  tokens = jnp.ones((config.batch_size, config.data.max_len), jnp.int32)
+  step = jax.jit(functools.partial(
+      train.train_step, model=model,
+      schedule=build.learning_rate_schedule(config)), donate_argnums=0)
+  eval_tokens = jnp.ones((config.eval_batch_size, config.data.max_len),
+                         jnp.int32)
+  evaluate = jax.jit(functools.partial(eval_lib.eval_step.__wrapped__, model))
+  return {
+      "initial state": (init, ()),
+      "train step": (step, (state, {"inputs": tokens, "targets": tokens},
+                            jax.random.key(1))),
+      "evaluation": (evaluate, (state.params, {"inputs": eval_tokens,
+                                               "targets": eval_tokens})),
+  }
+
+
+def measure(config, rounds: int, steps: int) -> dict[str, dict[str, float]]:
+  progs = programs(config)
+  wall = {name: [] for name in progs}
+  cpu = {name: [] for name in progs}
+  out = {}
+  for _ in range(rounds):
+    for name, (fn, args) in progs.items():
+      jax.clear_caches()  # Else a program compiled before is not compiled.
+      low = fn.lower(*args)
+      # As mha.train compiles the initial state (older code: plainly).
+      options = (getattr(train, "RUN_ONCE_COMPILER_OPTIONS", None)
+                 if name == "initial state" else None)
+      w, c = time.perf_counter(), time.process_time()
+      compiled = low.compile(options)
+      wall[name].append(time.perf_counter() - w)
+      cpu[name].append(time.process_time() - c)
+      text = compiled.as_text()
+      out[name] = {"hlo_lines": len(text.splitlines()),
+                   "kernels": kernels(text)}
+  for name in progs:
+    out[name]["compile_wall_s"] = statistics.median(wall[name])
+    out[name]["compile_cpu_s"] = statistics.median(cpu[name])
+  # The train step, on the device-resident batch, its state threaded through.
+  fn, (state, batch, rng) = progs["train step"]
+  state, metrics = fn(state, batch, rng)
+  jax.block_until_ready(metrics)
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    state, metrics = fn(state, batch, rng)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - start)
+  step_ms = 1e3 * statistics.median(times)
+  out["train step"].update(step_ms=step_ms, steps_per_s=1e3 / step_ms)
+  return out
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  config = default.get_config(_CONFIG_ARG.value)
+  config.unlock()
+  config.compilation_cache_dir = ""
+  results = measure(config, _ROUNDS.value, _STEPS.value)
+  if _JSON.value:
+    print(json.dumps(results))
+    return
+  print("| program | compile wall (s) | compile CPU (s) | HLO lines | kernels "
+        "|\n| --- | ---: | ---: | ---: | ---: |")
+  for name, r in results.items():
+    print(f"| {name} | {r['compile_wall_s']:.2f} | {r['compile_cpu_s']:.2f} "
+          f"| {r['hlo_lines']:,} | {r['kernels']} |")
+  step = results["train step"]
+  print(f"\ntrain step: {step['step_ms']:.2f} ms median "
+        f"({step['steps_per_s']:.1f} steps/s)")
+  sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=cli.flags_parser(_PROG))
