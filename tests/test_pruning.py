@@ -344,7 +344,7 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
   result = _run_script(
       f"--workdir={tiny_workdir}", f"--out={out}", "--num_seeds=2",
       "--num_random_orders=3", "--num_bootstrap=50",
-      "--speed_fractions=0.5", "--batch_sizes=1,4", "--speed_repeats=1",
+      "--speed_fractions=0.5", "--batch_sizes=4", "--speed_repeats=1",
       "--speed_max_repeats=1", "--speed_min_seconds=0.01",
       "--batch_size=32", "--remove_heads=1:0",
       # Gates, retraining and mean ablation (issue 15), as small as they go.
