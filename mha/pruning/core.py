@@ -491,6 +491,14 @@ def _heads_by_layer(config: TransformerConfig,
   return by_layer
 
 
+#: The head axis of each attention parameter: ``[D, H, Dh]`` kernels and
+#: ``[H, Dh]`` biases of query, key and value, the ``[H, Dh, D]`` out
+#: kernel; the out bias has none.
+HEAD_AXES = {("query", "kernel"): 1, ("key", "kernel"): 1,
+             ("value", "kernel"): 1, ("query", "bias"): 0,
+             ("key", "bias"): 0, ("value", "bias"): 0, ("out", "kernel"): 0}
+
+
 def prune_heads(params: Params, config: TransformerConfig,
                 heads: HeadSpec) -> tuple[Params, TransformerConfig]:
   """Physically removes attention heads.
@@ -530,14 +538,12 @@ def prune_heads(params: Params, config: TransformerConfig,
     if len(keep) == 0:
       pruned = {"out": {"bias": attention["out"]["bias"]}}
     else:
-      take = lambda x, axis: jnp.take(x, keep, axis=axis)
-      pruned = {}
-      for proj in ("query", "key", "value"):
-        pruned[proj] = {"kernel": take(attention[proj]["kernel"], 1)}
-        if "bias" in attention[proj]:
-          pruned[proj]["bias"] = take(attention[proj]["bias"], 0)
-      pruned["out"] = dict(attention["out"],
-                           kernel=take(attention["out"]["kernel"], 0))
+      def take(proj, leaf, x):
+        axis = HEAD_AXES.get((proj, leaf))
+        return x if axis is None else jnp.take(x, keep, axis=axis)
+      pruned = {proj: {leaf: take(proj, leaf, x)
+                       for leaf, x in attention[proj].items()}
+                for proj in ("query", "key", "value", "out")}
     block["attention"] = pruned
     new_params[name] = block
     counts[layer] = len(keep)
@@ -553,6 +559,7 @@ def count_params(params: Params) -> int:
 
 __all__ = [
     "HeadSpec",
+    "HEAD_AXES",
     "pruning_counts",
     "per_example_loss",
     "head_mask_gradients",

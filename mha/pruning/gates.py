@@ -151,6 +151,36 @@ def _step(model, optimizer, params, log_alpha, opt_state, inputs, targets,
   return optax.apply_updates(log_alpha, updates), opt_state, expected
 
 
+def _train(step_fn: Callable, model: Transformer, params: Params,
+           variables: Any, optimizer: optax.GradientTransformation,
+           per_vector: Array, train: data.Split, *, steps: int,
+           batch_size: int, seed: int, log: Callable[[str], None],
+           name: str, describe: Callable[[Any], str]
+           ) -> tuple[Any, np.ndarray]:
+  """The gates' training loop, shared by the strengths and the exact-K
+  targets: ``steps`` of ``step_fn(model, optimizer, params, variables,
+  opt_state, inputs, targets, rng, per_vector)`` on
+  ``data.train_batch(train, seed=seed, step=s)``, logged four times
+  (``name``, the step and ``describe(aux)``). Returns the trained variables
+  (on the host) and the last step's auxiliary output ``[V]``."""
+  # Laid out as the step's outputs will be (replicated), so that the second
+  # step does not compile again for committed inputs.
+  replicated = sharding_lib.replicated(sharding_lib.make_mesh())
+  variables = jax.device_put(variables, replicated)
+  opt_state = jax.device_put(optimizer.init(variables), replicated)
+  rng = jax.random.key(seed)
+  aux = jnp.zeros(len(per_vector))
+  for step in range(steps):
+    batch = data.train_batch(train, seed=seed, step=step,
+                             batch_size=batch_size)
+    variables, opt_state, aux = step_fn(
+        model, optimizer, params, variables, opt_state, batch["inputs"],
+        batch["targets"], jax.random.fold_in(rng, step), per_vector)
+    if (step + 1) % max(steps // 4, 1) == 0:
+      log(f"    {name} step {step + 1}/{steps}: {describe(aux)}")
+  return jax.device_get(variables), np.asarray(aux, np.float64)
+
+
 def train_gates(model: Transformer, params: Params, train: data.Split,
                 strengths: Sequence[float], *, steps: int, batch_size: int,
                 learning_rate: float = 0.05, seed: int = 0,
@@ -169,25 +199,13 @@ def train_gates(model: Transformer, params: Params, train: data.Split,
   strengths = jnp.asarray(strengths, jnp.float32)
   log_alpha = jnp.full((len(strengths),) + head_masks.existing_heads(config).shape,
                        INIT_LOG_ALPHA, jnp.float32)
-  optimizer = optax.adam(learning_rate)
-  # Laid out as the step's outputs will be (replicated), so that the second
-  # step does not compile again for committed inputs.
-  log_alpha = jax.device_put(
-      log_alpha, sharding_lib.replicated(sharding_lib.make_mesh()))
-  opt_state = jax.device_put(optimizer.init(log_alpha), log_alpha.sharding)
-  rng = jax.random.key(seed)
   start = time.perf_counter()
-  expected = jnp.zeros(len(strengths))
-  for step in range(steps):
-    batch = data.train_batch(train, seed=seed, step=step,
-                             batch_size=batch_size)
-    log_alpha, opt_state, expected = _step(
-        model, optimizer, params, log_alpha, opt_state, batch["inputs"],
-        batch["targets"], jax.random.fold_in(rng, step), strengths)
-    if (step + 1) % max(steps // 4, 1) == 0:
-      log(f"    gates step {step + 1}/{steps}: expected heads kept "
-          + ", ".join(f"{float(e):.1f}" for e in expected))
-  log_alpha = np.asarray(jax.device_get(log_alpha), np.float64)
+  log_alpha, expected = _train(
+      _step, model, params, log_alpha, optax.adam(learning_rate), strengths,
+      train, steps=steps, batch_size=batch_size, seed=seed, log=log,
+      name="gates", describe=lambda expected: "expected heads kept "
+      + ", ".join(f"{float(e):.1f}" for e in expected))
+  log_alpha = np.asarray(log_alpha, np.float64)
   log_alpha[:, ~head_masks.existing_heads(config)] = np.nan
   return {"log_alpha": log_alpha,
           "expected_heads": np.asarray(expected, np.float64),
@@ -367,24 +385,12 @@ def train_exact_k(model: Transformer, params: Params, train: data.Split,
         {"log_alpha": "gates", "lambda1": "multipliers",
          "lambda2": "multipliers"})
     step_fn = _exact_step
-  # Laid out as the step's outputs will be (replicated): one compilation.
-  replicated = sharding_lib.replicated(sharding_lib.make_mesh())
-  variables = jax.device_put(variables, replicated)
-  opt_state = jax.device_put(optimizer.init(variables), replicated)
-  rng = jax.random.key(seed)
   start = time.perf_counter()
-  heads = jnp.zeros(count)
-  for step in range(steps):
-    batch = data.train_batch(train, seed=seed, step=step,
-                             batch_size=batch_size)
-    variables, opt_state, heads = step_fn(
-        model, optimizer, params, variables, opt_state, batch["inputs"],
-        batch["targets"], jax.random.fold_in(rng, step), kept)
-    if (step + 1) % max(steps // 4, 1) == 0:
-      log(f"    exact-K gates step {step + 1}/{steps}: heads kept "
-          + ", ".join(f"{float(e):.1f}/{int(t)}"
-                      for e, t in zip(heads, kept)))
-  variables = jax.device_get(variables)
+  variables, heads = _train(
+      step_fn, model, params, variables, optimizer, kept, train, steps=steps,
+      batch_size=batch_size, seed=seed, log=log,
+      name="exact-K gates", describe=lambda heads: "heads kept " + ", ".join(
+          f"{float(e):.1f}/{int(t)}" for e, t in zip(heads, kept)))
   out: dict[str, Any] = {}
   if method == "lagrangian":
     out = {name: np.asarray(variables[name], np.float64)

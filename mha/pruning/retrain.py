@@ -156,14 +156,6 @@ def pruned_model_config(config: TransformerConfig,
       head_dim=config.resolved_head_dim)
 
 
-#: The head axis of each attention parameter (``[D, H, Dh]`` kernels and
-#: ``[H, Dh]`` biases of query, key and value; the ``[H, Dh, D]`` out
-#: kernel); the out bias has none.
-_HEAD_AXIS = {("query", "kernel"): 1, ("key", "kernel"): 1,
-              ("value", "kernel"): 1, ("query", "bias"): 0,
-              ("key", "bias"): 0, ("value", "bias"): 0, ("out", "kernel"): 0}
-
-
 def embed_heads(pruned: Params, full: Params, mask: np.ndarray) -> Params:
   """The inverse of :func:`mha.pruning.prune_heads`: a pruned model's
   parameters written into the layout of ``full`` (parameters or their
@@ -179,7 +171,7 @@ def embed_heads(pruned: Params, full: Params, mask: np.ndarray) -> Params:
     for proj, leaves in full[name]["attention"].items():
       attention[proj] = {}
       for leaf, like in leaves.items():
-        axis = _HEAD_AXIS.get((proj, leaf))
+        axis = core.HEAD_AXES.get((proj, leaf))
         if axis is None:
           attention[proj][leaf] = np.asarray(source[proj][leaf])
           continue
