@@ -318,7 +318,9 @@ def _queries_times_keys_jvp(precision, primals, tangents):
                         precision=precision)
   return (_queries_times_keys(query, key, precision),
           jnp.einsum(_QK_SUBSCRIPTS, query_dot, key, precision=precision)
-          + jnp.swapaxes(jax.lax.optimization_barrier(key_term), -1, -2))
+          + jnp.swapaxes(jax.lax.platform_dependent(
+              key_term, cpu=jax.lax.optimization_barrier,
+              default=lambda t: t), -1, -2))
 
 
 def _qk_einsum(subscripts: str, query: Array, key: Array, *,

@@ -149,10 +149,11 @@ def _dense_matmul_jvp(primals, tangents):
   x, kernel = primals
   x_dot, kernel_dot = tangents
   rows = x.reshape(-1, x.shape[-1])
-  # [D_in, N], materialized: the weight gradient's left operand.
-  rows_t = lax.optimization_barrier(rows.T)
-  kernel_term = lax.dot_general(rows_t.T, kernel_dot,
-                                (((1,), (0,)), ((), ())))
+  def materialized(rows):  # On CPU: [D_in, N] in a copy of its own.
+    return lax.optimization_barrier(rows.T).T
+  # Elsewhere (GPU, TPU) the plain product: their matmuls read either layout.
+  rows = lax.platform_dependent(rows, cpu=materialized, default=lambda r: r)
+  kernel_term = lax.dot_general(rows, kernel_dot, (((1,), (0,)), ((), ())))
   return (_dense_matmul(x, kernel),
           _dense_matmul(x_dot, kernel)
           + kernel_term.reshape(x.shape[:-1] + kernel.shape[-1:]))
