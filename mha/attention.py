@@ -278,11 +278,58 @@ def _einsums(precision: Precision, einsum_dot_general: Callable | None,
           "attn_weights_value_einsum are mutually exclusive; specify only "
           "one of them.")
     return qk_attn_weights_einsum, attn_weights_value_einsum
-  kwargs = {"precision": precision}
   if einsum_dot_general is not None:
-    kwargs["_dot_general"] = einsum_dot_general
-  einsum = functools.partial(jnp.einsum, **kwargs)
-  return einsum, einsum
+    einsum = functools.partial(jnp.einsum, precision=precision,
+                               _dot_general=einsum_dot_general)
+    return einsum, einsum
+  return (functools.partial(_qk_einsum, precision=precision),
+          functools.partial(jnp.einsum, precision=precision))
+
+
+# Why a custom derivative for QK^T. Differentiated as it is, the keys'
+# gradient dS^T Q contracts the query axis of the logits' cotangent dS
+# [..., H, Lq, Lk], which is not its last: XLA:CPU runs that batched product
+# as a plain dot, outside its YNNPACK matmul fusions (the queries' gradient
+# dS K and the forward products are fused). This rule gives the same
+# derivative with dS transposed into a copy of its own, [..., H, Lk, Lq] (an
+# optimization barrier, which transposes to itself, keeps XLA from folding
+# the transpose back into the dot), so the keys' gradient dS^T Q is an
+# ordinary batched matmul that YNNPACK takes. The forward pass, and any
+# program that does not differentiate, is the plain einsum; the gradient
+# equals autodiff's up to summation order (tests/test_attention.py).
+_QK_SUBSCRIPTS = "...qhd,...khd->...hqk"
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _queries_times_keys(query: Array, key: Array,
+                        precision: Precision) -> Array:
+  """``einsum("...qhd,...khd->...hqk", query, key)``."""
+  return jnp.einsum(_QK_SUBSCRIPTS, query, key, precision=precision)
+
+
+@_queries_times_keys.defjvp
+def _queries_times_keys_jvp(precision, primals, tangents):
+  query, key = primals
+  query_dot, key_dot = tangents
+  # The keys' term as [..., H, Lk, Lq], transposed after the barrier: the
+  # transpose (the backward pass) then materializes dS^T, and the keys'
+  # gradient dS^T Q contracts its last axis.
+  key_term = jnp.einsum("...khd,...qhd->...hkq", key_dot, query,
+                        precision=precision)
+  return (_queries_times_keys(query, key, precision),
+          jnp.einsum(_QK_SUBSCRIPTS, query_dot, key, precision=precision)
+          + jnp.swapaxes(jax.lax.platform_dependent(
+              key_term, cpu=jax.lax.optimization_barrier,
+              default=lambda t: t), -1, -2))
+
+
+def _qk_einsum(subscripts: str, query: Array, key: Array, *,
+               precision: Precision = None) -> Array:
+  """The default ``QK^T`` einsum: ``jnp.einsum``, through
+  :func:`_queries_times_keys` for the ungrouped product."""
+  if subscripts == _QK_SUBSCRIPTS:
+    return _queries_times_keys(query, key, precision)
+  return jnp.einsum(subscripts, query, key, precision=precision)
 
 
 # Grouped-query attention (Ainslie et al. 2023): H query heads share

@@ -608,3 +608,25 @@ def test_bad_shapes_raise_at_trace_time_under_jit():
   params = _init(layer, x)
   with pytest.raises(ValueError, match="head_mask"):
     jax.jit(lambda p: layer.apply(p, x, head_mask=jnp.ones(5)))(params)
+
+
+# ------------------------------------------------ QK^T's custom derivative
+
+
+def test_qk_custom_derivative_equals_autodiff_under_jit_and_vmap():
+  """The keys' gradient of QK^T comes from a rule of our own (an ordinary
+  matmul for XLA:CPU's YNNPACK): it equals autodiff of the plain einsum,
+  forward and reverse, under jit and under vmap over a stack of queries."""
+  q, k = (_inputs(3, 2, 5, 2, 4, seed=s) for s in range(2))  # [S, B, L, H, D]
+  cotangent = _inputs(3, 2, 2, 5, 5, seed=2)
+  plain = lambda q, k: jnp.einsum(att._QK_SUBSCRIPTS, q, k)
+  ours = functools.partial(att._queries_times_keys, precision=None)
+  for transform in (lambda f: f, jax.jit,
+                    lambda f: jax.jit(jax.vmap(f, in_axes=(0, 0, 0)))):
+    vjp = lambda f: lambda q, k, ct: jax.vjp(f, q, k)[1](ct)
+    np.testing.assert_allclose(transform(vjp(ours))(q, k, cotangent),
+                               transform(vjp(plain))(q, k, cotangent), **TOL)
+  tangents = (_inputs(3, 2, 5, 2, 4, seed=3), _inputs(3, 2, 5, 2, 4, seed=4))
+  for a, b in zip(jax.jvp(ours, (q, k), tangents),
+                  jax.jvp(plain, (q, k), tangents)):
+    np.testing.assert_allclose(a, b, **TOL)

@@ -1,0 +1,176 @@
+r"""The train step with and without the custom derivatives, in one process.
+
+    python scripts/step_ab_benchmark.py                      # about a minute
+    python scripts/step_ab_benchmark.py --retrain_models=16  # + the vmapped
+                                                             # retraining step
+
+The Dense layers (``mha.model``) and ``QK^T`` (``mha.attention``) have
+derivative rules of their own whose weight and key gradients XLA:CPU runs as
+YNNPACK matmuls (docs/performance.md, "Compiling less"). This script compiles
+the default config's train step twice in one process: "autodiff" with those
+two rules swapped back for the plain ``lax.dot_general`` and ``jnp.einsum``
+(the program of the commits before them), and "custom" as the package runs
+it. It prints each program's compile time, kernels and plain ``dot``
+kernels, the largest parameter difference after 20 steps, then times the two
+in alternating windows (``--windows`` of ``--calls`` calls on one random
+batch already on the device, the order reversed every other window) and
+prints the medians and their ratio. With ``--retrain_models=R`` it does the
+same for ``mha.pruning.retrain``'s step, R models vmapped.
+
+A shared machine moves both programs' times together; compare the ratio, and
+repeat the script across processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import re
+import statistics
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs import default
+from mha import attention
+from mha import benchmarking
+from mha import build
+from mha import cli
+from mha import model as model_lib
+from mha import train
+from mha.pruning import retrain
+
+_WINDOWS = flags.DEFINE_integer("windows", 30, "Alternating windows.",
+                                lower_bound=2)
+_CALLS = flags.DEFINE_integer("calls", 10, "Timed calls per window.",
+                              lower_bound=1)
+_RETRAIN = flags.DEFINE_integer("retrain_models", 0,
+                                "Also the vmapped retraining step of this "
+                                "many models (0: not).", lower_bound=0)
+_JSON = flags.DEFINE_bool("json", False, "Print one JSON line instead.")
+
+_PROG = "step_ab_benchmark.py"
+VARIANTS = ("autodiff", "custom")
+
+
+@contextlib.contextmanager
+def variant(name: str):
+  """Traces in it see the plain products (``autodiff``) or the package's
+  (``custom``)."""
+  saved = model_lib._dense_dot_general, attention._qk_einsum  # pylint: disable=protected-access
+  if name == "autodiff":
+    model_lib._dense_dot_general = jax.lax.dot_general  # pylint: disable=protected-access
+    attention._qk_einsum = (  # pylint: disable=protected-access
+        lambda subscripts, q, k, precision=None: jnp.einsum(
+            subscripts, q, k, precision=precision))
+  try:
+    yield
+  finally:
+    model_lib._dense_dot_general, attention._qk_einsum = saved  # pylint: disable=protected-access
+
+
+def _compile(fn, args, name: str) -> tuple[object, dict[str, float]]:
+  with variant(name):
+    # A fresh function each time: jit would reuse the other variant's trace.
+    lowered = jax.jit(lambda *a: fn(*a)).lower(*args)
+  start = time.process_time()
+  compiled = lowered.compile()
+  cpu = time.process_time() - start
+  text = compiled.as_text()
+  entry = text[text.index("ENTRY"):]
+  return compiled, {
+      "compile_cpu_s": cpu,
+      "kernels": len(re.findall(
+          r" (?:fusion|dot|custom-call|scatter|gather)\(", entry)),
+      "plain_dots": len(re.findall(r" dot\(", entry))}
+
+
+def _time(compiled: dict[str, object], args, windows: int,
+          calls: int) -> dict[str, float]:
+  times = {name: [] for name in compiled}
+  for w in range(windows):
+    for name in VARIANTS if w % 2 == 0 else VARIANTS[::-1]:
+      jax.block_until_ready(compiled[name](*args))
+      for _ in range(calls):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled[name](*args))
+        times[name].append(time.perf_counter() - start)
+  return {name: benchmarking.median_ms(t) for name, t in times.items()}
+
+
+def measure(windows: int, calls: int, retrain_models: int) -> dict:
+  config = default.get_config()
+  model = build.make_model(config)
+  state = jax.jit(lambda: build.create_train_state(
+      config, model, jax.random.key(config.seed)))()
+  tokens = jnp.asarray(np.random.RandomState(0).randint(
+      1, 11, (config.batch_size, config.data.max_len)), jnp.int32)
+  batch = {"inputs": tokens, "targets": tokens[:, ::-1]}
+  rng = jax.random.key(1)
+  step = functools.partial(train.train_step, model=model,
+                           schedule=build.learning_rate_schedule(config))
+  out = {"environment": benchmarking.environment(),
+         "load_average_start": benchmarking.load_average()}
+  compiled, info = {}, {}
+  for name in VARIANTS:
+    compiled[name], info[name] = _compile(step, (state, batch, rng), name)
+  finals = {}
+  for name in VARIANTS:
+    s = state
+    for i in range(20):
+      s, _ = compiled[name](s, batch, jax.random.key(i))
+    finals[name] = jax.tree.leaves(s.params)
+  info["max_param_diff_20_steps"] = max(
+      float(jnp.max(jnp.abs(a - b))) for a, b in zip(*finals.values()))
+  info["step_ms"] = _time(compiled, (state, batch, rng), windows, calls)
+  out["train_step"] = info
+  if retrain_models:
+    optimizer = build.make_optimizer(config)
+    params = retrain.stack(state.params, retrain_models)
+    masks = jnp.asarray(np.random.RandomState(0).rand(
+        retrain_models, config.model.num_layers, config.model.num_heads)
+                        > 0.3, jnp.float32)
+    args = (params, jax.vmap(optimizer.init)(params), masks,
+            batch["inputs"], batch["targets"], rng)
+    inner = functools.partial(retrain._step.__wrapped__, model, optimizer)  # pylint: disable=protected-access
+    compiled, rinfo = {}, {}
+    for name in VARIANTS:
+      compiled[name], rinfo[name] = _compile(inner, args, name)
+    rinfo["step_ms"] = _time(compiled, args, max(windows // 2, 2),
+                             max(calls // 2, 1))
+    out[f"retrain_step_{retrain_models}_models"] = rinfo
+  out["load_average_end"] = benchmarking.load_average()
+  return out
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  results = measure(_WINDOWS.value, _CALLS.value, _RETRAIN.value)
+  if _JSON.value:
+    print(json.dumps(results))
+    return
+  env = results["environment"]
+  print(f"{env['cpu']}, {env['threads']} threads, JAX {env['jax']}; load "
+        f"average {results['load_average_start']} -> "
+        f"{results['load_average_end']}")
+  for key, r in results.items():
+    if not key.endswith(("step", "models")):
+      continue
+    ms = r["step_ms"]
+    for name in VARIANTS:
+      i = r[name]
+      print(f"{key} {name}: {ms[name]:.2f} ms median, compile CPU "
+            f"{i['compile_cpu_s']:.2f} s, {i['kernels']} kernels, "
+            f"{i['plain_dots']} plain dots")
+    print(f"{key} custom / autodiff: {ms['custom'] / ms['autodiff']:.3f}")
+  print("max parameter difference after 20 steps: "
+        f"{results['train_step']['max_param_diff_20_steps']:.3g}")
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=cli.flags_parser(_PROG))
