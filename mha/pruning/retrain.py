@@ -5,9 +5,11 @@ physically pruned model computes (:func:`mha.pruning.prune_heads`), and a
 removed head's parameters get zero gradient, so fine-tuning the masked model
 is fine-tuning the pruned one (weight decay shrinks the removed heads'
 kernels, which nothing reads). That lets every pruned model of a seed train
-as one vmapped program over stacked parameters and masks, all on the same
-batches (paired), with a fresh optimizer each. What differs between the arms
-is where they start and for how many steps they train:
+in one compiled program over stacked parameters and masks, all on the same
+batches (paired), with a fresh optimizer each (:func:`finetune_masked`:
+one model after another within each step, each computing what it would
+alone, bit for bit, so identical jobs can be trained once). What differs
+between the arms is where they start and for how many steps they train:
 
 * *fine-tuned*: from the converged parameters, for the fine-tuning steps;
 * *Scratch-E* and *Scratch-B* (Liu et al. 2019): the pruned architecture
@@ -34,7 +36,8 @@ distribution, not in value. The configs here have none.)
 
 The optimizer is the run's (``build.make_optimizer``) for a config with
 ``num_train_steps = steps`` and the warmup scaled to the same share of the
-run; the batches are ``data.train_batch(train, seed=config.seed, step=s)``,
+run (its learning rates computed per step count and read from a table, so
+models of different step counts share one program); the batches are ``data.train_batch(train, seed=config.seed, step=s)``,
 so a run of the original steps sees the original run's batches.
 ``config.init_from`` is the same fine-tuning for one saved pruned model from
 the command line (:mod:`mha.finetune`).
