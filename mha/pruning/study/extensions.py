@@ -515,14 +515,16 @@ def retrain_seed(seed: SeedInputs, options: StudyOptions, log_alpha: np.ndarray 
   all_masks = np.concatenate([masks, arch_masks])
   # Starts: 0 for the converged parameters, 1 + a for architecture a's fresh
   # ones.
+  starts = [0] * count + list(1 + np.arange(archs))
   after_rows, seconds["fine_tuned"] = _train(
-      seed, both, all_masks, options.retrain_steps,
-      [0] * count + list(1 + np.arange(archs)), options, log)
-  # The stack of ``after``'s size: one compilation serves both.
+      seed, both, all_masks, options.retrain_steps, starts, options, log)
+  # The stack of ``after``'s distinct jobs: one compilation serves both.
+  first, job = _distinct(starts, all_masks,
+                         np.full(len(all_masks), options.retrain_steps))
   before = retrain.example_sums(
-      model, retrain.stack(seed.params, len(all_masks)), all_masks,
+      model, retrain.stack(seed.params, len(first)), all_masks[first],
       seed.splits["test"], batch_size=options.batch_size)
-  before = {k: v[:count] for k, v in before.items()}
+  before = {k: v[job[:count]] for k, v in before.items()}
 
   # The fair controls: of the subsets of the orderings (and of the random
   # ones with ``retrain_controls_random``); NaN rows for the others.
