@@ -82,11 +82,13 @@ def weight_decay_mask(params: Any) -> Any:
 
 
 def make_optimizer(
-    config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """AdamW (decay per :func:`weight_decay_mask`) after global-norm clipping."""
+    config: ml_collections.ConfigDict,
+    schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
+  """AdamW (decay per :func:`weight_decay_mask`) after global-norm clipping;
+  its learning rate ``schedule`` (default :func:`learning_rate_schedule`)."""
   return optax.chain(
       optax.clip_by_global_norm(config.grad_clip_norm),
-      optax.adamw(learning_rate_schedule(config), b2=config.adam_b2,
+      optax.adamw(schedule or learning_rate_schedule(config), b2=config.adam_b2,
                   weight_decay=config.weight_decay, mask=weight_decay_mask),
   )
 

@@ -23,6 +23,7 @@ from mha.pruning import mean_ablation
 from mha.pruning import oracle
 from mha.pruning.study import StudyOptions
 from mha.pruning.study import analysis
+from mha.pruning.study import extensions
 from conftest import random_model_and_split
 
 # Gates, retraining and mean ablation train or evaluate many models.
@@ -226,3 +227,13 @@ def test_wide_variant():
   config_validation.validate_config(config)
   assert build.model_config(config).heads_per_layer == (8, 8)
   assert build.model_config(config).resolved_head_dim == 8
+
+
+def test_identical_retraining_jobs_are_found():
+  masks = np.ones((5, 2, 3), np.float32)
+  masks[1, 0, 0] = masks[3, 0, 0] = 0  # rows 1 and 3: the same mask
+  first, job = extensions._distinct(  # pylint: disable=protected-access
+      [0, 0, 0, 0, 1], masks, np.asarray([100, 100, 200, 100, 100]))
+  # Row 2 trains longer and row 4 starts elsewhere: both their own jobs.
+  np.testing.assert_array_equal(first, [0, 1, 2, 4])
+  np.testing.assert_array_equal(job, [0, 1, 2, 1, 3])

@@ -4,11 +4,13 @@ and budgets."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from configs import default
 from mha import build
 from mha import checkpoint as ckpt_lib
+from mha import data
 from mha import head_masks
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
@@ -85,6 +87,42 @@ def test_a_masked_scratch_model_trains_as_the_pruned_model():
   # And the removed heads stayed at zero.
   attention = jax.tree.map(lambda x: x[0], trained)["layer_1"]["attention"]
   assert not np.any(np.asarray(attention["value"]["kernel"]))
+
+
+@pytest.mark.slow  # compiles the stacked step and a single-model step
+def test_each_stacked_model_trains_as_it_would_alone():
+  model, params, split = random_model_and_split(CONFIG, n=64)
+  run = default.get_config("tiny,batch_size=16")
+  masks, steps = _masks()[[0, 1, 0]], np.asarray([5, 3, 5])
+  trained, info = retrain.finetune_masked(model, retrain.stack(params, 3),
+                                          masks, split, run, steps=steps)
+  # The same job twice trains to the same bits (the models of a stack do not
+  # interact): the study trains such duplicates once.
+  jax.tree.map(lambda x: np.testing.assert_array_equal(x[0], x[2]), trained)
+
+  for r in (0, 1):
+    # The run's optimizer for this many steps, its schedule compiled in, one
+    # model alone: the stacked program takes the same steps.
+    optimizer = build.make_optimizer(retrain.retrain_config(run,
+                                                            int(steps[r])))
+
+    def plain(p, state, mask, inputs, targets, rng, optimizer=optimizer):
+      loss, grads = jax.value_and_grad(retrain._loss)(  # pylint: disable=protected-access
+          p, model, inputs, targets, mask, rng)
+      updates, state = optimizer.update(grads, state, p)
+      return optax.apply_updates(p, updates), state, loss
+
+    step = jax.jit(plain)
+    p, state = params, optimizer.init(params)
+    for s in range(steps[r]):
+      batch = data.train_batch(split, seed=run.seed, step=s,
+                               batch_size=run.batch_size)
+      p, state, loss = step(p, state, masks[r], batch["inputs"],
+                            batch["targets"],
+                            jax.random.fold_in(jax.random.key(run.seed), s))
+    jax.tree.map(lambda a, b, r=r: np.testing.assert_array_equal(a[r], b),
+                 trained, p)
+    assert info["final_loss"][r] == float(loss)
 
 
 def test_scratch_b_steps_follow_the_flop_rule():

@@ -5,9 +5,11 @@ physically pruned model computes (:func:`mha.pruning.prune_heads`), and a
 removed head's parameters get zero gradient, so fine-tuning the masked model
 is fine-tuning the pruned one (weight decay shrinks the removed heads'
 kernels, which nothing reads). That lets every pruned model of a seed train
-as one vmapped program over stacked parameters and masks, all on the same
-batches (paired), with a fresh optimizer each. What differs between the arms
-is where they start and for how many steps they train:
+in one compiled program over stacked parameters and masks, all on the same
+batches (paired), with a fresh optimizer each (:func:`finetune_masked`:
+one model after another within each step, each computing what it would
+alone, bit for bit, so identical jobs can be trained once). What differs
+between the arms is where they start and for how many steps they train:
 
 * *fine-tuned*: from the converged parameters, for the fine-tuning steps;
 * *Scratch-E* and *Scratch-B* (Liu et al. 2019): the pruned architecture
@@ -34,7 +36,8 @@ distribution, not in value. The configs here have none.)
 
 The optimizer is the run's (``build.make_optimizer``) for a config with
 ``num_train_steps = steps`` and the warmup scaled to the same share of the
-run; the batches are ``data.train_batch(train, seed=config.seed, step=s)``,
+run (its learning rates computed per step count and read from a table, so
+models of different step counts share one program); the batches are ``data.train_batch(train, seed=config.seed, step=s)``,
 so a run of the original steps sees the original run's batches.
 ``config.init_from`` is the same fine-tuning for one saved pruned model from
 the command line (:mod:`mha.finetune`).
@@ -84,50 +87,117 @@ def _loss(params, model, inputs, targets, mask, rng):
   return sums["loss_sum"] / jnp.maximum(sums["tokens"], 1)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "optimizer"),
-                   donate_argnums=(2, 3))
-def _step(model, optimizer, params, opt_state, masks, inputs, targets, rng):
-  def one(p, state, mask):
-    loss, grads = jax.value_and_grad(_loss)(p, model, inputs, targets, mask,
-                                            rng)
-    updates, state = optimizer.update(grads, state, p)
-    return optax.apply_updates(p, updates), state, loss
+def learning_rates(config: ml_collections.ConfigDict,
+                   steps: int) -> np.ndarray:
+  """The learning rate of each step ``[steps]`` (float32) of a run of
+  ``steps`` steps: :func:`mha.build.learning_rate_schedule` of
+  :func:`retrain_config`, compiled with its step counts as constants as
+  when it was part of a run's optimizer, so :func:`_step`, which reads them
+  from this table (one compiled program for every ``steps``), takes the
+  same steps as that optimizer (``tests/test_retrain.py``)."""
+  schedule = build.learning_rate_schedule(retrain_config(config, steps))
+  return np.asarray(jax.jit(jax.vmap(schedule))(
+      jnp.arange(steps, dtype=jnp.int32)), np.float32)
 
-  return jax.vmap(one)(params, opt_state, masks)
+
+#: The optimizer's settings :func:`_step` reads (static; the learning rates
+#: are an input).
+_HYPER = ("grad_clip_norm", "adam_b2", "weight_decay")
+
+
+@functools.partial(jax.jit, static_argnames=("model", "hyper"),
+                   donate_argnums=(2, 3, 4))
+def _step(model, hyper, params, opt_state, last_loss, masks, rates, active,
+          step, inputs, targets, rng):
+  """One training step of the first ``active`` of the stacked models (the
+  others are left as they are), one model after another: each an unbatched
+  step (faster than a vmapped one on CPU, and the same computation whatever
+  the other models are), its learning rates ``rates[r]`` (by step)."""
+  config = ml_collections.ConfigDict(dict(hyper))
+  rng = jax.random.fold_in(rng, step)
+
+  def body(r, carry):
+    params, opt_state, last_loss = carry
+    take = lambda x: jax.lax.dynamic_index_in_dim(x, r, keepdims=False)
+    p, state = jax.tree.map(take, params), jax.tree.map(take, opt_state)
+    loss, grads = jax.value_and_grad(_loss)(p, model, inputs, targets,
+                                            masks[r], rng)
+    optimizer = build.make_optimizer(config, lambda count: rates[r, count])
+    updates, state = optimizer.update(grads, state, p)
+    p = optax.apply_updates(p, updates)
+    put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, r, 0)
+    return (jax.tree.map(put, params, p), jax.tree.map(put, opt_state, state),
+            last_loss.at[r].set(loss))
+
+  return jax.lax.fori_loop(0, active, body, (params, opt_state, last_loss))
+
+
+#: Stacks are padded to a multiple of this many models and the learning
+#: rate tables to a multiple of this many steps, so that every arm and seed
+#: runs the same compiled program (padding costs no compute).
+PAD_MODELS, PAD_STEPS = 32, 1024
 
 
 def finetune_masked(model: Transformer, params: Params, masks: np.ndarray,
                     train: data.Split, config: ml_collections.ConfigDict, *,
-                    steps: int, log: Callable[[str], None] = lambda _: None
+                    steps: int | np.ndarray,
+                    log: Callable[[str], None] = lambda _: None
                     ) -> tuple[Params, dict[str, Any]]:
-  """Trains ``R`` models at once for ``steps`` steps with a fresh optimizer
-  each: stacked ``params`` (leading axis ``R``) under their fixed head
-  ``masks`` ``[R, L, H]``.
+  """Trains ``R`` models at once with a fresh optimizer each: stacked
+  ``params`` (leading axis ``R``) under their fixed head ``masks``
+  ``[R, L, H]``, for ``steps`` steps (one count, or one per model ``[R]``,
+  each with its own schedule, :func:`retrain_config`). All see the same
+  batch at each step; a model with fewer steps stops while the others go
+  on. Each model trains exactly as it would alone (its result does not
+  depend on the others in the stack).
 
   Returns:
     The stacked trained parameters, and ``{"seconds", "final_loss" [R]}``.
   """
-  run_config = retrain_config(config, steps)
-  optimizer = build.make_optimizer(run_config)
+  count = int(np.asarray(masks).shape[0])
+  steps = np.broadcast_to(np.asarray(steps, np.int64), (count,))
+  # Longest first: the models still training at a step are a prefix.
+  order = np.argsort(-steps, kind="stable")
+  size = -(-max(count, 1) // PAD_MODELS) * PAD_MODELS
+
+  def padded(x, fill=None):
+    x = np.asarray(x)[order]
+    rest = (np.broadcast_to(x[:1], (size - count,) + x.shape[1:])
+            if fill is None else np.full((size - count,) + x.shape[1:], fill,
+                                         x.dtype))
+    return np.concatenate([x, rest])
+
+  total = int(steps.max()) if count else 0
+  rates = np.zeros((count, -(-max(total, 1) // PAD_STEPS) * PAD_STEPS),
+                   np.float32)
+  for value in set(steps.tolist()):
+    rates[steps == value, :value] = learning_rates(config, value)
   # Laid out as the step's outputs will be (replicated): one compilation.
   replicated = sharding_lib.replicated(sharding_lib.make_mesh())
-  params = jax.device_put(params, replicated)
-  opt_state = jax.device_put(jax.vmap(optimizer.init)(params), replicated)
-  masks = jax.device_put(jnp.asarray(masks, jnp.float32), replicated)
+  put = lambda x: jax.device_put(x, replicated)
+  params = put(jax.tree.map(padded, params))
+  opt_state = put(jax.vmap(build.make_optimizer(config).init)(params))
+  last_loss = put(np.full(size, np.nan, np.float32))
+  masks = put(padded(np.asarray(masks, np.float32)))
+  rates = put(padded(rates, 0))
+  hyper = tuple((k, config[k]) for k in _HYPER)
   rng = jax.random.key(config.seed)
   start = time.perf_counter()
-  loss = None
-  for step in range(steps):
+  for step in range(total):
     batch = data.train_batch(train, seed=config.seed, step=step,
                              batch_size=config.batch_size)
-    params, opt_state, loss = _step(
-        model, optimizer, params, opt_state, masks, batch["inputs"],
-        batch["targets"], jax.random.fold_in(rng, step))
-    if (step + 1) % max(steps // 4, 1) == 0:
-      log(f"    retraining {masks.shape[0]} models, step {step + 1}/{steps}: "
-          f"mean loss {float(jnp.mean(loss)):.4f}")
+    active = int(np.sum(steps > step))
+    params, opt_state, last_loss = _step(
+        model, hyper, params, opt_state, last_loss, masks, rates, active,
+        step, batch["inputs"], batch["targets"], rng)
+    if (step + 1) % max(total // 4, 1) == 0:
+      log(f"    retraining {count} models, step {step + 1}/{total}: "
+          f"mean loss {float(jnp.mean(last_loss[:count])):.4f}")
+  back = np.argsort(order)
+  params = jax.tree.map(lambda x: x[:count][back], params)
   return params, {"seconds": time.perf_counter() - start,
-                  "final_loss": np.asarray(loss, np.float64)}
+                  "final_loss": np.asarray(last_loss, np.float64)[:count][
+                      back]}
 
 
 def fresh_params(model: Transformer, seeds: np.ndarray) -> Params:

@@ -452,16 +452,40 @@ def _architectures(config: Any, masks: np.ndarray) -> tuple[np.ndarray,
   return masks[first], np.asarray([distinct.index(c) for c in counts])
 
 
-def _train(seed: SeedInputs, params: Params, masks: np.ndarray, steps: int,
+def _distinct(starts: Sequence[int], masks: np.ndarray, steps: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray]:
+  """The distinct retraining jobs among rows: rows with the same start
+  (``starts``, an id of the parameters they start from), mask and steps
+  train to the same parameters (:func:`mha.pruning.retrain.finetune_masked`
+  trains each model as it would alone). Returns the first row of each
+  distinct job and, per row, the index of its job."""
+  keys = [(int(s), m.tobytes(), int(n)) for s, m, n in
+          zip(starts, np.asarray(masks, np.float32), steps)]
+  distinct = list(dict.fromkeys(keys))
+  where = {key: i for i, key in enumerate(distinct)}
+  first = np.asarray([keys.index(key) for key in distinct], np.int64)
+  return first, np.asarray([where[key] for key in keys], np.int64)
+
+
+def _train(seed: SeedInputs, params: Params, masks: np.ndarray,
+           steps: int | np.ndarray, starts: Sequence[int],
            options: StudyOptions, log: Log) -> tuple[np.ndarray, float]:
-  """Trains the stacked ``params`` under ``masks`` for ``steps`` steps:
+  """Trains the stacked ``params`` under ``masks`` for ``steps`` steps (one
+  count, or one per row), each distinct job (:func:`_distinct`) once:
   their test metric rows ``[R, 1 + B]`` and the training seconds."""
+  steps = np.broadcast_to(np.asarray(steps, np.int64), (len(masks),))
+  first, job = _distinct(starts, masks, steps)
+  if len(first) < len(masks):
+    log(f"    {len(masks)} models, {len(first)} distinct (the others train "
+        f"identically: same start, mask and steps)")
   trained, info = retrain.finetune_masked(
-      seed.model, params, masks, seed.splits["train"], seed.config,
-      steps=steps, log=log)
-  sums = retrain.example_sums(seed.model, trained, masks, seed.splits["test"],
+      seed.model, jax.tree.map(lambda x: np.asarray(x)[first], params),
+      masks[first], seed.splits["train"], seed.config, steps=steps[first],
+      log=log)
+  sums = retrain.example_sums(seed.model, trained, masks[first],
+                              seed.splits["test"],
                               batch_size=options.batch_size)
-  return _metric_rows(sums, seed.test_weights).T, info["seconds"]
+  return _metric_rows(sums, seed.test_weights).T[job], info["seconds"]
 
 
 def retrain_seed(seed: SeedInputs, options: StudyOptions, log_alpha: np.ndarray | None,
@@ -489,13 +513,18 @@ def retrain_seed(seed: SeedInputs, options: StudyOptions, log_alpha: np.ndarray 
                       retrain.stack(seed.params, count),
                       retrain.fresh_params(model, base + np.arange(archs)))
   all_masks = np.concatenate([masks, arch_masks])
+  # Starts: 0 for the converged parameters, 1 + a for architecture a's fresh
+  # ones.
+  starts = [0] * count + list(1 + np.arange(archs))
   after_rows, seconds["fine_tuned"] = _train(
-      seed, both, all_masks, options.retrain_steps, options, log)
-  # The stack of ``after``'s size: one compilation serves both.
+      seed, both, all_masks, options.retrain_steps, starts, options, log)
+  # The stack of ``after``'s distinct jobs: one compilation serves both.
+  first, job = _distinct(starts, all_masks,
+                         np.full(len(all_masks), options.retrain_steps))
   before = retrain.example_sums(
-      model, retrain.stack(seed.params, len(all_masks)), all_masks,
+      model, retrain.stack(seed.params, len(first)), all_masks[first],
       seed.splits["test"], batch_size=options.batch_size)
-  before = {k: v[:count] for k, v in before.items()}
+  before = {k: v[job[:count]] for k, v in before.items()}
 
   # The fair controls: of the subsets of the orderings (and of the random
   # ones with ``retrain_controls_random``); NaN rows for the others.
@@ -508,24 +537,21 @@ def retrain_seed(seed: SeedInputs, options: StudyOptions, log_alpha: np.ndarray 
   scratch = retrain.scratch_params(model, c_masks,
                                    base + 500 + np.arange(c_archs))
   rewind = retrain.stack(retrain.step0_params(model, run), len(chosen))
+  # Starts: a for architecture a's fresh parameters, c_archs for step 0's.
   e_rows, seconds["scratch_e_and_rewind"] = _train(
       seed, jax.tree.map(lambda a, b: np.concatenate([a, b]), scratch,
                          rewind),
-      np.concatenate([c_masks, masks[chosen]]), run_steps, options, log)
+      np.concatenate([c_masks, masks[chosen]]), run_steps,
+      list(np.arange(c_archs)) + [c_archs] * len(chosen), options, log)
 
   b_steps = np.asarray([retrain.scratch_b_steps(
       config, m, train_steps=run_steps, finetune_steps=options.retrain_steps)
       for m in c_masks])
-  b_rows = np.zeros((c_archs, e_rows.shape[1]))
-  seconds["scratch_b"] = 0.0
-  for steps in sorted(set(b_steps.tolist())):
-    rows = np.flatnonzero(b_steps == steps)
-    log(f"  retraining: {len(rows)} pruned architectures from scratch "
-        f"(Scratch-B), {steps} steps")
-    b_rows[rows], spent = _train(
-        seed, jax.tree.map(lambda x: x[rows], scratch), c_masks[rows],
-        steps, options, log)
-    seconds["scratch_b"] += spent
+  log(f"  retraining: {c_archs} pruned architectures from scratch "
+      f"(Scratch-B), {', '.join(map(str, sorted(set(b_steps.tolist()))))} "
+      f"steps")
+  b_rows, seconds["scratch_b"] = _train(
+      seed, scratch, c_masks, b_steps, np.arange(c_archs), options, log)
 
   def per_subset(values: np.ndarray) -> np.ndarray:
     out = np.full((count, values.shape[1]), np.nan)
