@@ -120,9 +120,19 @@ def test_each_stacked_model_trains_as_it_would_alone():
       p, state, loss = step(p, state, masks[r], batch["inputs"],
                             batch["targets"],
                             jax.random.fold_in(jax.random.key(run.seed), s))
-    jax.tree.map(lambda a, b, r=r: np.testing.assert_array_equal(a[r], b),
-                 trained, p)
-    assert info["final_loss"][r] == float(loss)
+    # Equal to float32 rounding: the two programs are compiled apart, and
+    # XLA:CPU may fuse the custom derivatives (mha.model._dense_matmul)
+    # differently inside the stacked program's loop. The key bias aside: its
+    # true gradient is 0 and Adam turns rounding noise into steps of either
+    # sign (see above).
+    got = jax.tree.map(lambda a, r=r: np.asarray(a[r]), trained)
+    alone = jax.tree.map(np.asarray, p)
+    for tree in (got, alone):
+      for layer in ("layer_0", "layer_1"):
+        tree[layer]["attention"].get("key", {}).pop("bias", None)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=1e-5, atol=1e-6), got, alone)
+    assert info["final_loss"][r] == pytest.approx(float(loss), rel=1e-5)
 
 
 def test_scratch_b_steps_follow_the_flop_rule():

@@ -7,8 +7,8 @@ is fine-tuning the pruned one (weight decay shrinks the removed heads'
 kernels, which nothing reads). That lets every pruned model of a seed train
 in one compiled program over stacked parameters and masks, all on the same
 batches (paired), with a fresh optimizer each (:func:`finetune_masked`:
-one model after another within each step, each computing what it would
-alone, bit for bit, so identical jobs can be trained once). What differs
+one model after another within each step, the same computation whatever
+the other models of the stack are, so identical jobs can be trained once). What differs
 between the arms is where they start and for how many steps they train:
 
 * *fine-tuned*: from the converged parameters, for the fine-tuning steps;
