@@ -66,7 +66,6 @@ from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
 
 
-
 def retrain_config(config: ml_collections.ConfigDict,
                    steps: int) -> ml_collections.ConfigDict:
   """``config`` for ``steps`` steps, its warmup the same share of them."""
@@ -148,8 +147,9 @@ def finetune_masked(model: Transformer, params: Params, masks: np.ndarray,
   ``[R, L, H]``, for ``steps`` steps (one count, or one per model ``[R]``,
   each with its own schedule, :func:`retrain_config`). All see the same
   batch at each step; a model with fewer steps stops while the others go
-  on. Each model trains exactly as it would alone (its result does not
-  depend on the others in the stack).
+  on. A model's result does not depend on the others in the stack (the
+  same job twice trains to the same bits); it equals training it alone to
+  float32 rounding.
 
   Returns:
     The stacked trained parameters, and ``{"seconds", "final_loss" [R]}``.

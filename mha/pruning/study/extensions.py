@@ -577,6 +577,9 @@ def retrain_seed(seed: SeedInputs, options: StudyOptions, log_alpha: np.ndarray 
 
 #: The retraining arms (``results.json``'s contract) and the old control.
 ARMS = ("fine_tuned", "scratch_e", "scratch_b", "rewind")
+#: The paired differences of arms reported (``<a>_minus_<b>``).
+ARM_DIFFERENCES = (("fine_tuned", "scratch_e"), ("fine_tuned", "scratch_b"),
+                   ("rewind", "scratch_e"), ("scratch_b", "scratch_e"))
 
 
 def _retrain_statistics(seed_run: Mapping[str, Any]
@@ -597,8 +600,7 @@ def _retrain_statistics(seed_run: Mapping[str, Any]
     values["fine_tuned"] = values["after"]
     values["recovered"] = values["after"] - values["before"]
     values["after_minus_from_scratch"] = values["after"] - values["scratch"]
-    for a, b in (("fine_tuned", "scratch_e"), ("fine_tuned", "scratch_b"),
-                 ("rewind", "scratch_e"), ("scratch_b", "scratch_e")):
+    for a, b in ARM_DIFFERENCES:
       if a in values and b in values:
         values[f"{a}_minus_{b}"] = values[a] - values[b]
     out[key] = values
@@ -624,9 +626,8 @@ def aggregate_retraining(per_seed: Sequence[Mapping[str, Any]],
            "after_minus_random": "after_minus_random",
            "before_minus_random": "before_minus_random",
            **{arm: arm for arm in ARMS},
-           **{f"{a}_minus_{b}": f"{a}_minus_{b}" for a, b in (
-               ("fine_tuned", "scratch_e"), ("fine_tuned", "scratch_b"),
-               ("rewind", "scratch_e"), ("scratch_b", "scratch_e"))}}
+           **{f"{a}_minus_{b}": f"{a}_minus_{b}"
+              for a, b in ARM_DIFFERENCES}}
   orderings: dict[str, dict[str, Any]] = {}
   for key in per_seed_stats[0]:
     if not all(key in s for s in per_seed_stats):
@@ -696,7 +697,7 @@ def aggregate_retraining(per_seed: Sequence[Mapping[str, Any]],
 
 __all__ = ["SeedInputs", "mean_ablation_seed", "aggregate_mean_ablation",
            "gates_seed", "aggregate_gates", "retrain_seed",
-           "aggregate_retraining", "ARMS"]
+           "aggregate_retraining", "ARMS", "ARM_DIFFERENCES"]
 
 
 # --------------------------------------------------------------------------
