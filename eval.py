@@ -75,13 +75,14 @@ def _write_explorer(ckpt, split, workdir: str, roles, result) -> None:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
-  # Deferred: --help and a mistyped flag answer without importing orbax and
-  # TFDS (``mha.cli`` already brings in JAX and Flax through ``mha``).
+  # The checks that need no checkpoint come first, and JAX, Flax, orbax and
+  # TFDS are imported after them: --help, a mistyped flag or a missing
+  # folder answer at once.
+  workdir = cli.existing_dir("eval.py", _WORKDIR.value)
+  _check_examples(None)
   from mha import (build, checkpoint, compilation_cache, data, evaluate,
                    head_roles)
 
-  workdir = cli.existing_dir("eval.py", _WORKDIR.value)
-  _check_examples(None)
   try:
     ckpt = checkpoint.load_checkpoint(workdir, _STEP.value)
   except (FileNotFoundError, checkpoint.DamagedCheckpointError) as e:

@@ -19,13 +19,15 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-import jax
 import numpy as np
 
 from mha import cli
-from mha.aliases import Log
+
+if TYPE_CHECKING:  # JAX is imported where it is used: a mistyped flag of a
+  # benchmark script answers without it.
+  from mha.aliases import Log
 
 #: The signature of :func:`time_interleaved`.
 Timer = Callable[[Mapping[str, Callable[[], Any]], int], dict[str, list]]
@@ -52,6 +54,7 @@ def time_interleaved(fns: Mapping[str, Callable[[], Any]],
   none always runs right after another (whose freed memory or warm caches it
   would inherit).
   """
+  import jax  # pylint: disable=import-outside-toplevel
   for fn in fns.values():
     jax.block_until_ready(fn())
   names = list(fns)
@@ -97,6 +100,7 @@ def load_average() -> float | None:
 def environment() -> dict[str, Any]:
   """The device, versions and thread count of this run."""
   import flax  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
   import jaxlib  # pylint: disable=import-outside-toplevel
   device = jax.devices()[0]
   return {
