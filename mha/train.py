@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import os
 import signal
 import sys
@@ -230,6 +231,28 @@ class _NoWriter:
     pass
 
 
+class _CollectorPause:
+  """Python's cyclic garbage collector off from its making to :meth:`end`.
+
+  Start-up (tracing and lowering the programs, here and on the compile
+  threads) allocates objects by the hundred thousand, most of them alive
+  until it is over; the collector would walk them again and again, about a
+  tenth of start-up's CPU time (docs/performance.md, "The warm start"). What
+  it leaves behind is collected once the collector is back on. A collector
+  its caller had turned off stays off.
+  """
+
+  def __init__(self):
+    self._resume = gc.isenabled()
+    gc.disable()
+
+  def end(self) -> None:
+    """Turns the collector back on (once; later calls do nothing)."""
+    if self._resume:
+      self._resume = False
+      gc.enable()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Run:
   """What every part of a training run works with, built once by
@@ -248,6 +271,7 @@ class _Run:
   stop: _StopRequest
   start_time: float  # time.time() when train_and_evaluate was called
   compiles_at_start: compilation_cache.CompileCounts  # before this run's
+  collector_pause: _CollectorPause  # ended once the first step is done
 
   def log(self, message: str) -> None:
     """Prints ``message`` once: on process 0."""
@@ -296,17 +320,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   """
   start_time = time.time()
   compiles_at_start = compilation_cache.counts()
-  config = finetune.resolve_config(config, workdir)  # init_from's model
-  workdir = _checked_workdir(config, workdir)
-  splits = _load_splits(config)
-  model = build.make_model(config)
-  mesh = sharding_lib.make_mesh(config.mesh.data)
-  create = functools.partial(build.create_train_state, config, model)
-  abstract_state = jax.eval_shape(lambda: create(jax.random.key(0)))
-  state_shardings = sharding_lib.state_shardings(
-      abstract_state, mesh, shard_params=config.mesh.shard_params)
-
+  collector_pause = _CollectorPause()
   with contextlib.ExitStack() as cleanup:
+    cleanup.callback(collector_pause.end)  # At the latest, on any exit.
+    config = finetune.resolve_config(config, workdir)  # init_from's model
+    workdir = _checked_workdir(config, workdir)
+    splits = _load_splits(config)
+    model = build.make_model(config)
+    mesh = sharding_lib.make_mesh(config.mesh.data)
+    create = functools.partial(build.create_train_state, config, model)
+    abstract_state = jax.eval_shape(lambda: create(jax.random.key(0)))
+    state_shardings = sharding_lib.state_shardings(
+        abstract_state, mesh, shard_params=config.mesh.shard_params)
     cleanup.enter_context(write_failures.reported(
         ckpt_lib.checkpoint_dir(workdir)))
     # Released once everything is written; makes the workdir.
@@ -340,7 +365,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
         writer=cleanup.enter_context(contextlib.closing(
             MetricWriter(workdir) if main_process else _NoWriter())),
         stop=cleanup.enter_context(_StopRequest()), start_time=start_time,
-        compiles_at_start=compiles_at_start)
+        compiles_at_start=compiles_at_start, collector_pause=collector_pause)
     _write_run_header(run, state)
     try:
       state = _train_loop(run, state)
@@ -664,6 +689,7 @@ def _report_startup(run: _Run, step: int, metrics: Mapping[str, Array]
   (``startup/*`` scalars at ``step``, and a line)."""
   jax.block_until_ready(metrics)
   now = time.time()
+  run.collector_pause.end()
   since_process = now - metric_writers.process_start_time()
   compiles = compilation_cache.counts() - run.compiles_at_start
   run.writer.write_scalars(step, {
