@@ -42,7 +42,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -329,8 +329,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     splits = _load_splits(config)
     model = build.make_model(config)
     mesh = sharding_lib.make_mesh(config.mesh.data)
-    create = functools.partial(build.create_train_state, config, model)
-    abstract_state = jax.eval_shape(lambda: create(jax.random.key(0)))
+    initial, abstract_state = _fresh_state(config, model)
     state_shardings = sharding_lib.state_shardings(
         abstract_state, mesh, shard_params=config.mesh.shard_params)
     cleanup.enter_context(write_failures.reported(
@@ -351,7 +350,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     eval_compile = _compile_evaluation(config, model, mesh, state_shardings,
                                        abstract_state, after=step.wait)
     cleanup.callback(eval_compile.join)
-    state, dropout_rng = _initial_state(config, create, restored, mesh,
+    state, dropout_rng = _initial_state(config, initial, restored, mesh,
                                         state_shardings)
     if restored is None and config.init_from is not None:
       state = finetune.initial_state(config, state, state_shardings)
@@ -381,31 +380,52 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   return state
 
 
-def _initial_state(config: ml_collections.ConfigDict, create: Any,
+def _fresh_state(config: ml_collections.ConfigDict, model: Transformer
+                 ) -> tuple[Callable[[], tuple[list[Array], Array]], TrainState]:
+  """``(initial, abstract_state)``: ``initial()`` makes a fresh train state
+  (``build.create_train_state``, its leaves flat) and the dropout rng, both
+  from ``config.seed``; ``abstract_state`` is the state's ``jax.eval_shape``.
+
+  Traced once: ``jax.eval_shape(initial)`` traces it, and jitting the same
+  function (:func:`_initial_state`) finds that trace in JAX's cache, so
+  start-up traces the model's initialisation once rather than twice. The
+  leaves come out flat because the state's tree holds its optimizer, a new
+  (equal) object each time one is made, which jit would not match with the
+  tree of the output shardings.
+  """
+  structure = []
+
+  def initial():
+    init_rng, dropout_rng = build.run_rngs(config)
+    state = build.create_train_state(config, model, init_rng)
+    structure.append(jax.tree.structure(state))
+    return jax.tree.leaves(state), dropout_rng
+
+  leaves, _ = jax.eval_shape(initial)
+  return initial, jax.tree.unflatten(structure[0], leaves)
+
+
+def _initial_state(config: ml_collections.ConfigDict,
+                   initial: Callable[[], tuple[list[Array], Array]],
                    restored: tuple[int, TrainState] | None, mesh: Mesh,
                    state_shardings: Any) -> tuple[TrainState, Array]:
-  """The train state to start from (``create(init_rng)``, or the restored
-  one) and the dropout rng, both from ``config.seed``, in one program.
+  """The train state to start from (made by ``initial``, of
+  :func:`_fresh_state`, or the restored one) and the dropout rng, both from
+  ``config.seed``, in one program.
 
   Jitted: eager initialisation runs op by op and takes seconds. With several
   processes a key must be a global array, hence the output shardings.
   """
-  rngs = lambda: build.run_rngs(config)
   replicated = sharding_lib.replicated(mesh)
   if restored is not None:
-    return restored[1], _run_once(jax.jit(lambda: rngs()[1],
-                                          out_shardings=replicated))
-
-  def initial():
-    init_rng, dropout_rng = rngs()
-    # Built on the structure of ``state_shardings``: a fresh state's optimizer
-    # is another (equal) object, which jit would not match with it.
-    state = jax.tree.unflatten(jax.tree.structure(state_shardings),
-                               jax.tree.leaves(create(init_rng)))
-    return state, dropout_rng
-
-  return _run_once(jax.jit(initial,
-                           out_shardings=(state_shardings, replicated)))
+    return restored[1], _run_once(jax.jit(
+        lambda: build.run_rngs(config)[1], out_shardings=replicated))
+  leaves, dropout_rng = _run_once(jax.jit(
+      initial,
+      out_shardings=(jax.tree.leaves(state_shardings), replicated)))
+  # Built on the structure of ``state_shardings`` (see _fresh_state).
+  return jax.tree.unflatten(jax.tree.structure(state_shardings),
+                            leaves), dropout_rng
 
 
 # The XLA options of a program that runs once: optimization level 1 of the
