@@ -23,17 +23,24 @@ stopped by SIGINT / SIGTERM after saving a checkpoint (run the same command
 again to resume). The logic lives in ``mha.train.train_and_evaluate``.
 """
 
+import gc
 import os
 import shlex
 import sys
 
-from absl import app
-from absl import flags
-from absl import logging
-from ml_collections import config_flags
+# Python's cyclic garbage collector stays off while the imports below (and
+# main's) allocate their hundreds of thousands of long-lived objects: each
+# full collection would walk them all again (docs/performance.md, "The warm
+# start"). main freezes them and turns it back on.
+gc.disable()
 
-from mha import cli
-from mha import config_validation
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
+from absl import logging  # pylint: disable=g-import-not-at-top
+from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+
+from mha import cli  # pylint: disable=g-import-not-at-top
+from mha import config_validation  # pylint: disable=g-import-not-at-top
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                "configs", "default.py")
@@ -82,6 +89,11 @@ def main(argv):
   # Deferred: --help and a mistyped flag answer without importing orbax and
   # TFDS (``mha.cli`` already brings in JAX and Flax through ``mha``).
   from mha import checkpoint, compilation_cache, sharding, train, write_failures
+  # What the imports made lives as long as the process: out of the
+  # collector's sight from now on (``mha.train`` pauses it again until the
+  # first step is done).
+  gc.freeze()
+  gc.enable()
   compilation_cache.configure(flags.FLAGS.config.compilation_cache_dir,
                               "train.py")
   distributed = (_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value,

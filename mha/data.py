@@ -426,14 +426,15 @@ class Split:
     return (self.inputs != 0).sum(axis=1).astype(np.int32)
 
 
-def _read_split(source, max_len: int, task: str) -> Split:
-  """Reads a whole data source (raw records) into memory at once."""
+def read_split(source, spec: DataSpec) -> Split:
+  """Reads a whole data source of :func:`data_sources` (raw records) into
+  memory at once."""
   records = source.__getitems__(range(len(source)))
-  tokens = _decode_tokens(records, max_len)
+  tokens = _decode_tokens(records, spec.max_len)
   inputs, targets = (np.ascontiguousarray(tokens[:, i]) for i in (0, 1))
   inputs.setflags(write=False)
   targets.setflags(write=False)
-  return Split(inputs=inputs, targets=targets, task=task)
+  return Split(inputs=inputs, targets=targets, task=spec.task)
 
 
 def _decode_tokens(records: list[bytes], max_len: int) -> np.ndarray:
@@ -470,14 +471,27 @@ def _parse_value(record: bytes) -> bytes:
 def load_splits(spec: DataSpec, data_dir: str) -> dict[str, Split]:
   """Prepares the dataset if needed and reads all splits into memory.
 
-  ``data_dir`` may start with ``~``.
-
-  Preparation uses ``download_and_prepare(file_format='array_record')``;
-  reading goes through ``builder.as_data_source()`` (random access via
-  ArrayRecord, no TensorFlow), each split read and decoded at once.
+  ``data_dir`` may start with ``~``. :func:`data_sources`, then
+  :func:`read_split` for each split.
 
   Returns:
     {'train': Split, 'validation': Split, 'test': Split}.
+  """
+  sources = data_sources(spec, data_dir)
+  return {split: read_split(sources[split], spec) for split in _SPLITS}
+
+
+def data_sources(spec: DataSpec, data_dir: str) -> dict[str, object]:
+  """Prepares the dataset if needed; returns its splits' data sources.
+
+  Preparation uses ``download_and_prepare(file_format='array_record')``;
+  reading goes through ``builder.as_data_source()`` (random access via
+  ArrayRecord, no TensorFlow), as raw records for :func:`read_split`. A spec
+  whose data cannot be generated (e.g. too few distinct sequences for the
+  splits) raises ``ValueError`` here, before anything is read.
+
+  Returns:
+    {'train': source, 'validation': source, 'test': source}.
   """
   builder = make_builder(spec, os.path.expanduser(os.fspath(data_dir)))
   if not builder.is_prepared():
@@ -493,10 +507,7 @@ def load_splits(spec: DataSpec, data_dir: str) -> dict[str, Split]:
       tfds.enable_progress_bar()
   sources = builder.as_data_source(
       deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)
-  return {
-      split: _read_split(sources[split], spec.max_len, spec.task)
-      for split in _SPLITS
-  }
+  return {split: sources[split] for split in _SPLITS}
 
 
 @functools.lru_cache(maxsize=8)

@@ -1,5 +1,6 @@
 """End-to-end tests of training, checkpoints, resume and eval.py."""
 
+import gc
 import glob
 import json
 import os
@@ -23,6 +24,7 @@ from mha import build
 from mha import config_validation
 from mha import data
 from mha import evaluate
+from mha import sharding
 from mha import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,6 +153,7 @@ def test_second_call_resumes_and_continues(tiny_run, tmp_path, data_dir):
   longer = tiny_config(data_dir, "num_train_steps=30")
   new_state = train.train_and_evaluate(longer, resumed_dir)
   assert int(new_state.step) == 30
+  assert gc.isenabled()  # Paused during start-up only.
   steps = [r["step"] for r in _read_jsonl(resumed_dir) if "loss" in r]
   assert steps == [5, 10, 15, 20, 25, 30]  # 5..20 from the first call
   assert "30" in os.listdir(os.path.join(resumed_dir, "checkpoints"))
@@ -288,18 +291,29 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
 @pytest.mark.parametrize("arg", [""])
 def test_initial_state_compiled_once_cheaply_is_bitwise_the_plain_one(arg):
   # train._run_once compiles with RUN_ONCE_COMPILER_OPTIONS (a lower LLVM
-  # optimization level): the parameters and optimizer state must not change.
-  # At the optimization level of real runs (the suite compiles with most
-  # optimizations off, where _run_once adds nothing).
+  # optimization level), and the state comes out as flat leaves of a function
+  # traced once (train._fresh_state): the parameters, optimizer state and
+  # dropout key must not change. At the optimization level of real runs (the
+  # suite compiles with most optimizations off, where _run_once adds nothing).
   config = _get_config(arg)
   model = build.make_model(config)
   create = lambda: build.create_train_state(config, model,
-                                            jax.random.key(config.seed))
+                                            build.run_rngs(config)[0])
+  initial, abstract_state = train._fresh_state(config, model)
+  mesh = sharding.make_mesh(config.mesh.data)
+  shardings = sharding.state_shardings(abstract_state, mesh,
+                                       shard_params=False)
   jax.config.update("jax_disable_most_optimizations", False)
   try:
     plain = jax.jit(create)()
-    cheap = train._run_once(jax.jit(create))
+    cheap, dropout_rng = train._initial_state(config, initial, None, mesh,
+                                              shardings)
   finally:
     jax.config.update("jax_disable_most_optimizations", True)
-  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(cheap)):
+  assert jax.tree.structure(cheap) == jax.tree.structure(abstract_state)
+  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(cheap),
+                  strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(
+      jax.random.key_data(dropout_rng),
+      jax.random.key_data(build.run_rngs(config)[1]))
