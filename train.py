@@ -40,7 +40,6 @@ from absl import logging  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
 from mha import cli  # pylint: disable=g-import-not-at-top
-from mha import config_validation  # pylint: disable=g-import-not-at-top
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                "configs", "default.py")
@@ -86,9 +85,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
-  # Deferred: --help and a mistyped flag answer without importing orbax and
-  # TFDS (``mha.cli`` already brings in JAX and Flax through ``mha``).
-  from mha import checkpoint, compilation_cache, sharding, train, write_failures
+  # Deferred: --help, a mistyped flag or config key answer without importing
+  # JAX, Flax, orbax or TFDS.
+  from mha import (checkpoint, compilation_cache, config_validation,
+                   sharding, train, write_failures)
   # What the imports made lives as long as the process: out of the
   # collector's sight from now on (``mha.train`` pauses it again until the
   # first step is done).
