@@ -80,8 +80,9 @@ def main(argv):
   # folder answer at once.
   workdir = cli.existing_dir("eval.py", _WORKDIR.value)
   _check_examples(None)
-  from mha import (build, checkpoint, compilation_cache, data, evaluate,
-                   head_roles)
+  from mha import (build, checkpoint, collector, compilation_cache, data,
+                   evaluate, head_roles)
+  collector.tune_for_tracing()
 
   try:
     ckpt = checkpoint.load_checkpoint(workdir, _STEP.value)

@@ -43,6 +43,7 @@ from absl import logging
 from mha import build
 from mha import checkpoint as ckpt_lib
 from mha import cli
+from mha import collector
 from mha import compilation_cache
 from mha import data
 from mha import evaluate
@@ -89,6 +90,7 @@ def _options() -> StudyOptions:
 def main(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
+  collector.tune_for_tracing()
   workdir = cli.existing_dir(_PROG, _WORKDIR.value)
   _configure_compilation_cache(workdir)
   if (_SAVE_PRUNED.value is not None or _PRUNE_FRACTION.value is not None

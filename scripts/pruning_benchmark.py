@@ -35,6 +35,7 @@ from absl import flags
 from absl import logging
 
 from mha import cli
+from mha import collector
 from mha import compilation_cache
 from mha.pruning.study import grid
 from mha.pruning.study import options as study_options
@@ -87,6 +88,7 @@ def _checked_cells(overrides: list[str]) -> list[grid.Cell]:
 def main(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
+  collector.tune_for_tracing()
   root = os.path.abspath(os.path.expanduser(_WORKDIR.value))
   if os.path.exists(root) and not os.path.isdir(root):
     cli.fail(_PROG, f"--workdir {root} exists and is not a directory")

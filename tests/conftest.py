@@ -22,7 +22,6 @@ of the same function loads what another test compiled. Results do not change
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import shutil
 from typing import Any
@@ -55,16 +54,14 @@ jax.config.update("jax_disable_most_optimizations", True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Python's cyclic garbage collector, in the test processes only: what was
-# imported so far is frozen out of its sight, and it runs 100 times less
-# often. Tracing and compiling hundreds of small programs allocates objects
-# by the million, and each collection walked them again (measured 2026-11-25
-# on 2 cores, test_attention + test_model + test_pruning_oracle in one
-# process: 61.2 and 61.4 s of CPU -> 58.0 and 58.6 s, peak memory the same).
-# The entry points run as subprocesses keep their own settings.
-gc.collect()
-gc.freeze()
-gc.set_threshold(100_000, 50, 1000)
+# Python's cyclic garbage collector: what was imported so far is frozen out
+# of its sight, and it runs 100 times less often. Tracing and compiling
+# hundreds of small programs allocates objects by the million, and each
+# collection walked them again (measured 2026-11-25 on 2 cores,
+# test_attention + test_model + test_pruning_oracle in one process: 61.2 and
+# 61.4 s of CPU -> 58.0 and 58.6 s, peak memory the same).
+from mha import collector  # noqa: E402
+collector.tune_for_tracing()
 
 
 @dataclasses.dataclass(frozen=True)
