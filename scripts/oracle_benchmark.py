@@ -17,8 +17,9 @@ round to round:
 
 Per method it reports the median seconds (the oracle, compiling included, as
 the study's ``timings.oracle_s``), the median peak resident memory of the
-whole process (``ru_maxrss``), and for ``streamed`` the seconds per subset and
-example, the number that says how the cost grows with ``N`` (it is ``2**N``
+whole process (``ru_maxrss``), the median CPU seconds of the process over the
+same span (``time.process_time``, all its threads), and for ``streamed`` the
+seconds per subset and example, the number that says how the cost grows with ``N`` (it is ``2**N``
 times that per example). Writes everything to ``--out`` (JSON) and the table beside it (.md).
 """
 
@@ -69,7 +70,7 @@ def _one(method: str, workdir: str) -> dict:
   splits = data.load_splits(build.data_spec(ckpt.config),
                             ckpt.config.data.data_dir)
   val = splits["validation"]
-  start = time.perf_counter()
+  start, cpu = time.perf_counter(), time.process_time()
   if method == "streamed":
     metrics = eval_lib.summarize(oracle.subset_totals(
         ckpt.model, ckpt.params, val, batch_size=1000))
@@ -80,9 +81,11 @@ def _one(method: str, workdir: str) -> dict:
                              ckpt.model_config)
   oracle.shapley_values(metrics["token_accuracy"], ckpt.model_config)
   seconds = time.perf_counter() - start
+  cpu = time.process_time() - cpu
   n = oracle.num_heads(ckpt.model_config)
   return {"method": method, "workdir": workdir, "heads": n,
           "examples": len(val), "seconds": seconds,
+          "cpu_seconds": cpu,
           "peak_rss_mb": resource.getrusage(
               resource.RUSAGE_SELF).ru_maxrss / 1024,
           "best_k1": float(np.max(metrics["token_accuracy"][
@@ -115,23 +118,28 @@ def main(argv):
         run = _spawn(method, workdir)
         runs.append(run)
         print(f"  {workdir} {method} round {r + 1}: {run['seconds']:.1f} s, "
-              f"peak {run['peak_rss_mb']:.0f} MB", flush=True)
-  rows = ["| model (heads) | method | oracle s (median) | runs | peak memory "
-          "MB (median) | us per subset x example |", "|---|---|---:|---|---:|---:|"]
+              f"CPU {run['cpu_seconds']:.1f} s, peak "
+              f"{run['peak_rss_mb']:.0f} MB, 1-min load "
+              f"{benchmarking.load_average()}", flush=True)
+  rows = ["| model (heads) | method | oracle s (median) | runs | CPU s "
+          "(median) | peak memory MB (median) | us per subset x example |",
+          "|---|---|---:|---|---:|---:|---:|"]
   summary = []
   for workdir in _WORKDIRS.value:
     for method in methods:
       mine = [r for r in runs if r["workdir"] == workdir and r["method"] == method]
       s = statistics.median(r["seconds"] for r in mine)
       mem = statistics.median(r["peak_rss_mb"] for r in mine)
+      cpu = statistics.median(r["cpu_seconds"] for r in mine)
       per = s / (2 ** mine[0]["heads"] * mine[0]["examples"]) * 1e6
       summary.append({"workdir": workdir, "method": method,
                       "heads": mine[0]["heads"], "median_s": s,
+                      "median_cpu_s": cpu,
                       "median_peak_rss_mb": mem, "us_per_row": per})
       rows.append(f"| {os.path.basename(workdir)} ({mine[0]['heads']}) | "
                   f"{method} | {s:.1f} | "
                   f"{' / '.join(format(r['seconds'], '.1f') for r in mine)} | "
-                  f"{mem:.0f} | {per:.2f} |")
+                  f"{cpu:.1f} | {mem:.0f} | {per:.2f} |")
   results = {"environment": benchmarking.environment(), "runs": runs,
              "summary": summary}
   env = results["environment"]
