@@ -66,6 +66,8 @@ def _one(method: str, workdir: str) -> dict:
   from mha import evaluate as eval_lib
   from mha.pruning import core
   from mha.pruning import oracle
+  from mha import collector
+  collector.tune_for_tracing()  # As scripts/prune_heads.py runs the study.
   ckpt = checkpoint.load_checkpoint(workdir)
   splits = data.load_splits(build.data_spec(ckpt.config),
                             ckpt.config.data.data_dir)
