@@ -491,11 +491,7 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
         total[:, start:start + chunk] += block.reshape(rest, chunk)
 
   program = _streamed_program()
-
-  def call(*args) -> dict[str, np.ndarray]:
-    """One call, in a thread of the pool: its sums on the host."""
-    return jax.device_get(program(*args))
-
+  call = lambda *args: jax.device_get(program(*args))
   with futures.ThreadPoolExecutor(CONCURRENT_CALLS) as pool:
     for b, (inputs, targets, abl) in enumerate(
         ablation_lib.batched(balanced, examples, ablation)):
