@@ -139,23 +139,6 @@ def test_streamed_oracle_equals_the_per_example_table():
       oracle.subset_values(old), config)[3][0].tolist()
 
 
-def test_concurrent_calls_add_up_to_the_same_bits(monkeypatch):
-  """Calls run two at a time, each from a thread of its own
-  (``oracle.CONCURRENT_CALLS``), give bitwise the sums of calls run one at a
-  time: each call's sums land on its own subsets, added in the order of the
-  calls whichever finishes first."""
-  config = TransformerConfig(vocab_size=7, num_layers=2, num_heads=2,
-                             d_model=8, mlp_dim=8, max_len=6)
-  model, params, split = _random_model(config, n=24)
-  got = {}
-  for calls in (1, 2):  # 48 calls each: 12 batches x 4 chunks of layer 0
-    monkeypatch.setattr(oracle, "CONCURRENT_CALLS", calls)
-    got[calls] = oracle.subset_totals(model, params, split, batch_size=3,
-                                      rows=8)
-  for key, value in got[1].items():
-    assert value.tobytes() == got[2][key].tobytes(), key
-
-
 @pytest.mark.parametrize("heads, batch_size, rows, want", [
     ((4, 4), 1000, 8192, (512, 1)),  # examples first: one mask of layer 0
     ((4, 4), 8, 8192, (8, 16)),      # a small batch: all 16 masks a call

@@ -31,7 +31,6 @@ the candidates per number of heads removed (:data:`ORACLE_CANDIDATES`,
 
 from __future__ import annotations
 
-from concurrent import futures
 import contextlib
 import functools
 import math
@@ -61,19 +60,9 @@ PROGRESS_AFTER_S = 10.0
 #: amortise a call, few enough that its activations stay near the cache
 #: (4096 measured fastest of 2048-16384 on 2 CPU cores, 12 and 16 heads).
 ROWS_PER_CALL = 1 << 12
-#: Calls of :func:`subset_totals` queued, beyond those running, ahead of
-#: the one whose sums the host adds up.
+#: Calls of :func:`subset_totals` dispatched ahead of the one whose sums
+#: the host adds up.
 IN_FLIGHT = 2
-#: Calls of :func:`subset_totals` that run at once, each dispatched from a
-#: thread of its own. JAX's CPU client runs the calls dispatched from one
-#: thread one after another, however many are in flight (of 40 calls none
-#: overlapped; dispatched from two threads, two ran at once 71% of the time),
-#: and one call leaves the intra-op threads of 2 cores partly idle (its
-#: kernels are many and mid-sized): a second call fills the gaps. The host
-#: adds the calls' sums in the order of the calls, so they are bitwise those
-#: of one thread. The calls see JAX's global configuration, not a caller's
-#: thread-local context managers.
-CONCURRENT_CALLS = 2
 #: Rows of one call of the per-example table (:func:`evaluate_subsets` with
 #: ``per_example``), the shapes it has always had.
 TABLE_ROWS_PER_CALL = 1 << 13
@@ -476,35 +465,31 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
   host = [balanced.inputs[b * examples:(b + 1) * examples]
           for b in range(num_batches)]
   width = max(1, max(int(np.sum(h != 0)) for h in host))
-  pending: list[tuple[int, futures.Future]] = []
+  pending: list[tuple[int, dict[str, Array]]] = []
   progress = Tenths(log, "subsets", num_batches, PROGRESS_AFTER_S)
 
   def collect(depth: int) -> None:
-    """Adds the oldest calls' sums, in the order of the calls, while more
-    than ``depth`` are pending: later calls run while the host adds up
-    earlier ones."""
+    """Adds the oldest calls' sums while more than ``depth`` are pending:
+    later calls run while the host adds up earlier ones."""
     while len(pending) > depth:
       start, out = pending.pop(0)
-      out = out.result()
+      out = jax.device_get(out)
       for key, total in totals.items():
         block = np.sum(np.asarray(out[key], np.float64), axis=-1)
         total[:, start:start + chunk] += block.reshape(rest, chunk)
 
   program = _streamed_program()
-  call = lambda *args: jax.device_get(program(*args))
-  with futures.ThreadPoolExecutor(CONCURRENT_CALLS) as pool:
-    for b, (inputs, targets, abl) in enumerate(
-        ablation_lib.batched(balanced, examples, ablation)):
-      positions, weights = _valid_positions(host[b], width)
-      for start in range(0, first, chunk):
-        pending.append((start, pool.submit(
-            call, model, params, inputs, targets, True, bias_shifts,
-            None if chunk == first else codes[start:start + chunk],
-            positions, weights, abl)))
-        # The first call compiles the program, once, before any other runs.
-        collect(0 if b == start == 0 else IN_FLIGHT + CONCURRENT_CALLS)
-      progress(b + 1, f"batches of {examples} examples")
-    collect(0)
+  for b, (inputs, targets, abl) in enumerate(
+      ablation_lib.batched(balanced, examples, ablation)):
+    positions, weights = _valid_positions(host[b], width)
+    for start in range(0, first, chunk):
+      pending.append((start, program(
+          model, params, inputs, targets, True, bias_shifts,
+          None if chunk == first else codes[start:start + chunk],
+          positions, weights, abl)))
+      collect(IN_FLIGHT)
+    progress(b + 1, f"batches of {examples} examples")
+  collect(0)
   out = {k: v.reshape(-1) for k, v in totals.items()}
   return {**out, **{k: np.full(2 ** n, v) for k, v in counts.items()}}
 
