@@ -87,12 +87,14 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
   # Deferred: --help, a mistyped flag or config key answer without importing
   # JAX, Flax, orbax or TFDS.
-  from mha import (checkpoint, compilation_cache, config_validation,
-                   sharding, train, write_failures)
+  from mha import (checkpoint, collector, compilation_cache,
+                   config_validation, sharding, train, write_failures)
   # What the imports made lives as long as the process: out of the
-  # collector's sight from now on (``mha.train`` pauses it again until the
-  # first step is done).
+  # collector's sight from now on, and the collector runs 100x less often
+  # (``mha.collector``; ``mha.train`` pauses it again until the first step
+  # is done). No full collection first: it would hold up the first step.
   gc.freeze()
+  gc.set_threshold(*collector.THRESHOLDS)
   gc.enable()
   compilation_cache.configure(flags.FLAGS.config.compilation_cache_dir,
                               "train.py")

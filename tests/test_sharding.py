@@ -41,7 +41,8 @@ RTOL, ATOL = 1e-4, 1e-5
 EIGHT_DEVICES = r"""
 import json, os, sys
 import jax
-from mha import config_validation, checkpoint, train
+from mha import collector, config_validation, checkpoint, train
+collector.tune_for_tracing()  # As the entry points do.
 from configs import default as configs
 args = json.loads(sys.argv[2])
 get = lambda *o: configs.get_config(",".join(args["overrides"] + list(o)))
