@@ -343,7 +343,7 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
   out = str(tmp_path / "pruning")
   result = _run_script(
       f"--workdir={tiny_workdir}", f"--out={out}", "--num_seeds=2",
-      "--num_random_orders=3", "--num_bootstrap=50",
+      "--num_random_orders=3", "--num_bootstrap=20",
       "--speed_fractions=0.5", "--batch_sizes=4", "--speed_repeats=1",
       "--speed_max_repeats=1", "--speed_min_seconds=0.01",
       "--batch_size=32", "--remove_heads=1:0",
