@@ -91,10 +91,8 @@ def main(argv):
                    config_validation, sharding, train, write_failures)
   # What the imports made lives as long as the process: out of the
   # collector's sight from now on, and the collector runs 100x less often
-  # (``mha.collector``; ``mha.train`` pauses it again until the first step
-  # is done). No full collection first: it would hold up the first step.
-  gc.freeze()
-  gc.set_threshold(*collector.THRESHOLDS)
+  # (``mha.train`` pauses it again until the first step is done).
+  collector.tune_for_tracing(collect=False)
   gc.enable()
   compilation_cache.configure(flags.FLAGS.config.compilation_cache_dir,
                               "train.py")

@@ -54,12 +54,9 @@ jax.config.update("jax_disable_most_optimizations", True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Python's cyclic garbage collector: what was imported so far is frozen out
-# of its sight, and it runs 100 times less often. Tracing and compiling
-# hundreds of small programs allocates objects by the million, and each
-# collection walked them again (measured 2026-11-25 on 2 cores,
-# test_attention + test_model + test_pruning_oracle in one process: 61.2 and
-# 61.4 s of CPU -> 58.0 and 58.6 s, peak memory the same).
+# Python's cyclic garbage collector tuned as the entry points tune it (what
+# was imported so far frozen, collections 100x rarer; mha/collector.py has
+# the figures): the test processes trace and compile hundreds of programs.
 from mha import collector  # noqa: E402
 collector.tune_for_tracing()
 
