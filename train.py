@@ -6,7 +6,9 @@
 Running it again on the same workdir resumes from the newest checkpoint.
 Compiled programs are kept in ``config.compilation_cache_dir`` (default
 ``~/.cache/mha/jax``; ``""`` turns that off), so a second run of the same
-config compiles nothing.
+config compiles nothing, and, in its ``executables/`` folder, whole
+(``mha.executables``), so a second run of the same source and config traces
+nothing either.
 It trains on every device; launched as several processes (one a host), each
 joins the run through ``jax.distributed`` with ``--distributed`` (coordinator
 detected from the cluster: Cloud TPU, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS)
@@ -88,7 +90,8 @@ def main(argv):
   # Deferred: --help, a mistyped flag or config key answer without importing
   # JAX, Flax, orbax or TFDS.
   from mha import (checkpoint, collector, compilation_cache,
-                   config_validation, sharding, train, write_failures)
+                   config_validation, executables, sharding, train,
+                   write_failures)
   # What the imports made lives as long as the process: out of the
   # collector's sight from now on, and the collector runs 100x less often
   # (``mha.train`` pauses it again until the first step is done).
@@ -96,6 +99,7 @@ def main(argv):
   gc.enable()
   compilation_cache.configure(flags.FLAGS.config.compilation_cache_dir,
                               "train.py")
+  executables.enable()  # This process runs the package's source on disk.
   distributed = (_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value,
                  _PROCESS_ID.value)
   if _DISTRIBUTED.value or distributed != (None, None, None):

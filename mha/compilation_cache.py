@@ -29,10 +29,13 @@ directory at any time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 import tempfile
+import threading
+from typing import Iterator
 
 import jax
 from jax import monitoring
@@ -109,14 +112,18 @@ def configure(value: str, prog: str = "mha") -> str:
 @dataclasses.dataclass(frozen=True)
 class CompileCounts:
   """Programs compiled in this process so far (``programs``, loaded from the
-  persistent cache included), of which ``cache_hits`` came from the cache."""
+  persistent cache included), of which ``cache_hits`` came from the cache;
+  and ``executables``, programs loaded whole from :mod:`mha.executables`
+  (neither traced nor compiled, so not among ``programs``)."""
 
   programs: int = 0
   cache_hits: int = 0
+  executables: int = 0
 
   def __sub__(self, other: "CompileCounts") -> "CompileCounts":
     return CompileCounts(self.programs - other.programs,
-                         self.cache_hits - other.cache_hits)
+                         self.cache_hits - other.cache_hits,
+                         self.executables - other.executables)
 
   def __str__(self) -> str:
     """``3 programs, 2 of them loaded from the compilation cache``."""
@@ -124,22 +131,36 @@ class CompileCounts:
     if self.cache_hits:
       hits = "all" if self.cache_hits == self.programs else self.cache_hits
       text += f", {hits} of them loaded from the compilation cache"
+    if self.executables:
+      whole = (f"{self.executables} loaded whole from the executable store "
+               "(not traced)")
+      text = whole if not self.programs else f"{text}; {whole}"
     return text
 
 
-_counts = {"programs": 0, "cache_hits": 0}
+_counts = {"programs": 0, "cache_hits": 0, "executables": 0}
+_per_thread = threading.local()
+_lock = threading.Lock()
+
+
+def _thread_counts() -> dict[str, int]:
+  if not hasattr(_per_thread, "counts"):
+    _per_thread.counts = {"programs": 0, "cache_hits": 0}
+  return _per_thread.counts
 
 
 def _on_event(event: str, **kwargs) -> None:
   del kwargs
   if event == _CACHE_HIT_EVENT:
     _counts["cache_hits"] += 1
+    _thread_counts()["cache_hits"] += 1
 
 
 def _on_duration(event: str, duration: float, **kwargs) -> None:
   del duration, kwargs
   if event == _COMPILE_EVENT:
     _counts["programs"] += 1
+    _thread_counts()["programs"] += 1
 
 
 monitoring.register_event_listener(_on_event)
@@ -150,3 +171,30 @@ def counts() -> CompileCounts:
   """Compilations in this process since this module was imported; subtract
   two readings for those in between."""
   return CompileCounts(**_counts)
+
+
+def note_executable_loaded() -> None:
+  """Counts one program loaded whole by :mod:`mha.executables`."""
+  with _lock:
+    _counts["executables"] += 1
+
+
+class _Seen:
+  """What the calling thread compiled within a :func:`this_thread` block."""
+  programs: int = 0
+  cache_hits: int = 0
+
+
+@contextlib.contextmanager
+def this_thread() -> Iterator[_Seen]:
+  """Counts the programs the calling thread compiles (or loads from the
+  persistent cache) within the block, whatever other threads compile
+  meanwhile: JAX reports both events in the thread that compiles."""
+  seen = _Seen()
+  before = dict(_thread_counts())
+  try:
+    yield seen
+  finally:
+    after = _thread_counts()
+    seen.programs = after["programs"] - before["programs"]
+    seen.cache_hits = after["cache_hits"] - before["cache_hits"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +87,9 @@ def eval_step(model: Transformer, params, batch: Mapping[str, Array]) -> Metrics
 
 
 def evaluate(model: Transformer, params, split: data.Split, batch_size: int,
-             *, mesh: Mesh | None = None) -> dict[str, float]:
+             *, mesh: Mesh | None = None,
+             compiled: Callable[[Any, Mapping[str, Array]], Metrics] | None
+             = None) -> dict[str, float]:
   """``loss``, ``token_accuracy`` and ``exact_match`` of ``model`` on
   ``split``.
 
@@ -98,11 +100,16 @@ def evaluate(model: Transformer, params, split: data.Split, batch_size: int,
     batch_size: examples per batch, rounded up to a multiple of the devices.
     mesh: the devices, batches split along its data axis; by default every
       device (``mha.sharding.make_mesh()``).
+    compiled: ``eval_step`` compiled for these batches and ``params``
+      (``(params, batch) -> sums``, e.g. ``eval_step.lower(model, params,
+      batch).compile()``); by default ``eval_step`` itself.
   """
   mesh = sharding_lib.make_mesh() if mesh is None else mesh
   totals: dict[str, float] = {}
   for batch in sharding_lib.eval_batches(split, batch_size, mesh):
-    for key, value in jax.device_get(eval_step(model, params, batch)).items():
+    sums = (eval_step(model, params, batch) if compiled is None
+            else compiled(params, batch))
+    for key, value in jax.device_get(sums).items():
       totals[key] = totals.get(key, 0.0) + float(value)
   return summarize(totals)
 

@@ -58,6 +58,7 @@ from mha import compilation_cache
 from mha import config_validation
 from mha import data
 from mha import evaluate as eval_lib
+from mha import executables
 from mha import finetune
 from mha import metric_writers
 from mha import sharding as sharding_lib
@@ -267,6 +268,7 @@ class _Run:
   state_shardings: Any  # of the train state, leaf by leaf
   dropout_rng: Array
   step: _StepFunction  # the jitted train step
+  eval_program: _EvaluationProgram  # the evaluation step, compiled
   checkpoints: ckpt_lib.TrainCheckpoints
   writer: MetricWriter | _NoWriter
   stop: _StopRequest
@@ -281,7 +283,8 @@ class _Run:
   def evaluate(self, params: Any, name: str, step: int) -> dict[str, float]:
     """Evaluates on split ``name`` and writes (and prints) the metrics."""
     metrics = eval_lib.evaluate(self.model, params, self.splits[name],
-                                self.config.eval_batch_size, mesh=self.mesh)
+                                self.config.eval_batch_size, mesh=self.mesh,
+                                compiled=self.eval_program.compiled())
     self.writer.write_scalars(step,
                               {f"{name}/{k}": v for k, v in metrics.items()})
     self.log(f"{name} @ step {step}: loss {metrics['loss']:.4f} | "
@@ -347,9 +350,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                          abstract_state if restored is None else restored[1])
     cleanup.callback(step.wait)  # No compiling left behind, even on errors.
     # Once the step is compiled: the evaluation program, while training.
-    eval_compile = _compile_evaluation(config, model, mesh, state_shardings,
-                                       abstract_state, after=step.wait)
-    cleanup.callback(eval_compile.join)
+    eval_program = _EvaluationProgram(config, model, mesh, state_shardings,
+                                      abstract_state, after=step.wait)
+    cleanup.callback(eval_program.join)
     state, dropout_rng = _initial_state(config, initial, restored, mesh,
                                         state_shardings)
     if restored is None and config.init_from is not None:
@@ -360,7 +363,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     run = _Run(
         config=config, workdir=workdir, model=model, splits=splits,
         mesh=mesh, state_shardings=state_shardings, dropout_rng=dropout_rng,
-        step=step,
+        step=step, eval_program=eval_program,
         checkpoints=checkpoints,
         writer=cleanup.enter_context(contextlib.closing(
             MetricWriter(workdir) if main_process else _NoWriter())),
@@ -395,14 +398,14 @@ def _fresh_state(config: ml_collections.ConfigDict, model: Transformer
   """
   structure = []
 
-  def initial():
+  def initial_state_leaves():
     init_rng, dropout_rng = build.run_rngs(config)
     state = build.create_train_state(config, model, init_rng)
     structure.append(jax.tree.structure(state))
     return jax.tree.leaves(state), dropout_rng
 
-  leaves, _ = jax.eval_shape(initial)
-  return initial, jax.tree.unflatten(structure[0], leaves)
+  leaves, _ = jax.eval_shape(initial_state_leaves)
+  return initial_state_leaves, jax.tree.unflatten(structure[0], leaves)
 
 
 def _initial_state(config: ml_collections.ConfigDict,
@@ -418,9 +421,9 @@ def _initial_state(config: ml_collections.ConfigDict,
   """
   replicated = sharding_lib.replicated(mesh)
   if restored is not None:
-    return restored[1], _run_once(jax.jit(
+    return restored[1], _run_once(config, "dropout_rng", jax.jit(
         lambda: build.run_rngs(config)[1], out_shardings=replicated))
-  leaves, dropout_rng = _run_once(jax.jit(
+  leaves, dropout_rng = _run_once(config, "initial_state", jax.jit(
       initial,
       out_shardings=(jax.tree.leaves(state_shardings), replicated)))
   # Built on the structure of ``state_shardings`` (see _fresh_state).
@@ -438,13 +441,17 @@ def _initial_state(config: ml_collections.ConfigDict,
 RUN_ONCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
-def _run_once(jitted: Any) -> Any:
-  """Calls ``jitted`` (no arguments), compiled with
-  ``RUN_ONCE_COMPILER_OPTIONS`` (unless ``jax_disable_most_optimizations``
-  already asks for less, as the tests do)."""
-  if jax.config.read("jax_disable_most_optimizations"):
-    return jitted()
-  return jitted.lower().compile(RUN_ONCE_COMPILER_OPTIONS)()
+def _run_once(config: ml_collections.ConfigDict, name: str, jitted: Any
+              ) -> Any:
+  """Calls ``jitted`` (no arguments; program ``name`` of ``config``),
+  compiled with ``RUN_ONCE_COMPILER_OPTIONS`` (unless
+  ``jax_disable_most_optimizations`` already asks for less, as the tests do),
+  or loaded whole from :mod:`mha.executables`."""
+  options = (None if jax.config.read("jax_disable_most_optimizations")
+             else RUN_ONCE_COMPILER_OPTIONS)
+  return executables.compile_or_load(
+      name, jitted, (), parts={"config": ckpt_lib.config_to_json(config)},
+      compiler_options=options)()
 
 
 def _checked_workdir(config: ml_collections.ConfigDict,
@@ -616,38 +623,51 @@ class _StepFunction:
   the compilation overlaps with what the run does meanwhile (opening the
   checkpoints, compiling and running the initial state); the first call waits
   for it, then finds the program compiled (or loaded from the persistent
-  cache).
+  cache, or loaded whole from :mod:`mha.executables`, untraced). The program
+  takes and returns the state's leaves (a flat list: a stored executable's
+  argument tree must be serializable, and the state's holds its optimizer).
   """
 
   def __init__(self, config: ml_collections.ConfigDict, model: Transformer,
                mesh: Mesh, state_shardings: Any, state: Any):
     """``state``: the state of the first call, or its ``jax.eval_shape``."""
     replicated = sharding_lib.replicated(mesh)
+    self._state_tree = jax.tree.structure(state)
+    step = functools.partial(train_step, model=model,
+                             schedule=build.learning_rate_schedule(config))
+
+    def train_step_on_leaves(leaves, batch, rng):
+      new_state, metrics = step(jax.tree.unflatten(self._state_tree, leaves),
+                                batch, rng)
+      return jax.tree.leaves(new_state), metrics
+
+    leaf_shardings = jax.tree.leaves(state_shardings)
     self._jitted = jax.jit(
-        functools.partial(train_step, model=model,
-                          schedule=build.learning_rate_schedule(config)),
-        in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh),
+        train_step_on_leaves,
+        in_shardings=(leaf_shardings, sharding_lib.batch_sharding(mesh),
                       replicated),
-        out_shardings=(state_shardings, replicated),
+        out_shardings=(leaf_shardings, replicated),
         donate_argnums=0)
+    self._compiled = None
     # The arguments' types as the calls will see them, shardings included.
     laid_out = lambda x, sharding: jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
     tokens = laid_out(jax.ShapeDtypeStruct(
         (config.batch_size, config.data.max_len), jnp.int32),
                       sharding_lib.batch_sharding(mesh))
-    args = (jax.tree.unflatten(jax.tree.structure(state), map(
-        laid_out, jax.tree.leaves(state), jax.tree.leaves(state_shardings))),
+    args = (list(map(laid_out, jax.tree.leaves(state), leaf_shardings)),
             {"inputs": tokens, "targets": tokens},
             laid_out(jax.eval_shape(lambda: jax.random.key(0)), replicated))
     self._compiling = threading.Thread(
-        target=self._compile, args=args, name="mha-compile-train-step",
-        daemon=True)
+        target=self._compile, args=(config, args),
+        name="mha-compile-train-step", daemon=True)
     self._compiling.start()
 
-  def _compile(self, *args) -> None:
+  def _compile(self, config: ml_collections.ConfigDict, args: Any) -> None:
     try:
-      self._jitted.lower(*args).compile()
+      self._compiled = executables.compile_or_load(
+          "train_step", self._jitted, args,
+          parts={"config": ckpt_lib.config_to_json(config)})
     except Exception:  # pylint: disable=broad-except
       pass  # The first call compiles again and raises it where it belongs.
 
@@ -658,41 +678,57 @@ class _StepFunction:
   def __call__(self, state: TrainState, batch: Mapping[str, Array],
                rng: Array) -> tuple[TrainState, dict[str, Array]]:
     self.wait()
-    return self._jitted(state, batch, rng)
+    leaves, metrics = (self._compiled or self._jitted)(
+        jax.tree.leaves(state), batch, rng)
+    return jax.tree.unflatten(self._state_tree, leaves), metrics
 
 
-def _compile_evaluation(config: ml_collections.ConfigDict, model: Transformer,
-                        mesh: Mesh, state_shardings: Any, abstract_state: Any,
-                        *, after: Any) -> threading.Thread:
-  """Starts compiling the evaluation program (``mha.evaluate.eval_step`` for
-  the run's eval batches and parameter shardings) on a background thread,
-  once ``after()`` returns; returns the thread.
+class _EvaluationProgram:
+  """The evaluation program (``mha.evaluate.eval_step`` for the run's eval
+  batches and parameter shardings), compiled on a background thread once
+  ``after()`` returns, or loaded whole from :mod:`mha.executables`.
 
   A run used to compile it at its first validation, with every step waiting;
   this way the first steps run meanwhile and the first validation finds it
-  compiled (or loaded from the persistent cache). A failure is left to the
-  first evaluation, which compiles again and raises it where it belongs.
+  compiled. A failure is left to the first evaluation, which compiles again
+  (through ``eval_step`` itself) and raises it where it belongs.
   """
-  laid_out = lambda x, sharding: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
-  params = jax.tree.map(laid_out, abstract_state.params,
-                        state_shardings.params)
-  rows = sharding_lib.padded_batch_size(config.eval_batch_size, mesh)
-  tokens = jax.ShapeDtypeStruct((rows, config.data.max_len), jnp.int32,
-                                sharding=sharding_lib.batch_sharding(mesh))
 
-  def compile_it():
-    after()
-    try:
-      eval_lib.eval_step.lower(model, params, {"inputs": tokens,
-                                               "targets": tokens}).compile()
-    except Exception:  # pylint: disable=broad-except
-      pass
+  def __init__(self, config: ml_collections.ConfigDict, model: Transformer,
+               mesh: Mesh, state_shardings: Any, abstract_state: Any, *,
+               after: Callable[[], None]):
+    laid_out = lambda x, sharding: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
+    params = jax.tree.map(laid_out, abstract_state.params,
+                          state_shardings.params)
+    rows = sharding_lib.padded_batch_size(config.eval_batch_size, mesh)
+    tokens = jax.ShapeDtypeStruct((rows, config.data.max_len), jnp.int32,
+                                  sharding=sharding_lib.batch_sharding(mesh))
+    self._compiled = None
 
-  thread = threading.Thread(target=compile_it, daemon=True,
-                            name="mha-compile-evaluation")
-  thread.start()
-  return thread
+    def compile_it():
+      after()
+      try:
+        self._compiled = executables.compile_or_load(
+            "eval_step", eval_lib.eval_step,
+            (model, params, {"inputs": tokens, "targets": tokens}),
+            parts={"config": ckpt_lib.config_to_json(config)})
+      except Exception:  # pylint: disable=broad-except
+        pass
+
+    self._thread = threading.Thread(target=compile_it, daemon=True,
+                                    name="mha-compile-evaluation")
+    self._thread.start()
+
+  def join(self) -> None:
+    """Returns once the background compilation is over."""
+    self._thread.join()
+
+  def compiled(self) -> Callable[..., Any] | None:
+    """The program, ``(params, batch) -> metric sums``, once compiled; None
+    if that failed."""
+    self.join()
+    return self._compiled
 
 
 def _train_loop(run: _Run, state: TrainState) -> TrainState:
@@ -746,7 +782,8 @@ def _report_startup(run: _Run, step: int, metrics: Mapping[str, Array]
       "startup/seconds_since_process_start": since_process,
       "startup/seconds_since_call": now - run.start_time,
       "startup/programs_compiled": compiles.programs,
-      "startup/programs_from_cache": compiles.cache_hits})
+      "startup/programs_from_cache": compiles.cache_hits,
+      "startup/programs_loaded_whole": compiles.executables})
   run.log(f"First step done {since_process:.1f}s after the process started, "
           f"{now - run.start_time:.1f}s after train_and_evaluate was called; "
           f"compiled so far: {compiles}")

@@ -94,19 +94,25 @@ def _timeline(start: float, end: float, workdir: str) -> dict[str, Any]:
       "exit_s": end - start,
       "programs": first.get("startup/programs_compiled"),
       "programs_from_cache": first.get("startup/programs_from_cache"),
+      "programs_loaded_whole": first.get("startup/programs_loaded_whole"),
   }
 
 
 def _compiled(stdout: str) -> dict[str, int] | None:
-  """The counts of train.py's line "Compiled in this run: ..."."""
-  match = re.search(r"Compiled in this run: (\d+) programs?"
-                    r"(?:, (all|\d+) of them loaded)?", stdout)
-  if match is None:
+  """The counts of train.py's line "Compiled in this run: ...": programs
+  compiled (``from_cache`` of them loaded from the compilation cache), and
+  ``whole``, programs loaded whole from the executable store."""
+  line = re.search(r"Compiled in this run: (.*)", stdout)
+  if line is None:
     return None
-  programs = int(match.group(1))
-  hits = match.group(2)
-  return {"programs": programs, "from_cache": programs if hits == "all"
-          else int(hits or 0)}
+  text = line.group(1)
+  match = re.match(r"(\d+) programs?(?:, (all|\d+) of them loaded)?", text)
+  whole = re.search(r"(\d+) loaded whole", text)
+  programs = int(match.group(1)) if match else 0
+  hits = match.group(2) if match else None
+  return {"programs": programs,
+          "from_cache": programs if hits == "all" else int(hits or 0),
+          "whole": int(whole.group(1)) if whole else 0}
 
 
 def _train_run(arg: str, workdir: str, cache_dir: str,
@@ -254,6 +260,7 @@ def format_end_to_end(results: Mapping[str, Any]) -> str:
               for r in e2e["runs"][kind][:1]]
   lines += ["", "Programs compiled: " + "; ".join(
       f"{kind} {c['programs']} ({c['from_cache']} from the cache)"
+      + (f", {c['whole']} loaded whole" if c.get("whole") else "")
       for kind, c in compiled if c) + "."]
   return "\n".join(lines) + "\n"
 

@@ -4,6 +4,7 @@ imports and the end-to-end benchmark. No test asserts a time."""
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from tensorflow_datasets.proto import tf_example_pb2
 from conftest import ROOT, tiny_config
 from mha import compilation_cache
 from mha import data
+from mha import executables
 from mha import train
 from mha.compilation_cache import CompileCounts
 
@@ -104,27 +106,77 @@ def test_cache_directory_rule(monkeypatch):
 
 
 def test_second_run_loads_every_program_and_ends_bitwise_equal(
-    tmp_path, data_dir, jax_cache_settings):
+    tmp_path, data_dir, jax_cache_settings, monkeypatch):
   del jax_cache_settings
   config = tiny_config(data_dir, "num_train_steps=4", "eval_every_steps=2",
                        "checkpoint_every_steps=4")
+  monkeypatch.setitem(executables._enabled, "on", True)  # as train.py does
   cache = str(tmp_path / "cache")
   assert compilation_cache.configure(cache) == cache
+  store = os.path.join(cache, executables.SUBDIRECTORY)
   counts = []
+  stored = []
   finals = []
-  for name in ("compiled", "cached"):
+  for name in ("compiled", "whole", "cached"):
+    if name == "cached":
+      shutil.rmtree(store)  # The programs remain in the compilation cache.
     jax.clear_caches()  # Only the persistent cache may save compiling.
     before = compilation_cache.counts()
     finals.append(train.train_and_evaluate(config, tmp_path / name))
     counts.append(compilation_cache.counts() - before)
+    stored.append(len(os.listdir(store)) if os.path.isdir(store) else 0)
   # A run compiles three programs: the initial state, the train step and the
-  # evaluation step (for every split and batch); the second loads them all.
-  assert counts == [CompileCounts(3, 0), CompileCounts(3, 3)]
-  assert len(os.listdir(cache)) == 3
-  # On CPU, the run on loaded programs ends with bitwise the parameters and
-  # optimizer state of the run on compiled ones.
-  for compiled, cached in zip(*map(jax.tree.leaves, jax.device_get(finals))):
-    np.testing.assert_array_equal(compiled, cached)
+  # evaluation step (for every split and batch), and stores them whole; the
+  # second loads them whole, tracing nothing. With the store emptied, the
+  # third loads them from the compilation cache (traced, not compiled), and
+  # stores none: an XLA:CPU executable loaded from that cache serializes
+  # incomplete.
+  assert counts == [CompileCounts(3, 0), CompileCounts(0, 0, 3),
+                    CompileCounts(3, 3)]
+  assert stored == [3, 3, 0]
+  # On CPU, the runs on loaded programs end with bitwise the parameters and
+  # optimizer state of the runs on compiled ones.
+  for leaves in zip(*map(jax.tree.leaves, jax.device_get(finals))):
+    for leaf in leaves[1:]:
+      np.testing.assert_array_equal(leaves[0], leaf)
+
+
+def test_executable_key_covers_what_makes_the_program(monkeypatch):
+  args = (jax.ShapeDtypeStruct((2, 3), np.float32),)
+  key = executables.key("p", args, {"config": "a"})
+  assert key == executables.key("p", args, {"config": "a"})
+  assert len({key, executables.key("q", args, {"config": "a"}),
+              executables.key("p", args, {"config": "b"}),
+              executables.key("p", (jax.ShapeDtypeStruct((2, 4), np.float32),),
+                              {"config": "a"})}) == 4
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --x")
+  assert executables.key("p", args, {"config": "a"}) != key
+  monkeypatch.undo()
+  monkeypatch.setattr(executables, "source_digest", lambda: "edited")
+  assert executables.key("p", args, {"config": "a"}) != key
+
+
+def test_damaged_store_entry_is_compiled_again_and_replaced(
+    tmp_path, jax_cache_settings):
+  del jax_cache_settings
+  assert compilation_cache.configure("") == ""  # so compiled here, not loaded
+  jitted = jax.jit(lambda x: x * 2 + 1)
+  args = (jax.ShapeDtypeStruct((3,), np.float32),)
+  folder = str(tmp_path / "store")
+  entry = executables.key("f", args, {})
+  os.makedirs(folder)
+  with open(os.path.join(folder, entry + executables._SUFFIX), "wb") as f:
+    f.write(b"not an executable")
+  assert executables.load(folder, entry) is None
+  x = np.arange(3, dtype=np.float32)
+  compiled = executables.compile_or_load("f", jitted, args, parts={},
+                                         folder=folder)
+  np.testing.assert_array_equal(compiled(x), [1, 3, 5])
+  before = compilation_cache.counts()
+  np.testing.assert_array_equal(executables.load(folder, entry)(x), [1, 3, 5])
+  assert compilation_cache.counts() - before == CompileCounts(0, 0, 1)
+  with pytest.raises(TypeError):  # a loaded program checks its arguments
+    executables.load(folder, entry)(np.arange(4, dtype=np.float32))
 
 
 def test_unusable_cache_directory_is_one_warning_and_compiling_goes_on(
@@ -201,9 +253,10 @@ def test_end_to_end_benchmark_quick(tmp_path, data_dir, subprocess_env):
   results = json.loads(out.read_text())["end_to_end"]
   runs = results["runs"]
   (cold,), (warm,) = runs["cold"], runs["warm"]
-  # The warm run compiled nothing: every program came from the cache.
-  assert cold["run"] == {"programs": 3, "from_cache": 0}
-  assert warm["run"] == {"programs": 3, "from_cache": 3}
+  # The warm run compiled nothing: every program was loaded whole (neither
+  # traced nor compiled) from the executable store the cold run wrote.
+  assert cold["run"] == {"programs": 3, "from_cache": 0, "whole": 0}
+  assert warm["run"] == {"programs": 0, "from_cache": 0, "whole": 3}
   for run in (cold, warm, *runs.get("peer", [])):
     assert 0 < run["first_step_s"] < run["exit_s"]
   assert ("| train.py, warm (same config again) |" in result.stdout)
