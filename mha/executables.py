@@ -153,9 +153,12 @@ def load(folder: str, entry: str) -> jax.stages.Compiled | None:
   from jax.experimental import serialize_executable
   try:
     with open(os.path.join(folder, entry + _SUFFIX), "rb") as f:
-      serialized, in_tree, out_tree = pickle.loads(zlib.decompress(f.read()))
+      serialized, in_tree, out_tree, device_ids = pickle.loads(
+          zlib.decompress(f.read()))
+    devices = {d.id: d for d in jax.devices()}
     compiled = serialize_executable.deserialize_and_load(
-        serialized, in_tree, out_tree)
+        serialized, in_tree, out_tree,
+        execution_devices=[devices[i] for i in device_ids])
   except Exception:  # pylint: disable=broad-except
     return None  # None there, or damaged: compiled (and replaced).
   compilation_cache.note_executable_loaded()
@@ -171,8 +174,13 @@ def store(folder: str, entry: str, compiled: jax.stages.Compiled) -> bool:
   """
   from jax.experimental import serialize_executable
   try:
-    blob = zlib.compress(pickle.dumps(serialize_executable.serialize(compiled),
-                                      protocol=pickle.HIGHEST_PROTOCOL), 6)
+    # The devices it runs on, in order (a program of a mesh over some of
+    # the devices must be loaded onto those).
+    device_ids = [d.id for d in
+                  compiled._executable.xla_executable.local_devices()]  # pylint: disable=protected-access
+    blob = zlib.compress(pickle.dumps(
+        (*serialize_executable.serialize(compiled), device_ids),
+        protocol=pickle.HIGHEST_PROTOCOL), 6)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp",
                                      delete=False) as f:
