@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import json
 import os
 import signal
 import sys
@@ -450,7 +451,7 @@ def _run_once(config: ml_collections.ConfigDict, name: str, jitted: Any
   options = (None if jax.config.read("jax_disable_most_optimizations")
              else RUN_ONCE_COMPILER_OPTIONS)
   return executables.compile_or_load(
-      name, jitted, (), parts={"config": ckpt_lib.config_to_json(config)},
+      name, jitted, (), parts=_store_parts(config),
       compiler_options=options)()
 
 
@@ -615,49 +616,102 @@ class _Progress:
       self.restart(step)
 
 
+# Config keys that configure a run but not its train and evaluation
+# programs: the executable store's key of those two programs leaves them out,
+# so a run with another seed or cadence loads them whole. Not of the initial
+# state's (the seed is baked into it). tests/test_startup.py lowers both
+# programs with every one of these changed and finds the same text.
+RUN_ONLY_KEYS = ("seed", "log_every_steps", "eval_every_steps",
+                 "checkpoint_every_steps", "max_checkpoints_to_keep",
+                 "compilation_cache_dir", "init_from", "data.data_dir")
+
+
+def _store_parts(config: ml_collections.ConfigDict, *,
+                 without: tuple[str, ...] = ()) -> dict[str, str]:
+  """What the executable store's key needs of ``config``: all of it as JSON,
+  less the keys ``without`` (dotted paths)."""
+  values = config.to_dict()
+  for path in without:
+    *parents, leaf = path.split(".")
+    node = values
+    for parent in parents:
+      node = node.get(parent, {})
+    node.pop(leaf, None)
+  return {"config": json.dumps(values, sort_keys=True, default=repr)}
+
+
+def train_step_program(config: ml_collections.ConfigDict, model: Transformer,
+                       mesh: Mesh, state_shardings: Any, state: Any
+                       ) -> tuple[Any, tuple[Any, ...]]:
+  """``(jitted, args)``: :func:`train_step` jitted for the run's shardings
+  (state donated) on the state's leaves, a flat list in and out (a stored
+  executable's argument tree must be serializable, and the state's holds its
+  optimizer), and its arguments' types as the calls will see them,
+  shardings included. ``state``: the first call's, or its
+  ``jax.eval_shape``."""
+  replicated = sharding_lib.replicated(mesh)
+  state_tree = jax.tree.structure(state)
+  step = functools.partial(train_step, model=model,
+                           schedule=build.learning_rate_schedule(config))
+
+  def train_step_on_leaves(leaves, batch, rng):
+    new_state, metrics = step(jax.tree.unflatten(state_tree, leaves), batch,
+                              rng)
+    return jax.tree.leaves(new_state), metrics
+
+  leaf_shardings = jax.tree.leaves(state_shardings)
+  jitted = jax.jit(
+      train_step_on_leaves,
+      in_shardings=(leaf_shardings, sharding_lib.batch_sharding(mesh),
+                    replicated),
+      out_shardings=(leaf_shardings, replicated),
+      donate_argnums=0)
+  tokens = _laid_out(jax.ShapeDtypeStruct(
+      (config.batch_size, config.data.max_len), jnp.int32),
+                     sharding_lib.batch_sharding(mesh))
+  args = (list(map(_laid_out, jax.tree.leaves(state), leaf_shardings)),
+          {"inputs": tokens, "targets": tokens},
+          _laid_out(jax.eval_shape(lambda: jax.random.key(0)), replicated))
+  return jitted, args
+
+
+def eval_step_program(config: ml_collections.ConfigDict, model: Transformer,
+                      mesh: Mesh, state_shardings: Any, abstract_state: Any
+                      ) -> tuple[Any, tuple[Any, ...]]:
+  """``(jitted, args)``: ``mha.evaluate.eval_step`` and its arguments' types
+  for the run's eval batches (padded) and parameter shardings."""
+  params = jax.tree.map(_laid_out, abstract_state.params,
+                        state_shardings.params)
+  rows = sharding_lib.padded_batch_size(config.eval_batch_size, mesh)
+  tokens = jax.ShapeDtypeStruct((rows, config.data.max_len), jnp.int32,
+                                sharding=sharding_lib.batch_sharding(mesh))
+  return eval_lib.eval_step, (model, params,
+                              {"inputs": tokens, "targets": tokens})
+
+
+def _laid_out(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding,
+                              weak_type=x.weak_type)
+
+
 class _StepFunction:
-  """The train step, jitted once for the run's shardings, state donated, and
-  compiled on a background thread from the moment it is made.
+  """The train step (:func:`train_step_program`), compiled on a background
+  thread from the moment it is made.
 
   XLA compiles without holding the GIL, so on a machine with a second core
   the compilation overlaps with what the run does meanwhile (opening the
   checkpoints, compiling and running the initial state); the first call waits
   for it, then finds the program compiled (or loaded from the persistent
-  cache, or loaded whole from :mod:`mha.executables`, untraced). The program
-  takes and returns the state's leaves (a flat list: a stored executable's
-  argument tree must be serializable, and the state's holds its optimizer).
+  cache, or loaded whole from :mod:`mha.executables`, untraced).
   """
 
   def __init__(self, config: ml_collections.ConfigDict, model: Transformer,
                mesh: Mesh, state_shardings: Any, state: Any):
     """``state``: the state of the first call, or its ``jax.eval_shape``."""
-    replicated = sharding_lib.replicated(mesh)
     self._state_tree = jax.tree.structure(state)
-    step = functools.partial(train_step, model=model,
-                             schedule=build.learning_rate_schedule(config))
-
-    def train_step_on_leaves(leaves, batch, rng):
-      new_state, metrics = step(jax.tree.unflatten(self._state_tree, leaves),
-                                batch, rng)
-      return jax.tree.leaves(new_state), metrics
-
-    leaf_shardings = jax.tree.leaves(state_shardings)
-    self._jitted = jax.jit(
-        train_step_on_leaves,
-        in_shardings=(leaf_shardings, sharding_lib.batch_sharding(mesh),
-                      replicated),
-        out_shardings=(leaf_shardings, replicated),
-        donate_argnums=0)
+    self._jitted, args = train_step_program(config, model, mesh,
+                                            state_shardings, state)
     self._compiled = None
-    # The arguments' types as the calls will see them, shardings included.
-    laid_out = lambda x, sharding: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
-    tokens = laid_out(jax.ShapeDtypeStruct(
-        (config.batch_size, config.data.max_len), jnp.int32),
-                      sharding_lib.batch_sharding(mesh))
-    args = (list(map(laid_out, jax.tree.leaves(state), leaf_shardings)),
-            {"inputs": tokens, "targets": tokens},
-            laid_out(jax.eval_shape(lambda: jax.random.key(0)), replicated))
     self._compiling = threading.Thread(
         target=self._compile, args=(config, args),
         name="mha-compile-train-step", daemon=True)
@@ -667,7 +721,7 @@ class _StepFunction:
     try:
       self._compiled = executables.compile_or_load(
           "train_step", self._jitted, args,
-          parts={"config": ckpt_lib.config_to_json(config)})
+          parts=_store_parts(config, without=RUN_ONLY_KEYS))
     except Exception:  # pylint: disable=broad-except
       pass  # The first call compiles again and raises it where it belongs.
 
@@ -684,9 +738,9 @@ class _StepFunction:
 
 
 class _EvaluationProgram:
-  """The evaluation program (``mha.evaluate.eval_step`` for the run's eval
-  batches and parameter shardings), compiled on a background thread once
-  ``after()`` returns, or loaded whole from :mod:`mha.executables`.
+  """The evaluation program (:func:`eval_step_program`), compiled on a
+  background thread once ``after()`` returns, or loaded whole from
+  :mod:`mha.executables`.
 
   A run used to compile it at its first validation, with every step waiting;
   this way the first steps run meanwhile and the first validation finds it
@@ -697,22 +751,16 @@ class _EvaluationProgram:
   def __init__(self, config: ml_collections.ConfigDict, model: Transformer,
                mesh: Mesh, state_shardings: Any, abstract_state: Any, *,
                after: Callable[[], None]):
-    laid_out = lambda x, sharding: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
-    params = jax.tree.map(laid_out, abstract_state.params,
-                          state_shardings.params)
-    rows = sharding_lib.padded_batch_size(config.eval_batch_size, mesh)
-    tokens = jax.ShapeDtypeStruct((rows, config.data.max_len), jnp.int32,
-                                  sharding=sharding_lib.batch_sharding(mesh))
+    jitted, args = eval_step_program(config, model, mesh, state_shardings,
+                                     abstract_state)
     self._compiled = None
 
     def compile_it():
       after()
       try:
         self._compiled = executables.compile_or_load(
-            "eval_step", eval_lib.eval_step,
-            (model, params, {"inputs": tokens, "targets": tokens}),
-            parts={"config": ckpt_lib.config_to_json(config)})
+            "eval_step", jitted, args,
+            parts=_store_parts(config, without=RUN_ONLY_KEYS))
       except Exception:  # pylint: disable=broad-except
         pass
 

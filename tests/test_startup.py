@@ -262,3 +262,33 @@ def test_end_to_end_benchmark_quick(tmp_path, data_dir, subprocess_env):
   assert ("| train.py, warm (same config again) |" in result.stdout)
   assert results["summary"]["ratios"]["warm_first_step_over_floor"] > 0
   assert "peer" not in runs
+
+
+def test_run_only_keys_leave_the_train_and_eval_programs_unchanged(data_dir):
+  """The executable store's key of the train and evaluation steps leaves out
+  ``train.RUN_ONLY_KEYS``: changing them all must not change the programs
+  (a key that does, learning_rate say, fails this)."""
+  from mha import build
+  from mha import sharding as sharding_lib
+  texts = []
+  for overrides in ([], ["seed=7", "log_every_steps=3", "eval_every_steps=5",
+                         "checkpoint_every_steps=9",
+                         "max_checkpoints_to_keep=1",
+                         "compilation_cache_dir=/elsewhere",
+                         "init_from=/some/run",
+                         f"data.data_dir={data_dir}/other"]):
+    if overrides:  # every run-only key is changed
+      assert {o.split("=")[0] for o in overrides} == set(train.RUN_ONLY_KEYS)
+    config = tiny_config(data_dir, *overrides)
+    model = build.make_model(config)
+    mesh = sharding_lib.make_mesh()
+    _, abstract_state = train._fresh_state(config, model)
+    shardings = sharding_lib.state_shardings(
+        abstract_state, mesh, shard_params=config.mesh.shard_params)
+    texts.append([
+        jitted.lower(*args).as_text() for jitted, args in (
+            train.train_step_program(config, model, mesh, shardings,
+                                     abstract_state),
+            train.eval_step_program(config, model, mesh, shardings,
+                                    abstract_state))])
+  assert texts[0] == texts[1]
