@@ -58,7 +58,7 @@ import jax
 from mha import compilation_cache
 
 SUBDIRECTORY = "executables"
-_SUFFIX = ".pkl.zlib"  # A pickle, compressed (1.2 MB -> 0.2 MB a program).
+_SUFFIX = ".pkl.zlib"  # A pickle, compressed (1.2-1.6 MB -> 0.25 MB).
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _enabled = {"on": False}
@@ -180,7 +180,7 @@ def store(folder: str, entry: str, compiled: jax.stages.Compiled) -> bool:
                   compiled._executable.xla_executable.local_devices()]  # pylint: disable=protected-access
     blob = zlib.compress(pickle.dumps(
         (*serialize_executable.serialize(compiled), device_ids),
-        protocol=pickle.HIGHEST_PROTOCOL), 6)
+        protocol=pickle.HIGHEST_PROTOCOL), 1)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp",
                                      delete=False) as f:
