@@ -7,8 +7,8 @@ measured 2026-11-24 on an AMD EPYC):
 
 Variants come from the argument after the colon, comma-separated: a task name
 (`reverse`, `sort`, `histogram`, `spell`: the last one also sets its
-`data.max_len` and training steps), a model with more heads than the task
-needs (`wide`: 2 x 8 heads; `deep`: 3 x 4; `deep64`: 3 x 4 of width 16;
+`data.max_len` and training steps), a model with more heads for the
+pruning study (`wide`: 2 x 8 heads; `deep`: 3 x 4; `deep64`: 3 x 4 of width 16;
 `wide6`: 2 x 6; `deep8`: 4 x 8),
 `tiny` (a seconds-long smoke-test model), or `key=value` pairs; any field can
 also be overridden with a flag:
@@ -126,7 +126,8 @@ def _apply_variant(config: ml_collections.ConfigDict, part: str) -> None:
     config.model.num_layers = 3
     config.model.d_model = 64
   elif part == "wide6":
-    # 2 layers x 6 heads of width 8 (12 heads).
+    # 2 layers x 6 heads of width 8 (12 heads): as many heads as `deep`, in
+    # two layers; on reverse none of them is spare (docs/pruning.md).
     config.model.num_heads = 6
     config.model.d_model = 48
     config.learning_rate = 5e-3
