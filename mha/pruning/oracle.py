@@ -183,6 +183,41 @@ def attention_outputs(model: Transformer, params: Params, layer: int,
   return jax.vmap(one)(masks)
 
 
+def _head_outputs(model: Transformer, params: Params, layer: int, x: Array,
+                  attention_mask: Array, positions: Array
+                  ) -> tuple[Array, Array]:
+  """``(base, heads)``: the attention sublayer's output of block ``layer``
+  under the empty mask (the out-projection's bias) ``[P, D]``, and each
+  head's change to it ``[H, P, D]``, at the flat ``positions`` of the batch
+  (zero ablation). The same numbers as the empty and single-head masks of
+  :func:`attention_outputs`: each head's context is taken before the
+  out-projection (``nn.intercept_methods``), cut to ``positions`` and
+  projected by its own rows of the kernel."""
+  count = model.config.heads_per_layer[layer]
+  block = EncoderBlock(model.config, count)
+  contexts = []
+
+  def intercept(next_fun, args, kwargs, context):
+    if (isinstance(context.module, nn.DenseGeneral)
+        and context.module.name == "out" and context.method_name == "__call__"
+        and isinstance(context.module.parent, MultiHeadAttention)):
+      contexts.append(args[0])
+    return next_fun(*args, **kwargs)
+  with nn.intercept_methods(intercept):
+    block.apply({"params": params[f"layer_{layer}"]}, x, attention_mask,
+                jnp.ones((count,), x.dtype), deterministic=True,
+                return_weights=False)
+  (ctx,) = contexts  # [B, T, H, Dh]
+  ctx = ctx.reshape((-1,) + ctx.shape[-2:])[positions]  # [P, H, Dh]
+  out = params[f"layer_{layer}"]["attention"]["out"]
+  dtype = model.config.compute_dtype  # As the out-projection computes.
+  bias = out["bias"].astype(dtype)
+  heads = jnp.einsum("phd,hde->hpe", ctx.astype(dtype),
+                     out["kernel"].astype(dtype)) + bias[None, None]
+  base = jnp.broadcast_to(bias[None], heads.shape[1:])
+  return base, heads - bias[None, None]
+
+
 def _last_layer_sums(model: Transformer, params: Params, xs: Array,
                      attention_mask: Array, codes: Array, positions: Array,
                      weights: Array, targets: Array, tokens: Array,
@@ -195,9 +230,13 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
   sublayer's output is affine in the head mask (the mask gates each head's
   context before the out-projection; mean ablation's bias shift is affine
   too), so it is computed for the empty mask and each single head, once per
-  prefix, and combined per mask by one matmul. What follows it (residual,
-  MLP, norms, read-out) acts on each position alone and runs only on the
-  valid positions (``positions`` ``[P]`` into the flattened batch, padded
+  prefix, and combined per mask. Under zero ablation each head's part is
+  its own context through its own rows of the out-projection, on the valid
+  positions only (:func:`_head_outputs`); otherwise the block's attention
+  runs under the empty and each single-head mask
+  (:func:`attention_outputs`). What follows it (residual, MLP, norms,
+  read-out) acts on each position alone and runs only on the valid
+  positions (``positions`` ``[P]`` into the flattened batch, padded
   with ``weights`` 0): the block's own code, with its attention replaced by
   the combined output (``nn.intercept_methods``).
   """
@@ -212,14 +251,25 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
   flat_targets = targets.reshape(-1)[positions]
 
   def per_prefix(x):
-    outs = attention_outputs(model, params, layer, x, attention_mask, basis,
-                             shift, added)  # [1 + H, B, T, D]
-    outs = outs.reshape(outs.shape[:1] + (-1, outs.shape[-1]))[:, positions]
-    base, heads = outs[0], outs[1:] - outs[:1]  # [P, D], [H, P, D]
+    if shift is None and added is None:
+      base, heads = _head_outputs(model, params, layer, x, attention_mask,
+                                  positions)  # [P, D], [H, P, D]
+    else:
+      outs = attention_outputs(model, params, layer, x, attention_mask,
+                               basis, shift, added)  # [1 + H, B, T, D]
+      outs = outs.reshape(outs.shape[:1] + (-1, outs.shape[-1]))[:,
+                                                                 positions]
+      base, heads = outs[0], outs[1:] - outs[:1]  # [P, D], [H, P, D]
     residual = x.reshape(-1, x.shape[-1])[positions][None]  # [1, P, D]
 
     def per_mask(m):
-      added = base + jnp.tensordot(m, heads, axes=1)  # [P, D]
+      # m @ heads, written out: the masks are 0 or 1, so this is the
+      # matmul's sum in its order (bitwise the same), fused into the
+      # residual's addition instead of a matmul and a transposition.
+      combined = m[0] * heads[0]
+      for h in range(1, count):
+        combined = combined + m[h] * heads[h]
+      added = base + combined  # [P, D]
 
       def intercept(next_fun, args, kwargs, context):
         if (isinstance(context.module, MultiHeadAttention)
