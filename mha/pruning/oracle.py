@@ -218,6 +218,57 @@ def _head_outputs(model: Transformer, params: Params, layer: int, x: Array,
   return base, heads - bias[None, None]
 
 
+def _inverse_positions(positions: Array, weights: Array, size: int) -> Array:
+  """``[size]``: for each flat position of the batch, its index in
+  ``positions`` (a valid one), or ``len(positions)`` (padding)."""
+  count = positions.shape[0]
+  index = jnp.where(weights > 0, positions, size)
+  return jnp.full((size,), count, jnp.int32).at[index].set(
+      jnp.arange(count, dtype=jnp.int32), mode="drop")
+
+
+def _run_block_at(model: Transformer, params: Params, layer: int, x: Array,
+                  attention_mask: Array, layer_mask: Array,
+                  shift: Array | None, positions: Array,
+                  inverse: Array) -> Array:
+  """:func:`run_block` (zero ablation), with all that follows the
+  attention's context (the out-projection, the residuals, the MLP) run on
+  the flat ``positions`` only: the same numbers there, zeros at every other
+  position (padding, which the next block's attention masks)."""
+  count = model.config.heads_per_layer[layer]
+  block = EncoderBlock(model.config, count)
+  block_params = {"params": _block_params(model, params, layer, layer_mask,
+                                          shift)}
+  outs = []
+
+  def capture(next_fun, args, kwargs, context):
+    if (isinstance(context.module, nn.DenseGeneral)
+        and context.module.name == "out" and context.method_name == "__call__"
+        and isinstance(context.module.parent, MultiHeadAttention)):
+      ctx = args[0]  # [B, T, H, Dh], gated
+      out = next_fun(ctx.reshape((-1,) + ctx.shape[-2:])[positions],
+                     *args[1:], **kwargs)  # [P, D]
+      outs.append(out)
+      return jnp.zeros(ctx.shape[:-2] + out.shape[-1:], out.dtype)
+    return next_fun(*args, **kwargs)
+  with nn.intercept_methods(capture):
+    block.apply(block_params, x, attention_mask, layer_mask,
+                deterministic=True, return_weights=False)
+  (out,) = outs
+
+  def replace(next_fun, args, kwargs, context):
+    if (isinstance(context.module, MultiHeadAttention)
+        and context.method_name == "__call__"):
+      return out[None].astype(args[0].dtype), None
+    return next_fun(*args, **kwargs)
+  residual = x.reshape(-1, x.shape[-1])[positions][None]  # [1, P, D]
+  with nn.intercept_methods(replace):
+    y, _ = block.apply(block_params, residual, None, layer_mask,
+                       deterministic=True, return_weights=False)
+  y = jnp.concatenate([y[0], jnp.zeros((1, y.shape[-1]), y.dtype)])
+  return y[inverse].reshape(x.shape)
+
+
 def _last_layer_sums(model: Transformer, params: Params, xs: Array,
                      attention_mask: Array, codes: Array, positions: Array,
                      weights: Array, targets: Array, tokens: Array,
@@ -314,7 +365,11 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
   None. ``positions`` ``[P]`` (flat indices of the batch's valid positions,
   padded, with ``position_weights`` 1 for a valid one and 0 for padding):
   the last layer runs the fast way (:func:`_last_layer_sums`, the same
-  sums to float32 rounding), else as every other layer. ``ablation``
+  sums to float32 rounding), and every other layer with heads, unless
+  ``ablation`` intercepts it, runs what follows its attention on the valid
+  positions only (:func:`_run_block_at`; the same to float32 rounding: XLA's
+  LayerNorm rounds by the number of rows); else as every other layer.
+  ``ablation``
   (aligned with ``inputs``): each removed head replaced as
   :mod:`mha.pruning.ablation` says.
 
@@ -331,6 +386,8 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
   fast = positions is not None and cfg.heads_per_layer[-1] > 0
   added = (ablation.layer_shifts(model, params) if ablation is not None
            else [None] * cfg.num_layers)
+  if fast:
+    inverse = _inverse_positions(positions, position_weights, inputs.size)
   sizes = []
   for layer, count in enumerate(cfg.heads_per_layer):
     codes = (jnp.asarray(first_codes) if layer == 0 and first_codes is not None
@@ -344,9 +401,14 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
           added[layer])
       per_subset = tuple(v.reshape((-1,) + v.shape[2:]) for v in per_subset)
       break
-    run = functools.partial(
-        run_block, model, params, layer, attention_mask=attention_mask,
-        shift=shift, added=added[layer])
+    if fast and added[layer] is None and count:
+      run = functools.partial(
+          _run_block_at, model, params, layer, attention_mask=attention_mask,
+          shift=shift, positions=positions, inverse=inverse)
+    else:
+      run = functools.partial(
+          run_block, model, params, layer, attention_mask=attention_mask,
+          shift=shift, added=added[layer])
     per_prefix = lambda x, run=run, codes=codes: jax.vmap(
         lambda m: run(x=x, layer_mask=m))(codes)
     xs = jax.vmap(per_prefix)(xs).reshape((-1,) + xs.shape[1:])
