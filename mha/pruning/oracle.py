@@ -183,6 +183,11 @@ def attention_outputs(model: Transformer, params: Params, layer: int,
   return jax.vmap(one)(masks)
 
 
+class _Captured(Exception):
+  """Raised by an interceptor that has captured what it was after, to stop
+  the rest of a block from being traced; caught right around the apply."""
+
+
 def _head_outputs(model: Transformer, params: Params, layer: int, x: Array,
                   attention_mask: Array, positions: Array
                   ) -> tuple[Array, Array]:
@@ -202,8 +207,9 @@ def _head_outputs(model: Transformer, params: Params, layer: int, x: Array,
         and context.module.name == "out" and context.method_name == "__call__"
         and isinstance(context.module.parent, MultiHeadAttention)):
       contexts.append(args[0])
+      raise _Captured  # The rest of the block is not needed (nor traced).
     return next_fun(*args, **kwargs)
-  with nn.intercept_methods(intercept):
+  with nn.intercept_methods(intercept), contextlib.suppress(_Captured):
     block.apply({"params": params[f"layer_{layer}"]}, x, attention_mask,
                 jnp.ones((count,), x.dtype), deterministic=True,
                 return_weights=False)
@@ -249,9 +255,9 @@ def _run_block_at(model: Transformer, params: Params, layer: int, x: Array,
       out = next_fun(ctx.reshape((-1,) + ctx.shape[-2:])[positions],
                      *args[1:], **kwargs)  # [P, D]
       outs.append(out)
-      return jnp.zeros(ctx.shape[:-2] + out.shape[-1:], out.dtype)
+      raise _Captured  # The rest of the block is not needed (nor traced).
     return next_fun(*args, **kwargs)
-  with nn.intercept_methods(capture):
+  with nn.intercept_methods(capture), contextlib.suppress(_Captured):
     block.apply(block_params, x, attention_mask, layer_mask,
                 deterministic=True, return_weights=False)
   (out,) = outs
