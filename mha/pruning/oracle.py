@@ -183,6 +183,98 @@ def attention_outputs(model: Transformer, params: Params, layer: int,
   return jax.vmap(one)(masks)
 
 
+class _Captured(Exception):
+  """Raised by an interceptor that has captured what it was after, to stop
+  the rest of a block from being traced; caught right around the apply."""
+
+
+def _head_outputs(model: Transformer, params: Params, layer: int, x: Array,
+                  attention_mask: Array, positions: Array
+                  ) -> tuple[Array, Array]:
+  """``(base, heads)``: the attention sublayer's output of block ``layer``
+  under the empty mask (the out-projection's bias) ``[P, D]``, and each
+  head's change to it ``[H, P, D]``, at the flat ``positions`` of the batch
+  (zero ablation). The same numbers as the empty and single-head masks of
+  :func:`attention_outputs`: each head's context is taken before the
+  out-projection (``nn.intercept_methods``), cut to ``positions`` and
+  projected by its own rows of the kernel."""
+  count = model.config.heads_per_layer[layer]
+  block = EncoderBlock(model.config, count)
+  contexts = []
+
+  def intercept(next_fun, args, kwargs, context):
+    if (isinstance(context.module, nn.DenseGeneral)
+        and context.module.name == "out" and context.method_name == "__call__"
+        and isinstance(context.module.parent, MultiHeadAttention)):
+      contexts.append(args[0])
+      raise _Captured  # The rest of the block is not needed (nor traced).
+    return next_fun(*args, **kwargs)
+  with nn.intercept_methods(intercept), contextlib.suppress(_Captured):
+    block.apply({"params": params[f"layer_{layer}"]}, x, attention_mask,
+                jnp.ones((count,), x.dtype), deterministic=True,
+                return_weights=False)
+  (ctx,) = contexts  # [B, T, H, Dh]
+  ctx = ctx.reshape((-1,) + ctx.shape[-2:])[positions]  # [P, H, Dh]
+  out = params[f"layer_{layer}"]["attention"]["out"]
+  dtype = model.config.compute_dtype  # As the out-projection computes.
+  bias = out["bias"].astype(dtype)
+  heads = jnp.einsum("phd,hde->hpe", ctx.astype(dtype),
+                     out["kernel"].astype(dtype)) + bias[None, None]
+  base = jnp.broadcast_to(bias[None], heads.shape[1:])
+  return base, heads - bias[None, None]
+
+
+def _inverse_positions(positions: Array, weights: Array, size: int) -> Array:
+  """``[size]``: for each flat position of the batch, its index in
+  ``positions`` (a valid one), or ``len(positions)`` (padding)."""
+  count = positions.shape[0]
+  index = jnp.where(weights > 0, positions, size)
+  return jnp.full((size,), count, jnp.int32).at[index].set(
+      jnp.arange(count, dtype=jnp.int32), mode="drop")
+
+
+def _run_block_at(model: Transformer, params: Params, layer: int, x: Array,
+                  attention_mask: Array, layer_mask: Array,
+                  shift: Array | None, positions: Array,
+                  inverse: Array) -> Array:
+  """:func:`run_block` (zero ablation), with all that follows the
+  attention's context (the out-projection, the residuals, the MLP) run on
+  the flat ``positions`` only: the same numbers there, zeros at every other
+  position (padding, which the next block's attention masks)."""
+  count = model.config.heads_per_layer[layer]
+  block = EncoderBlock(model.config, count)
+  block_params = {"params": _block_params(model, params, layer, layer_mask,
+                                          shift)}
+  outs = []
+
+  def capture(next_fun, args, kwargs, context):
+    if (isinstance(context.module, nn.DenseGeneral)
+        and context.module.name == "out" and context.method_name == "__call__"
+        and isinstance(context.module.parent, MultiHeadAttention)):
+      ctx = args[0]  # [B, T, H, Dh], gated
+      out = next_fun(ctx.reshape((-1,) + ctx.shape[-2:])[positions],
+                     *args[1:], **kwargs)  # [P, D]
+      outs.append(out)
+      raise _Captured  # The rest of the block is not needed (nor traced).
+    return next_fun(*args, **kwargs)
+  with nn.intercept_methods(capture), contextlib.suppress(_Captured):
+    block.apply(block_params, x, attention_mask, layer_mask,
+                deterministic=True, return_weights=False)
+  (out,) = outs
+
+  def replace(next_fun, args, kwargs, context):
+    if (isinstance(context.module, MultiHeadAttention)
+        and context.method_name == "__call__"):
+      return out[None].astype(args[0].dtype), None
+    return next_fun(*args, **kwargs)
+  residual = x.reshape(-1, x.shape[-1])[positions][None]  # [1, P, D]
+  with nn.intercept_methods(replace):
+    y, _ = block.apply(block_params, residual, None, layer_mask,
+                       deterministic=True, return_weights=False)
+  y = jnp.concatenate([y[0], jnp.zeros((1, y.shape[-1]), y.dtype)])
+  return y[inverse].reshape(x.shape)
+
+
 def _last_layer_sums(model: Transformer, params: Params, xs: Array,
                      attention_mask: Array, codes: Array, positions: Array,
                      weights: Array, targets: Array, tokens: Array,
@@ -195,9 +287,13 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
   sublayer's output is affine in the head mask (the mask gates each head's
   context before the out-projection; mean ablation's bias shift is affine
   too), so it is computed for the empty mask and each single head, once per
-  prefix, and combined per mask by one matmul. What follows it (residual,
-  MLP, norms, read-out) acts on each position alone and runs only on the
-  valid positions (``positions`` ``[P]`` into the flattened batch, padded
+  prefix, and combined per mask. Under zero ablation each head's part is
+  its own context through its own rows of the out-projection, on the valid
+  positions only (:func:`_head_outputs`); otherwise the block's attention
+  runs under the empty and each single-head mask
+  (:func:`attention_outputs`). What follows it (residual, MLP, norms,
+  read-out) acts on each position alone and runs only on the valid
+  positions (``positions`` ``[P]`` into the flattened batch, padded
   with ``weights`` 0): the block's own code, with its attention replaced by
   the combined output (``nn.intercept_methods``).
   """
@@ -212,14 +308,25 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
   flat_targets = targets.reshape(-1)[positions]
 
   def per_prefix(x):
-    outs = attention_outputs(model, params, layer, x, attention_mask, basis,
-                             shift, added)  # [1 + H, B, T, D]
-    outs = outs.reshape(outs.shape[:1] + (-1, outs.shape[-1]))[:, positions]
-    base, heads = outs[0], outs[1:] - outs[:1]  # [P, D], [H, P, D]
+    if shift is None and added is None:
+      base, heads = _head_outputs(model, params, layer, x, attention_mask,
+                                  positions)  # [P, D], [H, P, D]
+    else:
+      outs = attention_outputs(model, params, layer, x, attention_mask,
+                               basis, shift, added)  # [1 + H, B, T, D]
+      outs = outs.reshape(outs.shape[:1] + (-1, outs.shape[-1]))[:,
+                                                                 positions]
+      base, heads = outs[0], outs[1:] - outs[:1]  # [P, D], [H, P, D]
     residual = x.reshape(-1, x.shape[-1])[positions][None]  # [1, P, D]
 
     def per_mask(m):
-      added = base + jnp.tensordot(m, heads, axes=1)  # [P, D]
+      # m @ heads, written out: the masks are 0 or 1, so this is the
+      # matmul's sum in its order (bitwise the same), fused into the
+      # residual's addition instead of a matmul and a transposition.
+      combined = m[0] * heads[0]
+      for h in range(1, count):
+        combined = combined + m[h] * heads[h]
+      added = base + combined  # [P, D]
 
       def intercept(next_fun, args, kwargs, context):
         if (isinstance(context.module, MultiHeadAttention)
@@ -264,7 +371,11 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
   None. ``positions`` ``[P]`` (flat indices of the batch's valid positions,
   padded, with ``position_weights`` 1 for a valid one and 0 for padding):
   the last layer runs the fast way (:func:`_last_layer_sums`, the same
-  sums to float32 rounding), else as every other layer. ``ablation``
+  sums to float32 rounding), and every other layer with heads, unless
+  ``ablation`` intercepts it, runs what follows its attention on the valid
+  positions only (:func:`_run_block_at`; the same to float32 rounding: XLA's
+  LayerNorm rounds by the number of rows); else as every other layer.
+  ``ablation``
   (aligned with ``inputs``): each removed head replaced as
   :mod:`mha.pruning.ablation` says.
 
@@ -281,6 +392,8 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
   fast = positions is not None and cfg.heads_per_layer[-1] > 0
   added = (ablation.layer_shifts(model, params) if ablation is not None
            else [None] * cfg.num_layers)
+  if fast:
+    inverse = _inverse_positions(positions, position_weights, inputs.size)
   sizes = []
   for layer, count in enumerate(cfg.heads_per_layer):
     codes = (jnp.asarray(first_codes) if layer == 0 and first_codes is not None
@@ -294,9 +407,14 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
           added[layer])
       per_subset = tuple(v.reshape((-1,) + v.shape[2:]) for v in per_subset)
       break
-    run = functools.partial(
-        run_block, model, params, layer, attention_mask=attention_mask,
-        shift=shift, added=added[layer])
+    if fast and added[layer] is None and count:
+      run = functools.partial(
+          _run_block_at, model, params, layer, attention_mask=attention_mask,
+          shift=shift, positions=positions, inverse=inverse)
+    else:
+      run = functools.partial(
+          run_block, model, params, layer, attention_mask=attention_mask,
+          shift=shift, added=added[layer])
     per_prefix = lambda x, run=run, codes=codes: jax.vmap(
         lambda m: run(x=x, layer_mask=m))(codes)
     xs = jax.vmap(per_prefix)(xs).reshape((-1,) + xs.shape[1:])
@@ -334,19 +452,46 @@ _subset_sums = jax.jit(_sums, static_argnames=("model", "per_example"))
 #: optimization level 1 compiled the 12-head program in 0.94 s of CPU instead
 #: of 1.34 s, bitwise the same sums (20 calls each on the trained `deep` and
 #: `reverse` models), calls within noise (17 ms of CPU each; the matrix
-#: products are library kernels at either level).
-STREAMED_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
+#: products are library kernels at either level). XLA's older loop emitters
+#: (``xla_cpu_use_fusion_emitters`` off) compile it in 0.71-0.86 s of CPU
+#: instead of 1.07-1.25 s (3 rounds each, alternating, on 2 busy cores; the
+#: program after the per-head change of the last layer), bitwise the same
+#: sums on `deep`, calls within noise (the median of 7 alternating rounds'
+#: fastest 20 calls 15.8 ms of CPU a call against 16.0 ms).
+STREAMED_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1,
+                             "xla_cpu_use_fusion_emitters": False}
+#: The options used where this jaxlib does not know one of
+#: :data:`STREAMED_COMPILER_OPTIONS` (XLA's debug options come and go).
+STREAMED_FALLBACK_OPTIONS = {"xla_backend_optimization_level": 1}
 _streamed_subset_sums = jax.jit(_sums, static_argnames=("model", "per_example"),
                                 compiler_options=STREAMED_COMPILER_OPTIONS)
+_streamed = {"program": _streamed_subset_sums}
+
+
+def _streamed_call(*args):
+  """:data:`_streamed_subset_sums` on ``args``; if XLA refuses one of its
+  options (another jaxlib), the program compiled with
+  :data:`STREAMED_FALLBACK_OPTIONS` from then on."""
+  try:
+    return _streamed["program"](*args)
+  except jax.errors.JaxRuntimeError as e:
+    if ("compile option" not in str(e)
+        or _streamed["program"] is not _streamed_subset_sums):
+      raise
+    _streamed["program"] = jax.jit(
+        _sums, static_argnames=("model", "per_example"),
+        compiler_options=STREAMED_FALLBACK_OPTIONS)
+    return _streamed["program"](*args)
 
 
 def _streamed_program():
-  """The jitted program of :func:`subset_totals`: compiled with
-  :data:`STREAMED_COMPILER_OPTIONS`, unless ``jax_disable_most_optimizations``
-  already asks for less (as the tests do)."""
+  """The program of :func:`subset_totals`: compiled with
+  :data:`STREAMED_COMPILER_OPTIONS` (:func:`_streamed_call`), unless
+  ``jax_disable_most_optimizations`` already asks for less (as the tests
+  do)."""
   if jax.config.read("jax_disable_most_optimizations"):
     return _subset_sums
-  return _streamed_subset_sums
+  return _streamed_call
 
 
 # --------------------------------------------------------------------------
