@@ -183,6 +183,15 @@ def attention_outputs(model: Transformer, params: Params, layer: int,
   return jax.vmap(one)(masks)
 
 
+def _is_attention_out(context: nn.module.InterceptorContext) -> bool:
+  """Whether an interceptor's ``context`` is the call of a
+  :class:`MultiHeadAttention`'s out-projection (its argument: the heads'
+  contexts ``[..., T, H, Dh]``)."""
+  return (isinstance(context.module, nn.DenseGeneral)
+          and context.module.name == "out" and context.method_name == "__call__"
+          and isinstance(context.module.parent, MultiHeadAttention))
+
+
 class _Captured(Exception):
   """Raised by an interceptor that has captured what it was after, to stop
   the rest of a block from being traced; caught right around the apply."""
@@ -203,9 +212,7 @@ def _head_outputs(model: Transformer, params: Params, layer: int, x: Array,
   contexts = []
 
   def intercept(next_fun, args, kwargs, context):
-    if (isinstance(context.module, nn.DenseGeneral)
-        and context.module.name == "out" and context.method_name == "__call__"
-        and isinstance(context.module.parent, MultiHeadAttention)):
+    if _is_attention_out(context):
       contexts.append(args[0])
       raise _Captured  # The rest of the block is not needed (nor traced).
     return next_fun(*args, **kwargs)
@@ -248,9 +255,7 @@ def _run_block_at(model: Transformer, params: Params, layer: int, x: Array,
   outs = []
 
   def capture(next_fun, args, kwargs, context):
-    if (isinstance(context.module, nn.DenseGeneral)
-        and context.module.name == "out" and context.method_name == "__call__"
-        and isinstance(context.module.parent, MultiHeadAttention)):
+    if _is_attention_out(context):
       ctx = args[0]  # [B, T, H, Dh], gated
       out = next_fun(ctx.reshape((-1,) + ctx.shape[-2:])[positions],
                      *args[1:], **kwargs)  # [P, D]
