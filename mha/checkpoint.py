@@ -370,8 +370,7 @@ class TrainCheckpoints:
         raise
       self._unverified = None
       if sharding_lib.is_main_process():
-        for tmp in glob.glob(f"{self.step_path(step)}.orbax-checkpoint-tmp*"):
-          shutil.rmtree(tmp, ignore_errors=True)
+        _remove_settled(f"{self.step_path(step)}.orbax-checkpoint-tmp*")
       self._manager.reload()
       raise write_failures.WriteFailure(
           code, f"saving checkpoint {step} in {self.directory}") from e
@@ -389,6 +388,30 @@ class TrainCheckpoints:
     finally:
       self._manager.close()
       self._unlogged.close()
+
+
+#: How often :func:`_remove_settled` removes a failed save's temporary
+#: folder, and the pause between its looks (about 2 s at most, on a failed
+#: save only).
+_SETTLE_LOOKS, _SETTLE_PAUSE_S = 100, 0.02
+
+
+def _remove_settled(pattern: str) -> None:
+  """Removes the folders matching ``pattern`` until none has come back for
+  three looks in a row. Orbax reports a failed write while tensorstore still
+  finishes the save's other writes, and removing the folder frees the space
+  they lacked, so one of them can create it again (a full disk left a
+  ``<step>.orbax-checkpoint-tmp`` behind in one of four runs of the
+  suite on 2 cores)."""
+  quiet = 0
+  for _ in range(_SETTLE_LOOKS):
+    found = glob.glob(pattern)
+    for path in found:
+      shutil.rmtree(path, ignore_errors=True)
+    quiet = 0 if found else quiet + 1
+    if quiet == 3:
+      return
+    time.sleep(_SETTLE_PAUSE_S)
 
 
 def config_to_json(config: ml_collections.ConfigDict) -> str:
