@@ -390,15 +390,15 @@ class TrainCheckpoints:
       self._unlogged.close()
 
 
-#: How often :func:`_remove_settled` removes a failed save's temporary
-#: folder, and the pause between its looks (about 2 s at most, on a failed
-#: save only).
-_SETTLE_LOOKS, _SETTLE_PAUSE_S = 100, 0.02
+#: :func:`_remove_settled`: its looks at most, the looks in a row that must
+#: find nothing, and the pause between looks (0.2 s to 2 s, on a failed save
+#: only).
+_SETTLE_LOOKS, _SETTLE_QUIET, _SETTLE_PAUSE_S = 100, 10, 0.02
 
 
 def _remove_settled(pattern: str) -> None:
   """Removes the folders matching ``pattern`` until none has come back for
-  three looks in a row. Orbax reports a failed write while tensorstore still
+  :data:`_SETTLE_QUIET` looks in a row. Orbax reports a failed write while tensorstore still
   finishes the save's other writes, and removing the folder frees the space
   they lacked, so one of them can create it again (a full disk left a
   ``<step>.orbax-checkpoint-tmp`` behind in one of four runs of the
@@ -409,7 +409,7 @@ def _remove_settled(pattern: str) -> None:
     for path in found:
       shutil.rmtree(path, ignore_errors=True)
     quiet = 0 if found else quiet + 1
-    if quiet == 3:
+    if quiet == _SETTLE_QUIET:
       return
     time.sleep(_SETTLE_PAUSE_S)
 
