@@ -81,7 +81,6 @@ def test_subsets_equal_masked_models(kwargs):
                                 examples["correct"].sum(-1))
 
 
-@pytest.mark.slow  # seconds of compiling: the full suite only
 def test_streamed_program_falls_back_where_an_option_is_unknown(monkeypatch):
   """Where XLA does not know one of STREAMED_COMPILER_OPTIONS (another
   jaxlib), the streamed program is compiled with STREAMED_FALLBACK_OPTIONS
@@ -103,6 +102,7 @@ def test_streamed_program_falls_back_where_an_option_is_unknown(monkeypatch):
                                 [2, 2, 2])
 
 
+@pytest.mark.slow  # seconds of compiling: the full suite only
 def test_streamed_oracle_equals_the_per_example_table():
   """The streamed oracle (sums over the examples only, O(2**N) memory, the
   last layer reformulated: see ``oracle._last_layer_sums``) is the oracle of
