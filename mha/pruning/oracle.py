@@ -192,6 +192,17 @@ def _is_attention_out(context: nn.module.InterceptorContext) -> bool:
           and isinstance(context.module.parent, MultiHeadAttention))
 
 
+def _attention_replaced_by(output: Array):
+  """An interceptor under which a block applied to rows ``[1, P, D]`` takes
+  ``output`` ``[P, D]`` as its attention sublayer's output (no weights)."""
+  def intercept(next_fun, args, kwargs, context):
+    if (isinstance(context.module, MultiHeadAttention)
+        and context.method_name == "__call__"):
+      return output[None].astype(args[0].dtype), None
+    return next_fun(*args, **kwargs)
+  return intercept
+
+
 class _Captured(Exception):
   """Raised by an interceptor that has captured what it was after, to stop
   the rest of a block from being traced; caught right around the apply."""
@@ -267,13 +278,8 @@ def _run_block_at(model: Transformer, params: Params, layer: int, x: Array,
                 deterministic=True, return_weights=False)
   (out,) = outs
 
-  def replace(next_fun, args, kwargs, context):
-    if (isinstance(context.module, MultiHeadAttention)
-        and context.method_name == "__call__"):
-      return out[None].astype(args[0].dtype), None
-    return next_fun(*args, **kwargs)
   residual = x.reshape(-1, x.shape[-1])[positions][None]  # [1, P, D]
-  with nn.intercept_methods(replace):
+  with nn.intercept_methods(_attention_replaced_by(out)):
     y, _ = block.apply(block_params, residual, None, layer_mask,
                        deterministic=True, return_weights=False)
   y = jnp.concatenate([y[0], jnp.zeros((1, y.shape[-1]), y.dtype)])
@@ -333,12 +339,8 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
         combined = combined + m[h] * heads[h]
       added = base + combined  # [P, D]
 
-      def intercept(next_fun, args, kwargs, context):
-        if (isinstance(context.module, MultiHeadAttention)
-            and context.method_name == "__call__"):
-          return added[None].astype(args[0].dtype), None
-        return next_fun(*args, **kwargs)
-      with nn.intercept_methods(intercept):  # (shift: already in `added`)
+      # (shift: already in `added`)
+      with nn.intercept_methods(_attention_replaced_by(added)):
         y, _ = block.apply({"params": params[f"layer_{layer}"]}, residual,
                            None, m, deterministic=True, return_weights=False)
       logits = _readout(model, params, y)[0].astype(jnp.float32)  # [P, V]
