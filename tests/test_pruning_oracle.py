@@ -160,6 +160,37 @@ def test_streamed_oracle_equals_the_per_example_table():
       oracle.subset_values(old), config)[3][0].tolist()
 
 
+def test_dispatch_threads_leave_the_sums_bitwise_and_raise_a_calls_error(
+    monkeypatch):
+  """``subset_totals`` runs its calls on ``DISPATCH_THREADS`` threads and
+  adds their sums in call order: the totals are bitwise those of one
+  thread; a call's error reaches the caller (no hang, no partial sums)."""
+  config = TransformerConfig(vocab_size=7, num_layers=2, num_heads=2,
+                             d_model=8, mlp_dim=8, max_len=5)
+  model, params, split = _random_model(config, n=30)
+  # 4 examples and one mask of layer 0 a call: 8 batches x 4 chunks.
+  kwargs = dict(batch_size=4, rows=16)
+  assert oracle.call_shape(config, 4, 16) == (4, 1)
+  totals = {}
+  for threads in (1, 2, 3):
+    monkeypatch.setattr(oracle, "DISPATCH_THREADS", threads)
+    totals[threads] = oracle.subset_totals(model, params, split, **kwargs)
+  for threads in (2, 3):
+    for key, value in totals[1].items():
+      np.testing.assert_array_equal(totals[threads][key], value)
+  program = oracle._streamed_program()
+  calls = []
+
+  def failing(*args):
+    calls.append(None)
+    if len(calls) == 5:
+      raise FloatingPointError("the fifth call")
+    return program(*args)
+  monkeypatch.setattr(oracle, "_streamed_program", lambda: failing)
+  with pytest.raises(FloatingPointError, match="the fifth call"):
+    oracle.subset_totals(model, params, split, **kwargs)
+
+
 @pytest.mark.parametrize("heads, batch_size, rows, want", [
     ((4, 4), 1000, 8192, (512, 1)),  # examples first: one mask of layer 0
     ((4, 4), 8, 8192, (8, 16)),      # a small batch: all 16 masks a call

@@ -31,6 +31,8 @@ the candidates per number of heads removed (:data:`ORACLE_CANDIDATES`,
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import functools
 import math
@@ -63,6 +65,12 @@ ROWS_PER_CALL = 1 << 12
 #: Calls of :func:`subset_totals` dispatched ahead of the one whose sums
 #: the host adds up.
 IN_FLIGHT = 2
+#: Threads that run :func:`subset_totals`'s calls, each waiting for its own
+#: call's sums: two calls then run at once, filling the gaps one call leaves
+#: in XLA's intra-op threads (on 2 CPU cores, 12 heads: the 1,008 calls in
+#: 8.0-9.0 s instead of 9.3-11.1 s, 4 alternating pairs, bitwise the same
+#: sums; docs/pruning.md, "The oracle's cost").
+DISPATCH_THREADS = 2
 #: Rows of one call of the per-example table (:func:`evaluate_subsets` with
 #: ``per_example``), the shapes it has always had.
 TABLE_ROWS_PER_CALL = 1 << 13
@@ -617,31 +625,40 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
   host = [balanced.inputs[b * examples:(b + 1) * examples]
           for b in range(num_batches)]
   width = max(1, max(int(np.sum(h != 0)) for h in host))
-  pending: list[tuple[int, dict[str, Array]]] = []
   progress = Tenths(log, "subsets", num_batches, PROGRESS_AFTER_S)
 
-  def collect(depth: int) -> None:
-    """Adds the oldest calls' sums while more than ``depth`` are pending:
-    later calls run while the host adds up earlier ones."""
-    while len(pending) > depth:
-      start, out = pending.pop(0)
-      out = jax.device_get(out)
-      for key, total in totals.items():
-        block = np.sum(np.asarray(out[key], np.float64), axis=-1)
-        total[:, start:start + chunk] += block.reshape(rest, chunk)
+  def add(start: int, out: dict[str, np.ndarray]) -> None:
+    """Adds one call's sums over its examples to the totals (float64)."""
+    for key, total in totals.items():
+      block = np.sum(np.asarray(out[key], np.float64), axis=-1)
+      total[:, start:start + chunk] += block.reshape(rest, chunk)
 
   program = _streamed_program()
-  for b, (inputs, targets, abl) in enumerate(
-      ablation_lib.batched(balanced, examples, ablation)):
-    positions, weights = _valid_positions(host[b], width)
-    for start in range(0, first, chunk):
-      pending.append((start, program(
-          model, params, inputs, targets, True, bias_shifts,
-          None if chunk == first else codes[start:start + chunk],
-          positions, weights, abl)))
-      collect(IN_FLIGHT)
-    progress(b + 1, f"batches of {examples} examples")
-  collect(0)
+  run = lambda args: jax.device_get(program(*args))
+  # The first call compiles (and settles _streamed_call's fallback) alone;
+  # then DISPATCH_THREADS threads run the calls, IN_FLIGHT each ahead of the
+  # oldest, whose sums the host adds in call order (the totals do not depend
+  # on the threads).
+  pending: collections.deque = collections.deque()
+  with concurrent.futures.ThreadPoolExecutor(DISPATCH_THREADS) as pool:
+    for b, (inputs, targets, abl) in enumerate(
+        ablation_lib.batched(balanced, examples, ablation)):
+      positions, weights = _valid_positions(host[b], width)
+      for start in range(0, first, chunk):
+        args = (model, params, inputs, targets, True, bias_shifts,
+                None if chunk == first else codes[start:start + chunk],
+                positions, weights, abl)
+        if b == 0 and start == 0:
+          add(start, run(args))
+          continue
+        pending.append((start, pool.submit(run, args)))
+        while len(pending) > DISPATCH_THREADS * IN_FLIGHT:
+          done_start, future = pending.popleft()
+          add(done_start, future.result())
+      progress(b + 1, f"batches of {examples} examples")
+    while pending:
+      done_start, future = pending.popleft()
+      add(done_start, future.result())
   out = {k: v.reshape(-1) for k, v in totals.items()}
   return {**out, **{k: np.full(2 ** n, v) for k, v in counts.items()}}
 
