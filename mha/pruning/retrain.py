@@ -131,6 +131,14 @@ def _step(model, hyper, params, opt_state, last_loss, masks, rates, active,
   return jax.lax.fori_loop(0, active, body, (params, opt_state, last_loss))
 
 
+@functools.partial(jax.jit, static_argnames="hyper")
+def _fresh_opt_state(params, hyper):
+  """A fresh optimizer state for each of the stacked ``params`` (one
+  program; vmapped op by op, each leaf's shape compiled its own)."""
+  config = ml_collections.ConfigDict(dict(hyper))
+  return jax.vmap(build.make_optimizer(config, lambda count: 0.0).init)(params)
+
+
 #: Stacks are padded to a multiple of this many models and the learning
 #: rate tables to a multiple of this many steps, so that every arm and seed
 #: runs the same compiled program (padding costs no compute).
@@ -175,12 +183,12 @@ def finetune_masked(model: Transformer, params: Params, masks: np.ndarray,
   # Laid out as the step's outputs will be (replicated): one compilation.
   replicated = sharding_lib.replicated(sharding_lib.make_mesh())
   put = lambda x: jax.device_put(x, replicated)
+  hyper = tuple((k, config[k]) for k in _HYPER)
   params = put(jax.tree.map(padded, params))
-  opt_state = put(jax.vmap(build.make_optimizer(config).init)(params))
+  opt_state = put(_fresh_opt_state(params, hyper))
   last_loss = put(np.full(size, np.nan, np.float32))
   masks = put(padded(np.asarray(masks, np.float32)))
   rates = put(padded(rates, 0))
-  hyper = tuple((k, config[k]) for k in _HYPER)
   rng = jax.random.key(config.seed)
   start = time.perf_counter()
   for step in range(total):
@@ -192,9 +200,10 @@ def finetune_masked(model: Transformer, params: Params, masks: np.ndarray,
         step, batch["inputs"], batch["targets"], rng)
     if (step + 1) % max(total // 4, 1) == 0:
       log(f"    retraining {count} models, step {step + 1}/{total}: "
-          f"mean loss {float(jnp.mean(last_loss[:count])):.4f}")
+          f"mean loss {float(np.mean(np.asarray(last_loss)[:count])):.4f}")
   back = np.argsort(order)
-  params = jax.tree.map(lambda x: x[:count][back], params)
+  # On the host: as device ops, each leaf's shape would compile two programs.
+  params = jax.tree.map(lambda x: np.asarray(x)[:count][back], params)
   return params, {"seconds": time.perf_counter() - start,
                   "final_loss": np.asarray(last_loss, np.float64)[:count][
                       back]}
@@ -203,7 +212,14 @@ def finetune_masked(model: Transformer, params: Params, masks: np.ndarray,
 def fresh_params(model: Transformer, seeds: np.ndarray) -> Params:
   """Stacked fresh parameters, one set per seed (``[R, ...]``)."""
   keys = jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
-  return jax.jit(jax.vmap(lambda k: build.init_params(model, k)))(keys)
+  return _fresh(model, keys)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _fresh(model: Transformer, keys: jax.Array) -> Params:
+  """:func:`build.init_params` for each of ``keys``, compiled once per
+  architecture and count."""
+  return jax.vmap(lambda k: build.init_params(model, k))(keys)
 
 
 #: ``build.init_params`` compiled once per architecture (eager
@@ -301,9 +317,10 @@ def scratch_b_steps(config: TransformerConfig, mask: np.ndarray, *,
 
 
 def stack(params: Params, count: int) -> Params:
-  """``count`` copies of ``params`` along a new leading axis."""
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (count,) + x.shape),
-                      params)
+  """``count`` copies of ``params`` along a new leading axis (host arrays,
+  read-only views: nothing is compiled)."""
+  return jax.tree.map(
+      lambda x: np.broadcast_to(np.asarray(x), (count,) + np.shape(x)), params)
 
 
 @functools.partial(jax.jit, static_argnames="model")
