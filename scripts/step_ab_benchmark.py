@@ -130,14 +130,18 @@ def measure(windows: int, calls: int, retrain_models: int) -> dict:
   info["step_ms"] = _time(compiled, (state, batch, rng), windows, calls)
   out["train_step"] = info
   if retrain_models:
-    optimizer = build.make_optimizer(config)
-    params = retrain.stack(state.params, retrain_models)
+    # retrain._step's arguments: every model active, a constant rate.
+    hyper = tuple((k, config[k]) for k in retrain._HYPER)  # pylint: disable=protected-access
+    params = jax.tree.map(jnp.asarray,
+                          retrain.stack(state.params, retrain_models))
+    opt_state = jax.vmap(build.make_optimizer(config).init)(params)
     masks = jnp.asarray(np.random.RandomState(0).rand(
         retrain_models, config.model.num_layers, config.model.num_heads)
                         > 0.3, jnp.float32)
-    args = (params, jax.vmap(optimizer.init)(params), masks,
-            batch["inputs"], batch["targets"], rng)
-    inner = functools.partial(retrain._step.__wrapped__, model, optimizer)  # pylint: disable=protected-access
+    rates = jnp.full((retrain_models, 8), config.learning_rate, jnp.float32)
+    args = (params, opt_state, jnp.zeros(retrain_models, jnp.float32), masks,
+            rates, retrain_models, 0, batch["inputs"], batch["targets"], rng)
+    inner = functools.partial(retrain._step.__wrapped__, model, hyper)  # pylint: disable=protected-access
     compiled, rinfo = {}, {}
     for name in VARIANTS:
       compiled[name], rinfo[name] = _compile(inner, args, name)
