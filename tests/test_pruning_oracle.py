@@ -164,7 +164,8 @@ def test_dispatch_threads_leave_the_sums_bitwise_and_raise_a_calls_error(
     monkeypatch):
   """``subset_totals`` runs its calls on ``DISPATCH_THREADS`` threads and
   adds their sums in call order: the totals are bitwise those of one
-  thread; a call's error reaches the caller (no hang, no partial sums)."""
+  thread, also under a thread-local setting of the caller (x64); a call's
+  error reaches the caller (no hang, no partial sums)."""
   config = TransformerConfig(vocab_size=7, num_layers=2, num_heads=2,
                              d_model=8, mlp_dim=8, max_len=5)
   model, params, split = _random_model(config, n=30)
@@ -178,6 +179,17 @@ def test_dispatch_threads_leave_the_sums_bitwise_and_raise_a_calls_error(
   for threads in (2, 3):
     for key, value in totals[1].items():
       np.testing.assert_array_equal(totals[threads][key], value)
+  # Under a thread-local setting of the caller's the threads run the
+  # executable the caller's thread compiled (oracle._pinned). (On this model
+  # x64 does not change the sums, so this checks that path runs and agrees,
+  # not that an unpinned thread would differ.)
+  with jax.enable_x64(True):
+    for threads in (1, 2):
+      monkeypatch.setattr(oracle, "DISPATCH_THREADS", threads)
+      totals[f"x64-{threads}"] = oracle.subset_totals(model, params, split,
+                                                      **kwargs)
+  for key, value in totals["x64-1"].items():
+    np.testing.assert_array_equal(totals["x64-2"][key], value)
   program = oracle._streamed_program()
   calls = []
 

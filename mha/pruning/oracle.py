@@ -37,7 +37,7 @@ import contextlib
 import functools
 import math
 import os
-from typing import Mapping
+from typing import Callable, Mapping
 
 import flax.linen as nn
 import jax
@@ -636,9 +636,9 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
   program = _streamed_program()
   run = lambda args: jax.device_get(program(*args))
   # The first call compiles (and settles _streamed_call's fallback) alone;
-  # then DISPATCH_THREADS threads run the calls, IN_FLIGHT each ahead of the
-  # oldest, whose sums the host adds in call order (the totals do not depend
-  # on the threads).
+  # then DISPATCH_THREADS threads run that very executable (_pinned), IN_FLIGHT
+  # each ahead of the oldest call, whose sums the host adds in call order
+  # (the totals do not depend on the threads).
   pending: collections.deque = collections.deque()
   with concurrent.futures.ThreadPoolExecutor(DISPATCH_THREADS) as pool:
     for b, (inputs, targets, abl) in enumerate(
@@ -650,6 +650,7 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
                 positions, weights, abl)
         if b == 0 and start == 0:
           add(start, run(args))
+          run = _pinned(program, args)
           continue
         pending.append((start, pool.submit(run, args)))
         while len(pending) > DISPATCH_THREADS * IN_FLIGHT:
@@ -661,6 +662,23 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
       add(done_start, future.result())
   out = {k: v.reshape(-1) for k, v in totals.items()}
   return {**out, **{k: np.full(2 ** n, v) for k, v in counts.items()}}
+
+
+def _pinned(program, args: tuple) -> Callable[[tuple], dict[str, np.ndarray]]:
+  """A function of a call's ``args`` (shaped as ``args``) that runs the
+  executable ``program`` compiled for ``args`` on this thread (jit's caches
+  hold it: nothing is compiled again) and fetches its sums. The threads of
+  :func:`subset_totals` call it, so they run exactly that program whatever
+  their own thread-local JAX settings (``jax.enable_x64``,
+  ``jax.default_device`` and the like do not reach other threads). Where
+  ``program`` is not a ``jax.jit`` (a test's stand-in), ``program`` itself."""
+  jitted = _streamed["program"] if program is _streamed_call else program
+  if not hasattr(jitted, "lower"):
+    return lambda a: jax.device_get(program(*a))
+  compiled = jitted.lower(*args).compile()
+  # An executable takes the arguments but the static ones (_sums' model and
+  # per_example, at positions 0 and 4).
+  return lambda a: jax.device_get(compiled(*a[1:4], *a[5:]))
 
 
 def _balanced(split: data.Split, examples: int) -> data.Split:
