@@ -190,15 +190,19 @@ def test_dispatch_threads_leave_the_sums_bitwise_and_raise_a_calls_error(
                                                       **kwargs)
   for key, value in totals["x64-1"].items():
     np.testing.assert_array_equal(totals["x64-2"][key], value)
-  program = oracle._streamed_program()
+  pinned = oracle._pinned
   calls = []
 
-  def failing(*args):
-    calls.append(None)
-    if len(calls) == 5:
-      raise FloatingPointError("the fifth call")
-    return program(*args)
-  monkeypatch.setattr(oracle, "_streamed_program", lambda: failing)
+  def failing_pinned(program, args):
+    run = pinned(program, args)
+
+    def failing(a):
+      calls.append(None)
+      if len(calls) == 5:
+        raise FloatingPointError("the fifth call")
+      return run(a)
+    return failing
+  monkeypatch.setattr(oracle, "_pinned", failing_pinned)
   with pytest.raises(FloatingPointError, match="the fifth call"):
     oracle.subset_totals(model, params, split, **kwargs)
 

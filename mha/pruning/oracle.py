@@ -670,11 +670,9 @@ def _pinned(program, args: tuple) -> Callable[[tuple], dict[str, np.ndarray]]:
   hold it: nothing is compiled again) and fetches its sums. The threads of
   :func:`subset_totals` call it, so they run exactly that program whatever
   their own thread-local JAX settings (``jax.enable_x64``,
-  ``jax.default_device`` and the like do not reach other threads). Where
-  ``program`` is not a ``jax.jit`` (a test's stand-in), ``program`` itself."""
+  ``jax.default_device`` and the like do not reach other threads)."""
+  # _streamed_call's jit, as its first call settled it (the fallback).
   jitted = _streamed["program"] if program is _streamed_call else program
-  if not hasattr(jitted, "lower"):
-    return lambda a: jax.device_get(program(*a))
   compiled = jitted.lower(*args).compile()
   # An executable takes the arguments but the static ones (_sums' model and
   # per_example, at positions 0 and 4).

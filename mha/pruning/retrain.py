@@ -133,8 +133,9 @@ def _step(model, hyper, params, opt_state, last_loss, masks, rates, active,
 
 @functools.partial(jax.jit, static_argnames="hyper")
 def _fresh_opt_state(params, hyper):
-  """A fresh optimizer state for each of the stacked ``params`` (one
-  program; vmapped op by op, each leaf's shape compiled its own)."""
+  """A fresh optimizer state for each of the stacked ``params``, as one
+  program (vmapped eagerly instead, each leaf's shape compiled programs of
+  its own)."""
   config = ml_collections.ConfigDict(dict(hyper))
   return jax.vmap(build.make_optimizer(config, lambda count: 0.0).init)(params)
 
