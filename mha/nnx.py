@@ -245,6 +245,7 @@ class MultiHeadAttention(nnx.Module):
       is_causal=False,
       out_sharding=None,
       qkv_sharding=None,
+      input_positions: Array | None = None,
       valid_lens: Array | None = None,
       head_mask: Array | None = None,
       return_weights: bool = True,
@@ -266,6 +267,10 @@ class MultiHeadAttention(nnx.Module):
       is_causal: query i sees keys ``<= i`` (from the top left).
       out_sharding, qkv_sharding: output shardings of the output and the
         query/key/value projections.
+      input_positions: positions ``[..., Lq]`` for an ``attention_fn`` that
+        takes them (Flax's ``dot_product_attention_with_rope``, flax >=
+        0.12.12), passed on as Flax's layer does; the default attention has
+        no positions and refuses them.
       valid_lens: integer ``[...]`` or ``[..., Lq]``: keys at positions
         ``>= valid_lens`` get zero weight.
       head_mask: float ``[H]`` or ``[..., H]`` gating each query head's
@@ -311,6 +316,11 @@ class MultiHeadAttention(nnx.Module):
     deterministic, dropout_rng = self._dropout(deterministic, rngs)
     want_weights = return_weights or sow_weights
     if self.attention_fn is att.dot_product_attention:
+      if input_positions is not None:
+        raise ValueError(
+            "`input_positions` is for an `attention_fn` that takes positions "
+            "(e.g. flax.nnx.dot_product_attention_with_rope); the default "
+            "attention has none.")
       context, weights = att._attend_heads(
           query, key, value, mask, kv_lengths, dropout_rng=dropout_rng,
           dropout_rate=self.dropout_rate, deterministic=deterministic,
@@ -321,7 +331,7 @@ class MultiHeadAttention(nnx.Module):
     else:
       context, weights = self._custom_attention(
           query, key, value, mask, kv_lengths, deterministic, dropout_rng,
-          sow_weights)
+          sow_weights, input_positions)
     context = att._gate_heads(context, head_mask)
     out = self.out(context, out_sharding=out_sharding)
     return out, (weights if return_weights else None)
@@ -370,9 +380,13 @@ class MultiHeadAttention(nnx.Module):
   def _custom_attention(self, query: Array, key: Array, value: Array,
                         mask: Array | None, kv_lengths: Array | None,
                         deterministic: bool, dropout_rng: Array | None,
-                        sow_weights: bool) -> tuple[Array, Array | None]:
+                        sow_weights: bool, input_positions: Array | None = None
+                        ) -> tuple[Array, Array | None]:
     """Another ``attention_fn``, called with the keyword arguments Flax's
-    layer passes (the causal mask is already in ``mask``)."""
+    layer passes (the causal mask is already in ``mask``; ``input_positions``
+    only when given, as Flax does)."""
+    extra = {} if input_positions is None else {
+        "input_positions": input_positions}
     shape = query.shape[:-3] + (self.num_heads, query.shape[-3],
                                 key.shape[-3])
     result = self.attention_fn(
@@ -381,7 +395,7 @@ class MultiHeadAttention(nnx.Module):
         broadcast_dropout=self.broadcast_dropout,
         deterministic=deterministic, dtype=self.dtype,
         precision=self.precision, module=self if sow_weights else None,
-        is_causal=False)
+        is_causal=False, **extra)
     return result if isinstance(result, tuple) else (result, None)
 
   def init_cache(self, input_shape: tuple[int, ...],

@@ -22,7 +22,9 @@ of the same function loads what another test compiled. Results do not change
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
+import re
 import shutil
 from typing import Any
 
@@ -37,9 +39,17 @@ from typing import Any
 #   suite is mostly compiling, and they compile its small programs faster
 #   (measured 2026-11-25 on 2 cores, test_attention + test_model +
 #   test_pruning_oracle + test_train in one process: 39.8 s -> 24.6 s).
+#   jaxlib 0.11 removed the flag (an unknown flag in XLA_FLAGS aborts the
+#   process), so it is set only where jaxlib still has it.
+def _jaxlib_version() -> tuple[int, ...]:
+  version = importlib.metadata.version("jaxlib")
+  return tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+
+
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [
     os.environ.get("XLA_FLAGS", ""), "--xla_cpu_multi_thread_eigen=false",
-    "--xla_cpu_use_fusion_emitters=false"]))
+    "--xla_cpu_use_fusion_emitters=false"
+    if _jaxlib_version() < (0, 11) else ""]))
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import ml_collections  # noqa: E402

@@ -54,13 +54,20 @@ def _assert_equal(a, b):
 # ------------------------------------------------- constructor, call, state
 
 
+_NEWER_FLAX_ARGUMENTS = ("input_positions",)
+
+
 def test_every_flax_argument_with_its_default_and_every_attribute():
   for method, extra in (("__init__", []),
                         ("__call__", ["valid_lens", "head_mask",
                                       "return_weights"])):
     theirs = inspect.signature(getattr(nnx.MultiHeadAttention, method))
     ours = inspect.signature(getattr(mha_nnx.MultiHeadAttention, method))
-    assert list(ours.parameters) == list(theirs.parameters) + extra
+    # Arguments of newer Flax releases than the one installed (flax 0.12.12
+    # added input_positions) are ours already.
+    newer = [n for n in _NEWER_FLAX_ARGUMENTS if n not in theirs.parameters]
+    assert ([n for n in ours.parameters if n not in newer]
+            == list(theirs.parameters) + extra)
     for name, p in theirs.parameters.items():
       q = ours.parameters[name]
       assert q.kind == p.kind, name
@@ -126,6 +133,29 @@ def test_same_outputs_as_flax_gqa_cross_attention_causal_and_padding():
     assert weights.shape == (2, 4, 3, 5)
   np.testing.assert_allclose(fused, expected[-1], **TOL)
   assert none is None
+
+
+def test_input_positions_reach_an_attention_fn_that_takes_them():
+  seen = {}
+
+  def attention_fn(query, key, value, *, input_positions=None, **kwargs):
+    seen["positions"] = input_positions
+    return nnx.dot_product_attention(query, key, value, **kwargs)
+
+  ours, theirs = _both(num_heads=2, in_features=8, attention_fn=attention_fn)
+  x, positions = _x(2, 3, 8), jnp.array([[4., 5., 6.], [0., 1., 2.]])
+  out, weights = ours(x, decode=False, input_positions=positions)
+  np.testing.assert_array_equal(seen.pop("positions"), positions)
+  if _NEWER_FLAX_ARGUMENTS[0] in inspect.signature(
+      nnx.MultiHeadAttention.__call__).parameters:
+    np.testing.assert_allclose(
+        out, theirs(x, decode=False, input_positions=positions), **TOL)
+  assert weights is None  # the attention_fn returned no weights
+  ours(x, decode=False)
+  assert seen["positions"] is None  # not passed when not given
+  default, _ = _both(num_heads=2, in_features=8)
+  with pytest.raises(ValueError, match="input_positions"):
+    default(x, decode=False, input_positions=positions)
 
 
 def test_head_mask_and_the_linen_layer_on_the_same_parameters():
