@@ -109,6 +109,11 @@ def torch_device() -> tuple[Any, str | None]:
   if platform == "cpu":
     return torch, "cpu"
   if platform == "gpu" and torch.cuda.is_available():
+    # XLA's default float32 matrix products on a GPU are TF32; torch's are
+    # full float32 unless asked. The peer gets the same precision as ours.
+    torch.set_float32_matmul_precision(
+        "highest" if jax.config.jax_default_matmul_precision in (
+            "highest", "float32") else "high")
     return torch, "cuda"
   return None, f"torch {torch.__version__} cannot run on this {platform}"
 
@@ -135,7 +140,7 @@ def torch_layer(torch: Any, device: str, params: Any, shape: LayerShape,
 def _torch_calls(torch: Any, device: str, params: Any, x: Any,
                  shape: LayerShape, dtype: str) -> dict[str, Callable]:
   layer = torch_layer(torch, device, params, shape, dtype)
-  tx = torch.from_numpy(np.asarray(x, np.float32)).to(
+  tx = torch.from_numpy(np.array(x, np.float32)).to(
       device=device, dtype=getattr(torch, dtype)).requires_grad_(True)
   sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
@@ -355,9 +360,15 @@ def run(plan: AcceleratorPlan, timer: Timer,
     for shape in plan.shapes:
       log(f"accelerator: layer {shape} {dtype}: ours / Flax / torch")
       results["layers"].append(layer_rows(shape, dtype, plan.repeats, timer))
+      # Each row as soon as it is measured: a run stopped at a time limit
+      # still leaves the rows it finished.
+      log("\n".join(format_tables({"layers": results["layers"][-1:],
+                                    "fused": []})))
       log(f"accelerator: fused path vs direct call, {shape} {dtype}")
       results["fused"].append(fused_vs_direct(shape, dtype, plan.repeats,
                                               timer, plan.fused_masks))
+      log("\n".join(format_tables({"layers": [],
+                                    "fused": results["fused"][-1:]})))
   if plan.num_seeds:
     log(f"accelerator: {plan.num_seeds} vmapped seeds vs one "
         f"({plan.seeds_config or 'default'} config)")

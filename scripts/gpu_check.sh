@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The GPU checks of one short lease, in one command:
+#
+#   bash scripts/gpu_check.sh OUTDIR [PART ...]
+#
+# PARTs (default: all, in this order): env, tests+train (the fast tests on 6
+# workers while the default config trains and its one-seed study runs beside
+# them), accel (scripts/accelerator_benchmark.py, alone), oracle (the 16-head
+# `wide` oracle of the workdir runs/wide, alone, when it is there). Each part
+# has its own time limit, so one that hangs costs only its own minutes. Logs
+# and JSON go to OUTDIR; the last lines printed are a summary.
+#
+# Missing Python packages travel as wheels in .whl/ (docs/performance.md,
+# "On a GPU"); they are installed first when that folder exists.
+set -u
+out="${1:?usage: gpu_check.sh OUTDIR [PART ...]}"
+shift
+parts="${*:-env tests+train accel oracle}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+work="$(mktemp -d)"
+summary="$out/summary.txt"
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+
+timed() {  # timed NAME LIMIT_S COMMAND...: run, log to OUTDIR/NAME.log
+  local name="$1" limit="$2" t0 rc ms
+  shift 2
+  t0=$(date +%s%N)
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  note "$name: rc=$rc, $((ms / 1000)).$(( (ms % 1000) / 100 )) s"
+  return $rc
+}
+
+for part in $parts; do
+  case "$part" in
+    env)
+      { nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv
+        python3 -c "import jax, jaxlib, flax, optax, orbax.checkpoint, numpy; \
+print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, \
+'optax', optax.__version__, 'numpy', numpy.__version__); print(jax.devices())"
+        nproc; } >"$out/env.log" 2>&1
+      note "env: $(tail -2 "$out/env.log" | head -1)"
+      ;;
+    tests+train)
+      # The fast tests on 6 workers (in-process tests run on the GPU; the
+      # entry points they start as subprocesses run on the CPU, as in CI).
+      timed tests 200 python3 -m pytest -q -m "not slow" -n 6 -p no:cacheprovider \
+        -o addopts="-ra --dist loadfile -p no:hypothesispytest -p no:benchmark" &
+      tests_pid=$!
+      timed train 120 python3 train.py --workdir "$work/reverse" \
+        && grep -E "test|exact" "$out/train.log" | tail -3 | sed 's/^/  /' | tee -a "$summary"
+      timed study 120 python3 scripts/prune_heads.py --workdir "$work/reverse" --num_seeds 1
+      tail -4 "$out/study.log" | sed 's/^/  /' | tee -a "$summary"
+      cp "$work/reverse/pruning/results.json" "$out/study_results.json" 2>/dev/null
+      wait "$tests_pid"
+      tail -15 "$out/tests.log" | grep -E "passed|failed|FAILED|ERROR" | sed 's/^/  /' | tee -a "$summary"
+      ;;
+    accel)
+      timed accel 180 python3 scripts/accelerator_benchmark.py --out "$out/accel.json"
+      tail -45 "$out/accel.log" | sed 's/^/  /' >>"$summary"
+      ;;
+    oracle)
+      if [ -d runs/wide ]; then
+        timed oracle 75 python3 scripts/oracle_benchmark.py --workdir runs/wide \
+          --rounds 1 --nobaseline --out "$out/oracle.json"
+        tail -6 "$out/oracle.log" | sed 's/^/  /' | tee -a "$summary"
+      else
+        note "oracle: skipped (no runs/wide)"
+      fi
+      ;;
+    *) note "unknown part $part" ;;
+  esac
+done
+echo "== summary"
+cat "$summary"
