@@ -61,10 +61,11 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # running them fast does not. The subprocesses get the same setting
 # (``subprocess_env``), so their results compare bitwise with in-process runs.
 jax.config.update("jax_disable_most_optimizations", True)
-# On a GPU, XLA runs float32 matrix products in TF32 by default (about 1e-3
-# relative error on an H100, where the suite's first GPU run failed 12
-# comparisons made at 1e-5): the tests ask for full float32 there, so they
-# check the math rather than TF32's rounding. CPU programs are unchanged.
+# On a GPU, XLA runs float32 matrix products in TF32 by default (outputs of
+# order 1 off by about 1e-3 on an H100, where the suite's first GPU run
+# failed 11 comparisons made at 1e-5): the tests ask for full float32 there,
+# so they check the math rather than TF32's rounding. CPU programs are
+# unchanged.
 if jax.default_backend() == "gpu":
   jax.config.update("jax_default_matmul_precision", "highest")
 
