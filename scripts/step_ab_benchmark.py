@@ -134,7 +134,7 @@ def measure(windows: int, calls: int, retrain_models: int) -> dict:
     hyper = tuple((k, config[k]) for k in retrain._HYPER)  # pylint: disable=protected-access
     params = jax.tree.map(jnp.asarray,
                           retrain.stack(state.params, retrain_models))
-    opt_state = jax.vmap(build.make_optimizer(config).init)(params)
+    opt_state = retrain._fresh_opt_state(params, hyper)  # pylint: disable=protected-access
     masks = jnp.asarray(np.random.RandomState(0).rand(
         retrain_models, config.model.num_layers, config.model.num_heads)
                         > 0.3, jnp.float32)
