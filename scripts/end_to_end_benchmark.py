@@ -9,7 +9,9 @@ Flax, optax and orbax) and the PyTorch peer (``scripts/torch_peer.py``, run
 when torch can be imported: a plain ``nn.TransformerEncoder`` of the same
 shape on the same arrays, batches, optimizer, schedule and evaluation
 cadence), and times them from process start: to the end of the first step, to
-the first validation with exact match >= 99%, and to exit. Prints the tables,
+the first validation with exact match >= 99%, and to exit; and the
+milliseconds a train step takes between evaluations, as ``train.py``'s
+progress lines time it (the peer's the same way). Prints the tables,
 writes them to ``<out>.md`` and every run to ``--out`` (JSON). A bad flag is
 one line on stderr and exit code 2. (``python scripts/benchmark.py
 --end_to_end`` runs this.)
@@ -87,11 +89,16 @@ def _timeline(start: float, end: float, workdir: str) -> dict[str, Any]:
   first = next(r for r in rows if "startup/seconds_since_process_start" in r)
   trained = next((r for r in rows if r.get("validation/exact_match", 0)
                   >= EXACT_MATCH_GOAL), None)
+  # The progress windows' milliseconds a step (evaluations and checkpoints
+  # left out), but the first window's, which holds the start-up.
+  windows = [1e3 / r["steps_per_sec"] for r in rows
+             if r.get("steps_per_sec")][1:]
   return {
       "first_step_s": first["time"] - start,
       "trained_s": None if trained is None else trained["time"] - start,
       "trained_step": None if trained is None else trained["step"],
       "exit_s": end - start,
+      "step_ms": statistics.median(windows) if windows else None,
       "programs": first.get("startup/programs_compiled"),
       "programs_from_cache": first.get("startup/programs_from_cache"),
       "programs_loaded_whole": first.get("startup/programs_loaded_whole"),
@@ -210,7 +217,8 @@ def _end_to_end_summary(runs: Mapping[str, Sequence[Mapping[str, Any]]]
                         ) -> dict[str, Any]:
   """Medians of every kind and the ratios the goals are stated in."""
   medians = {kind: {key: _median(rs, key) for key in
-                    ("first_step_s", "trained_s", "exit_s") if key in rs[0]}
+                    ("first_step_s", "trained_s", "exit_s", "step_ms")
+                    if key in rs[0]}
              for kind, rs in runs.items() if rs}
   ratio = lambda a, b: None if None in (a, b) else a / b
   warm, cold, floor = medians["warm"], medians["cold"], medians["floor"]
@@ -225,6 +233,10 @@ def _end_to_end_summary(runs: Mapping[str, Sequence[Mapping[str, Any]]]
                                                         peer)
     summary["ratios"]["cold_trained_over_peer"] = ratio(cold["trained_s"],
                                                         peer)
+    # The issue's per-step goal, as the progress lines show it: the warm
+    # run's (the same program as the cold run's) against the peer's.
+    summary["ratios"]["train_step_over_peer"] = ratio(
+        warm.get("step_ms"), medians["peer"].get("step_ms"))
   return summary
 
 
@@ -237,10 +249,12 @@ def format_end_to_end(results: Mapping[str, Any]) -> str:
       f"End to end: `python train.py --config configs/default.py:"
       f"{e2e['config_arg']}`, data prepared; medians of {e2e['rounds']} "
       f"rounds, seconds from process start. Trained = the first validation "
-      f"with exact match >= {EXACT_MATCH_GOAL}.", "",
-      "| process | to end of first step | to trained | to exit | each run "
-      "(to trained; floor: to exit) |",
-      "| --- | ---: | ---: | ---: | --- |"]
+      f"with exact match >= {EXACT_MATCH_GOAL}. Ms a step: the median of the "
+      f"progress windows between evaluations (their time left out, as in "
+      f"train.py's steps/s), the first window (start-up) aside.", "",
+      "| process | to end of first step | to trained | to exit | ms a step "
+      "| each run (to trained; floor: to exit) |",
+      "| --- | ---: | ---: | ---: | ---: | --- |"]
   labels = {"floor": "import floor (`import jax, flax, optax, "
                      "orbax.checkpoint`)",
             "cold": "train.py, cold (empty compilation cache)",
@@ -252,7 +266,8 @@ def format_end_to_end(results: Mapping[str, Any]) -> str:
                          for r in e2e["runs"][kind])
     lines.append(f"| {labels[kind]} | {cell(median.get('first_step_s'))} | "
                  f"{cell(median.get('trained_s'))} | "
-                 f"{cell(median['exit_s'])} | {per_run} |")
+                 f"{cell(median['exit_s'])} | {cell(median.get('step_ms'))} "
+                 f"| {per_run} |")
   lines += ["", "| ratio | median |", "| --- | ---: |"]
   for name, value in summary["ratios"].items():
     lines.append(f"| {name.replace('_', ' ')} | {cell(value)} |")

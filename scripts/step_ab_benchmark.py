@@ -3,6 +3,8 @@ r"""The train step with and without the custom derivatives, in one process.
     python scripts/step_ab_benchmark.py                      # about a minute
     python scripts/step_ab_benchmark.py --retrain_models=16  # + the vmapped
                                                              # retraining step
+    python scripts/step_ab_benchmark.py --ab=options         # the step's
+                                                             # compiler options
 
 The Dense layers (``mha.model``) and ``QK^T`` (``mha.attention``) have
 derivative rules of their own whose weight and key gradients XLA:CPU runs as
@@ -15,7 +17,10 @@ kernels, the largest parameter difference after 20 steps, then times the two
 in alternating windows (``--windows`` of ``--calls`` calls on one random
 batch already on the device, the order reversed every other window) and
 prints the medians and their ratio. With ``--retrain_models=R`` it does the
-same for ``mha.pruning.retrain``'s step, R models vmapped.
+same for ``mha.pruning.retrain``'s step, R models vmapped. With
+``--ab=options`` the two programs are instead the package's train step
+compiled without and with ``mha.train.STEP_COMPILER_OPTIONS`` ("plain",
+"options"; ``--config`` picks the config).
 
 A shared machine moves both programs' times together; compare the ratio, and
 repeat the script across processes.
@@ -53,9 +58,16 @@ _RETRAIN = flags.DEFINE_integer("retrain_models", 0,
                                 "Also the vmapped retraining step of this "
                                 "many models (0: not).", lower_bound=0)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON line instead.")
+_AB = flags.DEFINE_enum("ab", "derivatives", ["derivatives", "options"],
+                        "What the two programs differ in: the custom "
+                        "derivatives (autodiff, custom) or the train step's "
+                        "compiler options (plain, options).")
+_CONFIG_ARG = flags.DEFINE_string("config", "", "get_config's argument "
+                                  "(e.g. deep, wide).")
 
 _PROG = "step_ab_benchmark.py"
 VARIANTS = ("autodiff", "custom")
+OPTION_VARIANTS = ("plain", "options")
 
 
 @contextlib.contextmanager
@@ -75,11 +87,12 @@ def variant(name: str):
 
 
 def _compile(fn, args, name: str) -> tuple[object, dict[str, float]]:
-  with variant(name):
+  with variant("custom" if name in OPTION_VARIANTS else name):
     # A fresh function each time: jit would reuse the other variant's trace.
     lowered = jax.jit(lambda *a: fn(*a)).lower(*args)
   start = time.process_time()
-  compiled = lowered.compile()
+  compiled = lowered.compile(train.STEP_COMPILER_OPTIONS if name == "options"
+                             else None)
   cpu = time.process_time() - start
   text = compiled.as_text()
   entry = text[text.index("ENTRY"):]
@@ -93,8 +106,9 @@ def _compile(fn, args, name: str) -> tuple[object, dict[str, float]]:
 def _time(compiled: dict[str, object], args, windows: int,
           calls: int) -> dict[str, float]:
   times = {name: [] for name in compiled}
+  names = tuple(compiled)
   for w in range(windows):
-    for name in VARIANTS if w % 2 == 0 else VARIANTS[::-1]:
+    for name in names if w % 2 == 0 else names[::-1]:
       jax.block_until_ready(compiled[name](*args))
       for _ in range(calls):
         start = time.perf_counter()
@@ -103,13 +117,15 @@ def _time(compiled: dict[str, object], args, windows: int,
   return {name: benchmarking.median_ms(t) for name, t in times.items()}
 
 
-def measure(windows: int, calls: int, retrain_models: int) -> dict:
-  config = default.get_config()
+def measure(windows: int, calls: int, retrain_models: int,
+            variants: tuple[str, str] = VARIANTS, config_arg: str = "") -> dict:
+  config = default.get_config(config_arg or None)
   model = build.make_model(config)
   state = jax.jit(lambda: build.create_train_state(
       config, model, jax.random.key(config.seed)))()
   tokens = jnp.asarray(np.random.RandomState(0).randint(
-      1, 11, (config.batch_size, config.data.max_len)), jnp.int32)
+      1, config.data.num_symbols + 1,
+      (config.batch_size, config.data.max_len)), jnp.int32)
   batch = {"inputs": tokens, "targets": tokens[:, ::-1]}
   rng = jax.random.key(1)
   step = functools.partial(train.train_step, model=model,
@@ -117,10 +133,10 @@ def measure(windows: int, calls: int, retrain_models: int) -> dict:
   out = {"environment": benchmarking.environment(),
          "load_average_start": benchmarking.load_average()}
   compiled, info = {}, {}
-  for name in VARIANTS:
+  for name in variants:
     compiled[name], info[name] = _compile(step, (state, batch, rng), name)
   finals = {}
-  for name in VARIANTS:
+  for name in variants:
     s = state
     for i in range(20):
       s, _ = compiled[name](s, batch, jax.random.key(i))
@@ -143,7 +159,7 @@ def measure(windows: int, calls: int, retrain_models: int) -> dict:
             rates, retrain_models, 0, batch["inputs"], batch["targets"], rng)
     inner = functools.partial(retrain._step.__wrapped__, model, hyper)  # pylint: disable=protected-access
     compiled, rinfo = {}, {}
-    for name in VARIANTS:
+    for name in variants:
       compiled[name], rinfo[name] = _compile(inner, args, name)
     rinfo["step_ms"] = _time(compiled, args, max(windows // 2, 2),
                              max(calls // 2, 1))
@@ -154,7 +170,9 @@ def measure(windows: int, calls: int, retrain_models: int) -> dict:
 
 def main(argv: list[str]) -> None:
   del argv
-  results = measure(_WINDOWS.value, _CALLS.value, _RETRAIN.value)
+  variants = VARIANTS if _AB.value == "derivatives" else OPTION_VARIANTS
+  results = measure(_WINDOWS.value, _CALLS.value, _RETRAIN.value, variants,
+                    _CONFIG_ARG.value)
   if _JSON.value:
     print(json.dumps(results))
     return
@@ -166,12 +184,13 @@ def main(argv: list[str]) -> None:
     if not key.endswith(("step", "models")):
       continue
     ms = r["step_ms"]
-    for name in VARIANTS:
+    for name in variants:
       i = r[name]
       print(f"{key} {name}: {ms[name]:.2f} ms median, compile CPU "
             f"{i['compile_cpu_s']:.2f} s, {i['kernels']} kernels, "
             f"{i['plain_dots']} plain dots")
-    print(f"{key} custom / autodiff: {ms['custom'] / ms['autodiff']:.3f}")
+    print(f"{key} {variants[1]} / {variants[0]}: "
+          f"{ms[variants[1]] / ms[variants[0]]:.3f}")
   print("max parameter difference after 20 steps: "
         f"{results['train_step']['max_param_diff_20_steps']:.3g}")
 

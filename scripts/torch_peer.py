@@ -16,7 +16,9 @@ no dependency of it.
 
 Writes ``DIR/metrics.jsonl`` as ``train.py`` does: a row at the end of the
 first step (``startup/seconds_since_process_start``), one per evaluation
-(``validation/exact_match``, ``test/...`` at the end), each with ``time``.
+(``validation/exact_match``, ``test/...`` at the end), and before each
+evaluation the ``steps_per_sec`` of the steps since the last one (its time
+left out, as in ``train.py``'s progress lines), each with ``time``.
 """
 
 import time
@@ -138,6 +140,9 @@ def train(arrays: dict, config: dict, out: str, start_time: float) -> None:
     write = lambda row: f.write(json.dumps({**row, "time": time.time()})
                                 + "\n") or f.flush()
     total = config["num_train_steps"]
+    # Steps/s of each stretch between evaluations, timed as train.py's
+    # progress lines are (the evaluations left out).
+    window_start, window_time = 0, time.time()
     for step in range(1, total + 1):
       index = torch.from_numpy(_batch(len(train_x), config["seed"], step - 1,
                                       config["batch_size"]))
@@ -153,9 +158,12 @@ def train(arrays: dict, config: dict, out: str, start_time: float) -> None:
         write({"step": 1, "startup/seconds_since_process_start":
                time.time() - start_time})
       if step % config["eval_every_steps"] == 0 or step == total:
+        write({"step": step, "steps_per_sec": (step - window_start) / max(
+            time.time() - window_time, 1e-9)})
         metrics = _evaluate(model, val_x, val_y, config["eval_batch_size"])
         write({"step": step,
                **{f"validation/{k}": v for k, v in metrics.items()}})
+        window_start, window_time = step, time.time()
     metrics = _evaluate(model, *split("test"), config["eval_batch_size"])
     write({"step": total, **{f"test/{k}": v for k, v in metrics.items()}})
   print(f"peer: test exact match {metrics['exact_match']:.4f} after {total} "

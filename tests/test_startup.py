@@ -259,6 +259,7 @@ def test_end_to_end_benchmark_quick(tmp_path, data_dir, subprocess_env):
   assert warm["run"] == {"programs": 0, "from_cache": 0, "whole": 3}
   for run in (cold, warm, *runs.get("peer", [])):
     assert 0 < run["first_step_s"] < run["exit_s"]
+    assert run["step_ms"] > 0  # the progress windows' ms a step
   assert ("| train.py, warm (same config again) |" in result.stdout)
   assert results["summary"]["ratios"]["warm_first_step_over_floor"] > 0
   assert "peer" not in runs
