@@ -446,9 +446,9 @@ RUN_ONCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 # fusions that take in the additions that follow them (a bias, a residual),
 # rather than XLA's default of a library call per product. The same numbers,
 # bitwise (the state after 30 steps of the default, `deep`, `wide` and
-# `spell` configs; tests/test_train.py checks the default), in a step
-# 5-10% faster on 2 CPU cores (docs/performance.md). Not for the evaluation
-# program, whose forward pass it made slower.
+# `spell` configs; tests/test_train.py checks `tiny`), in a step 4-6%
+# faster on 2 CPU cores (`spell` 0.5%; docs/performance.md). Not for the
+# evaluation program, whose forward pass it made slower.
 STEP_COMPILER_OPTIONS = {
     "xla_cpu_experimental_ynn_fusion_type":
         "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE"}

@@ -293,6 +293,8 @@ def test_train_step_compiled_with_its_options_is_bitwise_the_plain_one():
   # without options (the default, deep, wide and spell configs were checked
   # over 30 steps by hand: scripts/step_ab_benchmark.py --ab=options). An
   # option this jaxlib does not know falls back to none.
+  if jax.default_backend() != "cpu":
+    pytest.skip("the option is XLA:CPU's")
   config = _get_config("tiny")
   model = build.make_model(config)
   mesh = sharding.make_mesh(config.mesh.data)
@@ -307,7 +309,12 @@ def test_train_step_compiled_with_its_options_is_bitwise_the_plain_one():
     jitted, args = train.train_step_program(config, model, mesh, shardings,
                                             abstract_state)
     lowered = jitted.lower(*args)
-    programs = [lowered.compile(), lowered.compile(options)]
+    try:
+      programs = [lowered.compile(options), lowered.compile()]
+    except Exception as e:  # pylint: disable=broad-except
+      if not train.unknown_compiler_option(e):
+        raise
+      pytest.skip(f"this jaxlib does not know the option: {e}")
     split = data.Split(*(np.asarray(np.random.default_rng(0).integers(
         1, config.data.num_symbols + 1,
         (config.batch_size, config.data.max_len)), np.int32),) * 2)
