@@ -195,6 +195,15 @@ def store(folder: str, entry: str, compiled: jax.stages.Compiled) -> bool:
   return True
 
 
+def unknown_compiler_option(error: Exception) -> bool:
+  """Whether ``error`` is XLA refusing a compiler option this jaxlib does not
+  know, by name or by value (XLA's debug options come and go); the caller
+  then compiles without it."""
+  return (isinstance(error, jax.errors.JaxRuntimeError)
+          and ("While setting option" in str(error)
+               or "compile option" in str(error)))
+
+
 def compile_or_load(name: str, jitted: Any, args: Sequence[Any], *,
                     parts: Mapping[str, Any],
                     compiler_options: Mapping[str, Any] | None = None,

@@ -464,13 +464,9 @@ def step_compiler_options() -> dict[str, str] | None:
   return STEP_COMPILER_OPTIONS
 
 
-def unknown_compiler_option(error: Exception) -> bool:
-  """Whether ``error`` is XLA refusing a compiler option this jaxlib does not
-  know (XLA's debug options come and go); the caller then compiles without
-  it."""
-  return (isinstance(error, jax.errors.JaxRuntimeError)
-          and ("While setting option" in str(error)
-               or "compile option" in str(error)))
+# Whether an error is XLA refusing a compiler option (the step then compiles
+# without it); one test for every program with options of its own.
+unknown_compiler_option = executables.unknown_compiler_option
 
 
 def _run_once(config: ml_collections.ConfigDict, name: str, jitted: Any

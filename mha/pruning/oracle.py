@@ -47,6 +47,7 @@ import optax
 
 from mha import data
 from mha import evaluate as eval_lib
+from mha import executables
 from mha import head_masks
 from mha.aliases import Array, Log, Params
 from mha.attention import MultiHeadAttention, padding_mask_from_tokens
@@ -490,7 +491,7 @@ def _streamed_call(*args):
   try:
     return _streamed["program"](*args)
   except jax.errors.JaxRuntimeError as e:
-    if ("compile option" not in str(e)
+    if (not executables.unknown_compiler_option(e)
         or _streamed["program"] is not _streamed_subset_sums):
       raise
     _streamed["program"] = jax.jit(
