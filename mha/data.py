@@ -29,10 +29,12 @@ default 22,000 examples in well under a second).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import os
 from typing import Iterator
 
@@ -399,9 +401,37 @@ def make_builder(spec: DataSpec, data_dir: str) -> ToySeq2Seq:
   if name == spec.task:
     # tfds requires predefined configs to be passed by name (or by identity).
     return ToySeq2Seq(data_dir=data_dir, config=name)
-  return ToySeq2Seq(
-      data_dir=data_dir, config=ToySeq2SeqConfig.from_spec(name, spec)
-  )
+  with _quiet_tfds():
+    return ToySeq2Seq(
+        data_dir=data_dir, config=ToySeq2SeqConfig.from_spec(name, spec)
+    )
+
+
+class _ToyDataFilter(logging.Filter):
+  """Drops two TFDS warnings that are expected here: that a builder config
+  is not predefined (every spec other than a task's default is one, by
+  design: ``make_builder``; the warning printed the whole spec on one line
+  at every run), and, while a new spec is prepared, that its version folder
+  has no ``dataset_info.json`` yet."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (message.startswith("Using custom data configuration")
+                or (message.startswith("Variant folder")
+                    and message.endswith("has no dataset_info.json")))
+
+
+@contextlib.contextmanager
+def _quiet_tfds() -> Iterator[None]:
+  """TFDS's expected warnings about our toy data left out (absl logs them
+  through Python's ``absl`` logger); other records untouched."""
+  logger = logging.getLogger("absl")
+  quiet = _ToyDataFilter()
+  logger.addFilter(quiet)
+  try:
+    yield
+  finally:
+    logger.removeFilter(quiet)
 
 
 # --------------------------------------------------------------------------
@@ -494,7 +524,9 @@ def data_sources(spec: DataSpec, data_dir: str) -> dict[str, object]:
     {'train': source, 'validation': source, 'test': source}.
   """
   builder = make_builder(spec, os.path.expanduser(os.fspath(data_dir)))
-  if not builder.is_prepared():
+  with _quiet_tfds():
+    prepared = builder.is_prepared()
+  if not prepared:
     print(
         f"Preparing toy_seq2seq/{builder.builder_config_name} ({spec}) "
         f"in {builder.data_dir}",
@@ -502,7 +534,8 @@ def data_sources(spec: DataSpec, data_dir: str) -> dict[str, object]:
     )
     tfds.disable_progress_bar()  # one line above says what is happening
     try:
-      builder.download_and_prepare(file_format="array_record")
+      with _quiet_tfds():
+        builder.download_and_prepare(file_format="array_record")
     finally:
       tfds.enable_progress_bar()
   sources = builder.as_data_source(

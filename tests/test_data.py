@@ -155,6 +155,21 @@ def test_second_load_does_not_prepare(tmp_path, capsys):
   assert "Preparing" not in capsys.readouterr().out
 
 
+def test_custom_specs_load_without_tfds_warnings(tmp_path, caplog):
+  """A spec other than a task's default is a custom TFDS config by design:
+  preparing and loading it logs neither TFDS's custom-config warning nor,
+  while it is prepared, the missing-dataset_info one; other warnings of the
+  ``absl`` logger still get through."""
+  import logging  # pylint: disable=import-outside-toplevel
+  with caplog.at_level(logging.WARNING):
+    data.load_splits(tiny("sort", seed=3), str(tmp_path))  # prepares
+    data.load_splits(tiny("sort", seed=3), str(tmp_path))  # reads
+    with data._quiet_tfds():  # pylint: disable=protected-access
+      logging.getLogger("absl").warning("another warning")
+  messages = [r.getMessage() for r in caplog.records]
+  assert messages == ["another warning"], messages
+
+
 def test_config_names_and_no_collisions(tmp_path):
   # Defaults use the predefined config names.
   for task in SYMBOL_TASKS:

@@ -89,7 +89,7 @@ def _snapshot(path):
 
 # What a quiet exit never prints (orbax's event loops, threads at shutdown).
 NOISE = ("Traceback", "Event loop is closed", "Exception ignored",
-         "sys.meta_path is None")
+         "sys.meta_path is None", "Using custom data configuration")
 
 
 def _assert_quiet(stderr):
