@@ -42,6 +42,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.proto import tf_example_pb2
 
+from mha import absl_logs
+
 TASKS: tuple[str, ...] = ("reverse", "sort", "histogram", "spell")
 
 # Bump when the generation code changes so that stale prepared data on disk is
@@ -421,17 +423,10 @@ class _ToyDataFilter(logging.Filter):
                     and message.endswith("has no dataset_info.json")))
 
 
-@contextlib.contextmanager
-def _quiet_tfds() -> Iterator[None]:
-  """TFDS's expected warnings about our toy data left out (absl logs them
-  through Python's ``absl`` logger); other records untouched."""
-  logger = logging.getLogger("absl")
-  quiet = _ToyDataFilter()
-  logger.addFilter(quiet)
-  try:
-    yield
-  finally:
-    logger.removeFilter(quiet)
+def _quiet_tfds() -> contextlib.AbstractContextManager[None]:
+  """TFDS's expected warnings about our toy data left out; other records
+  untouched."""
+  return absl_logs.filtered(_ToyDataFilter())
 
 
 # --------------------------------------------------------------------------

@@ -32,6 +32,8 @@ import traceback
 import warnings
 from typing import Iterator, Sequence
 
+from mha import absl_logs
+
 #: The errnos of a write failure, each with what the user can do about it.
 REMEDIES = {
     errno.ENOSPC: "free space",
@@ -149,13 +151,8 @@ class DropReportedFailures(logging.Filter):
 def orbax_failures_unlogged() -> Iterator[None]:
   """Within: :class:`DropReportedFailures` on absl's logger (orbax logs
   through absl)."""
-  logger = logging.getLogger("absl")
-  dropper = DropReportedFailures()
-  logger.addFilter(dropper)
-  try:
+  with absl_logs.filtered(DropReportedFailures()):
     yield
-  finally:
-    logger.removeFilter(dropper)
 
 
 def drop_unretrieved_orbax_failures() -> None:
