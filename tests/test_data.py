@@ -1,6 +1,7 @@
 """Tests for mha/data.py (toy seq2seq tasks stored as a TFDS array_record dataset)."""
 
 import collections
+import logging
 import os
 import subprocess
 import sys
@@ -160,7 +161,6 @@ def test_custom_specs_load_without_tfds_warnings(tmp_path, caplog):
   preparing and loading it logs neither TFDS's custom-config warning nor,
   while it is prepared, the missing-dataset_info one; other warnings of the
   ``absl`` logger still get through."""
-  import logging  # pylint: disable=import-outside-toplevel
   with caplog.at_level(logging.WARNING):
     data.load_splits(tiny("sort", seed=3), str(tmp_path))  # prepares
     data.load_splits(tiny("sort", seed=3), str(tmp_path))  # reads
