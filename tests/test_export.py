@@ -48,6 +48,7 @@ def tiny():
   return config, model, state, batch
 
 
+@pytest.mark.slow  # seconds of compiling: the full suite only
 def test_train_step_lowers_for_cuda_and_tpu(tiny):
   config, model, state, batch = tiny
   step = jax.jit(functools.partial(

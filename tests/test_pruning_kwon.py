@@ -20,6 +20,7 @@ def _model_and_split(config=CONFIG, seed=0, n=24):
   return random_model_and_split(config, seed=seed, n=n)
 
 
+@pytest.mark.slow  # seconds of compiling: the full suite only
 def test_fisher_equals_a_loop_of_per_example_gradients():
   model, params, split = _model_and_split(n=12)
   blocks = kwon.fisher_blocks(model, params, split, batch_size=5)
@@ -111,6 +112,7 @@ def _duplicate_head(params, layer, source, copy):
   return dict(params, **{f"layer_{layer}": layer_params})
 
 
+@pytest.mark.slow  # seconds of compiling: the full suite only
 def test_tuning_recovers_a_removed_duplicate_where_zero_ablation_fails():
   """A planted model: head 1 of layer 0 a copy of head 0, the targets the
   full model's own predictions. Removing the copy and doubling head 0 is

@@ -160,6 +160,7 @@ def test_streamed_oracle_equals_the_per_example_table():
       oracle.subset_values(old), config)[3][0].tolist()
 
 
+@pytest.mark.slow  # seconds of compiling: the full suite only
 def test_dispatch_threads_leave_the_sums_bitwise_and_raise_a_calls_error(
     monkeypatch):
   """``subset_totals`` runs its calls on ``DISPATCH_THREADS`` threads and
