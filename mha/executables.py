@@ -214,8 +214,24 @@ def compile_or_load(name: str, jitted: Any, args: Sequence[Any], *,
   here is stored for the next call.
 
   ``parts`` must describe whatever the traced function closes over that the
-  source and the arguments do not (e.g. the run's config).
+  source and the arguments do not (e.g. the run's config). Where XLA refuses
+  one of ``compiler_options`` (:func:`unknown_compiler_option`), the program
+  is compiled, or loaded, without them.
   """
+  try:
+    return _compile_or_load(name, jitted, args, parts, compiler_options,
+                            folder)
+  except Exception as e:  # pylint: disable=broad-except
+    if not compiler_options or not unknown_compiler_option(e):
+      raise
+  return _compile_or_load(name, jitted, args, parts, None, folder)
+
+
+def _compile_or_load(name: str, jitted: Any, args: Sequence[Any],
+                     parts: Mapping[str, Any],
+                     compiler_options: Mapping[str, Any] | None,
+                     folder: str | None) -> jax.stages.Compiled:
+  """:func:`compile_or_load` with ``compiler_options`` as they are."""
   folder = directory() if folder is None else folder
   if not folder:
     return jitted.lower(*args).compile(compiler_options)

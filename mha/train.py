@@ -464,8 +464,9 @@ def step_compiler_options() -> dict[str, str] | None:
   return STEP_COMPILER_OPTIONS
 
 
-# Whether an error is XLA refusing a compiler option (the step then compiles
-# without it); one test for every program with options of its own.
+# Whether an error is XLA refusing a compiler option
+# (executables.compile_or_load then compiles without it, as the oracle's
+# streamed program does): one test for every program with options of its own.
 unknown_compiler_option = executables.unknown_compiler_option
 
 
@@ -745,18 +746,14 @@ class _StepFunction:
     self._compiling.start()
 
   def _compile(self, config: ml_collections.ConfigDict, args: Any) -> None:
-    options = step_compiler_options()
-    for attempt in ((options, None) if options else (None,)):
-      try:
-        self._compiled = executables.compile_or_load(
-            "train_step", self._jitted, args,
-            parts=_store_parts(config, without=RUN_ONLY_KEYS),
-            compiler_options=attempt)
-        return
-      except Exception as e:  # pylint: disable=broad-except
-        if attempt is None or not unknown_compiler_option(e):
-          # The first call compiles again and raises it where it belongs.
-          return
+    try:
+      # Without the options where this jaxlib does not know them.
+      self._compiled = executables.compile_or_load(
+          "train_step", self._jitted, args,
+          parts=_store_parts(config, without=RUN_ONLY_KEYS),
+          compiler_options=step_compiler_options())
+    except Exception:  # pylint: disable=broad-except
+      pass  # The first call compiles again and raises it where it belongs.
 
   def wait(self) -> None:
     """Returns once the background compilation is over."""
