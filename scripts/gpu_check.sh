@@ -5,10 +5,12 @@
 #
 # PARTs (default: all, in this order): env, tests+train (the fast tests on 6
 # workers while the default config trains and its one-seed study runs beside
-# them), accel (scripts/accelerator_benchmark.py, alone), oracle (the 16-head
-# `wide` oracle of the workdir runs/wide, alone, when it is there). Each part
-# has its own time limit, so one that hangs costs only its own minutes; all
-# of them take about 8 minutes on an H100 (2026-11-26). Logs and JSON go to
+# them; GPU_CHECK_TESTS=all runs the whole suite instead, on 8 workers,
+# within GPU_CHECK_TESTS_LIMIT seconds, default 200), accel
+# (scripts/accelerator_benchmark.py, alone), oracle (the 16-head `wide`
+# oracle of the workdir runs/wide, alone, when it is there). Each part has
+# its own time limit, so one that hangs costs only its own minutes; all of
+# them take about 8 minutes on an H100 (2026-11-26). Logs and JSON go to
 # OUTDIR; the last lines printed are a summary. The device tool brings back
 # at most 8 files: tar OUTDIR into one.
 #
@@ -56,7 +58,13 @@ print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__versi
     tests+train)
       # The fast tests on 6 workers (in-process tests run on the GPU; the
       # entry points they start as subprocesses run on the CPU, as in CI).
-      timed tests 200 python3 -m pytest -q -m "not slow" -n 6 -p no:cacheprovider \
+      if [ "${GPU_CHECK_TESTS:-fast}" = all ]; then
+        select=(-n 8)
+      else
+        select=(-m "not slow" -n 6)
+      fi
+      timed tests "${GPU_CHECK_TESTS_LIMIT:-200}" python3 -m pytest -q --durations=15 \
+        "${select[@]}" -p no:cacheprovider \
         -o addopts="-ra --dist loadfile -p no:hypothesispytest -p no:benchmark" &
       tests_pid=$!
       timed train 120 python3 train.py --workdir "$work/reverse" \
@@ -65,7 +73,7 @@ print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__versi
       tail -4 "$out/study.log" | sed 's/^/  /' | tee -a "$summary"
       cp "$work/reverse/pruning/results.json" "$out/study_results.json" 2>/dev/null
       wait "$tests_pid"
-      tail -15 "$out/tests.log" | grep -E "passed|failed|FAILED|ERROR" | sed 's/^/  /' | tee -a "$summary"
+      tail -40 "$out/tests.log" | grep -E "passed|failed|FAILED|ERROR" | sed 's/^/  /' | tee -a "$summary"
       ;;
     accel)
       # 5 repeats: the plan's 20 did not finish in 180 s on an H100 (5 took
