@@ -312,6 +312,21 @@ class ToySeq2SeqConfig(tfds.core.BuilderConfig):
     )
 
 
+class _LocalDatasetInfo(tfds.core.DatasetInfo):
+  """The metadata of data generated on this machine, with nothing to fetch.
+
+  A builder whose data is not prepared yet asks its info to look for
+  published metadata on GCS (``initialize_from_bucket``). For these toy
+  datasets that lookup can only miss, and TFDS's version also leaves an empty
+  ``tmp*tfds`` folder in the system's temporary directory each time (one per
+  preparation, thousands over a test suite's runs), so it does nothing
+  here.
+  """
+
+  def initialize_from_bucket(self) -> None:
+    """Nothing is published for generated data: no lookup, no folder."""
+
+
 class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """Toy per-position sequence-to-sequence tasks (reverse, sort, histogram,
   spell).
@@ -341,7 +356,8 @@ class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
   def _info(self) -> tfds.core.DatasetInfo:
     spec = self.builder_config.spec
-    return self.dataset_info_from_configs(
+    return _LocalDatasetInfo(
+        builder=self,
         description=(
             "Toy per-position seq2seq tasks for encoder-only Transformers. "
             "Symbols 1..num_symbols, 0 = padding."

@@ -5,6 +5,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import numpy as np
@@ -168,6 +169,18 @@ def test_custom_specs_load_without_tfds_warnings(tmp_path, caplog):
       logging.getLogger("absl").warning("another warning")
   messages = [r.getMessage() for r in caplog.records]
   assert messages == ["another warning"], messages
+
+
+def test_preparing_leaves_no_temporary_folder(tmp_path, monkeypatch):
+  """Preparing a spec writes under its data_dir and nowhere else: TFDS's own
+  metadata lookup left an empty ``tmp*tfds`` folder in the temporary
+  directory at every preparation (2,493 of them on one machine)."""
+  scratch = tmp_path / "tmp"
+  scratch.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+  splits = data.load_splits(tiny("reverse", seed=7), str(tmp_path / "data"))
+  assert splits["train"].inputs.shape[0] > 0
+  assert list(scratch.iterdir()) == []
 
 
 def test_config_names_and_no_collisions(tmp_path):
