@@ -22,14 +22,17 @@ def bench():
   return cpu_benchmark
 
 
-def _run(*args, cwd=ROOT):
-  return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd,
+def _run(env, *args, cwd=ROOT):
+  # The entry points' environment (CPU, as in CI): on a machine with a GPU,
+  # ``--gpu`` would otherwise run the whole accelerator benchmark, and the
+  # quick run's float32 comparisons would see XLA's TF32 matmuls.
+  return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=300)
 
 
-def test_quick_run_prints_and_writes_the_tables(tmp_path):
+def test_quick_run_prints_and_writes_the_tables(tmp_path, subprocess_env):
   out = tmp_path / "bench" / "result.json"
-  res = _run("--quick", f"--out={out}")
+  res = _run(subprocess_env, "--quick", f"--out={out}")
   assert res.returncode == 0, res.stderr
   table = res.stdout
   assert table.startswith("Device: ")
@@ -77,16 +80,17 @@ def test_quick_run_prints_and_writes_the_tables(tmp_path):
     (["positional"], "unexpected arguments"),
     (["--gpu"], "--gpu needs a GPU"),
 ])
-def test_bad_command_line_is_one_line_and_exit_2(args, message, tmp_path):
-  res = _run(*args, f"--out={tmp_path / 'b.json'}")
+def test_bad_command_line_is_one_line_and_exit_2(args, message, tmp_path,
+                                                subprocess_env):
+  res = _run(subprocess_env, *args, f"--out={tmp_path / 'b.json'}")
   assert res.returncode == 2
   lines = res.stderr.strip().splitlines()
   assert len(lines) == 1 and message in lines[0], res.stderr
   assert not (tmp_path / "b.json").exists()
 
 
-def test_out_must_not_be_a_directory(tmp_path):
-  res = _run(f"--out={tmp_path}")
+def test_out_must_not_be_a_directory(tmp_path, subprocess_env):
+  res = _run(subprocess_env, f"--out={tmp_path}")
   assert res.returncode == 2
   assert "is a directory" in res.stderr
 

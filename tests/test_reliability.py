@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from configs import default
-from conftest import copy_workdir, tiny_config
+from conftest import assert_same_bits, copy_workdir, tiny_config
 import mha
 from mha import checkpoint as ckpt_lib
 from mha import config_validation
@@ -65,9 +65,7 @@ def reference(tmp_path_factory, data_dir):
 
 
 def _assert_params_equal(workdir, state):
-  restored = mha.load_checkpoint(workdir).params
-  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state.params)):
-    np.testing.assert_array_equal(a, b)
+  assert_same_bits(mha.load_checkpoint(workdir).params, state.params)
 
 
 def _steps(workdir):
@@ -657,9 +655,7 @@ def test_full_disk_stops_in_one_line_and_the_rerun_resumes(
   assert (f"Resumed from checkpoint at step {intact[-1]}"
           in capfd.readouterr().out)
   _assert_params_equal(workdir, final)
-  for a, b in zip(jax.tree.leaves(state.params),
-                  jax.tree.leaves(final.params)):
-    np.testing.assert_array_equal(a, b)
+  assert_same_bits(state.params, final.params)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
 from mha.pruning import retrain
 
-from conftest import random_model_and_split, tiny_config
+from conftest import assert_same_bits, random_model_and_split, tiny_config
 
 CONFIG = TransformerConfig(vocab_size=8, num_layers=2, num_heads=3,
                            d_model=12, mlp_dim=8, max_len=6)
@@ -98,7 +98,8 @@ def test_each_stacked_model_trains_as_it_would_alone():
                                           masks, split, run, steps=steps)
   # The same job twice trains to the same bits (the models of a stack do not
   # interact): the study trains such duplicates once.
-  jax.tree.map(lambda x: np.testing.assert_array_equal(x[0], x[2]), trained)
+  assert_same_bits(jax.tree.map(lambda x: x[0], trained),
+                   jax.tree.map(lambda x: x[2], trained))
 
   for r in (0, 1):
     # The run's optimizer for this many steps, its schedule compiled in, one
