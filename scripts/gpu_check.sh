@@ -38,7 +38,10 @@ timed() {  # timed NAME LIMIT_S COMMAND...: run, log to OUTDIR/NAME.log
   local name="$1" limit="$2" t0 rc ms
   shift 2
   t0=$(date +%s%N)
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  # SIGINT at the limit, so that pytest still prints the tracebacks and the
+  # summary of what ran (the second lease lost them to a plain kill), and
+  # SIGKILL 30 s later.
+  timeout -s INT -k 30 "$limit" "$@" >"$out/$name.log" 2>&1
   rc=$?
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
   note "$name: rc=$rc, $((ms / 1000)).$(( (ms % 1000) / 100 )) s"
@@ -63,7 +66,7 @@ print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__versi
       else
         select=(-m "not slow" -n 6)
       fi
-      timed tests "${GPU_CHECK_TESTS_LIMIT:-200}" python3 -m pytest -q --durations=15 \
+      timed tests "${GPU_CHECK_TESTS_LIMIT:-200}" python3 -m pytest -v --tb=short --durations=15 \
         "${select[@]}" -p no:cacheprovider \
         -o addopts="-ra --dist loadfile -p no:hypothesispytest -p no:benchmark" &
       tests_pid=$!
@@ -73,7 +76,7 @@ print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__versi
       tail -4 "$out/study.log" | sed 's/^/  /' | tee -a "$summary"
       cp "$work/reverse/pruning/results.json" "$out/study_results.json" 2>/dev/null
       wait "$tests_pid"
-      tail -40 "$out/tests.log" | grep -E "passed|failed|FAILED|ERROR" | sed 's/^/  /' | tee -a "$summary"
+      grep -E "^(FAILED|ERROR) |^=+ .*(passed|failed)" "$out/tests.log" | tail -40 | sed 's/^/  /' | tee -a "$summary"
       ;;
     accel)
       # 5 repeats: the plan's 20 did not finish in 180 s on an H100 (5 took
