@@ -197,6 +197,7 @@ def test_inputs_of_different_shapes(model_and_params):
     patching.patch_heads(model, params, CLEAN, CORRUPT[:, :7], [(0, 0)])
 
 
+@pytest.mark.slow  # seconds of compiling: the full suite only
 def test_the_docs_example_runs(tiny_run, tmp_path, monkeypatch):
   """docs/patching.md's block, on the tiny reverse run as runs/reverse."""
   with open(os.path.join(ROOT, "docs", "patching.md"), encoding="utf-8") as f:

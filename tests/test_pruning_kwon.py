@@ -40,6 +40,7 @@ def test_fisher_equals_a_loop_of_per_example_gradients():
                              rtol=1e-4, atol=1e-10)
 
 
+@pytest.mark.slow  # seconds of compiling: the full suite only
 def test_fisher_is_nan_and_zero_where_no_head():
   config = TransformerConfig(vocab_size=7, num_layers=2, num_heads=(3, 1),
                              d_model=12, head_dim=4, mlp_dim=16, max_len=5)
