@@ -240,3 +240,79 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[unraisableexception.gc_collect_iterations_key] = 1
   except (ImportError, AttributeError):  # Another pytest: its own default.
     pass
+
+
+# --------------------------------------------------------------------------
+# --cpu-report: each test's CPU time, its subprocesses' included.
+# --------------------------------------------------------------------------
+# Wall times (--durations) move by a third with this machine's hour; CPU
+# time moves less, and counts what a test's subprocesses (train.py & co.)
+# spend, which --durations cannot tell from waiting.
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+  parser.addoption(
+      "--cpu-report", default=None, metavar="PATH",
+      help="write each test's CPU seconds (its process and its waited-for "
+      "subprocesses) to PATH as JSON lines, and print the costliest files "
+      "and tests at the end")
+
+
+def _cpu_seconds() -> tuple[float, float]:
+  import resource  # pylint: disable=import-outside-toplevel
+  own = resource.getrusage(resource.RUSAGE_SELF)
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return (own.ru_utime + own.ru_stime,
+          children.ru_utime + children.ru_stime)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist starts its workers
+def pytest_sessionstart(session: pytest.Session) -> None:
+  """A new report for each run: the controller (or a lone process) empties
+  ``--cpu-report``'s file before any test runs."""
+  path = session.config.getoption("--cpu-report")
+  if path and not os.environ.get("PYTEST_XDIST_WORKER"):
+    with open(path, "w", encoding="utf-8"):
+      pass
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):  # pylint: disable=unused-argument
+  path = item.config.getoption("--cpu-report")
+  if not path:
+    yield
+    return
+  import json  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  start, (own, children) = time.perf_counter(), _cpu_seconds()
+  yield  # setup, call and teardown
+  own_after, children_after = _cpu_seconds()
+  with open(path, "a", encoding="utf-8") as f:
+    f.write(json.dumps({
+        "test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+        "wall_s": time.perf_counter() - start, "cpu_s": own_after - own,
+        "subprocess_cpu_s": children_after - children}) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+  path = config.getoption("--cpu-report")
+  if not path or os.environ.get("PYTEST_XDIST_WORKER") or not os.path.exists(
+      path):
+    return
+  import collections  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+  with open(path, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  cpu = lambda r: r["cpu_s"] + r["subprocess_cpu_s"]
+  files = collections.Counter()
+  for r in rows:
+    files[r["test"].split("::")[0]] += cpu(r)
+  write = terminalreporter.write_line
+  terminalreporter.section("CPU seconds (own + subprocesses)")
+  write(f"{len(rows)} tests: {sum(map(cpu, rows)):.1f} s of CPU, "
+        f"{sum(r['subprocess_cpu_s'] for r in rows):.1f} s of it in "
+        f"subprocesses; {path}")
+  for name, seconds in files.most_common(10):
+    write(f"{seconds:7.1f}  {name}")
+  for r in sorted(rows, key=cpu, reverse=True)[:15]:
+    write(f"{cpu(r):7.1f}  {r['test']}")
