@@ -43,6 +43,7 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.proto import tf_example_pb2
 
 from mha import absl_logs
+from mha import write_failures
 
 TASKS: tuple[str, ...] = ("reverse", "sort", "histogram", "spell")
 
@@ -372,6 +373,16 @@ class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         disable_shuffling=True,  # keep the generation order on disk.
     )
 
+  # TFDS prints two lines of its own around a preparation ("Downloading and
+  # preparing dataset Unknown size ..." and "... Subsequent calls will reuse
+  # this data."): nothing is downloaded here, and data_sources prints the one
+  # line that says what happens.
+  def _log_download_bytes(self) -> None:
+    """Prints nothing (see :func:`data_sources`)."""
+
+  def _log_download_done(self) -> None:
+    """Prints nothing (see :func:`data_sources`)."""
+
   def _split_generators(self, dl_manager):  # pylint: disable=unused-argument
     del dl_manager
     arrays = _generate_arrays(self.builder_config.spec)
@@ -522,6 +533,12 @@ def load_splits(spec: DataSpec, data_dir: str) -> dict[str, Split]:
   return {split: read_split(sources[split], spec) for split in _SPLITS}
 
 
+class DataDirError(ValueError):
+  """The data directory cannot hold the prepared data (a path through a file,
+  a read-only file system, no permission): a user's mistake, as a spec that
+  cannot be generated is."""
+
+
 def data_sources(spec: DataSpec, data_dir: str) -> dict[str, object]:
   """Prepares the dataset if needed; returns its splits' data sources.
 
@@ -529,26 +546,33 @@ def data_sources(spec: DataSpec, data_dir: str) -> dict[str, object]:
   reading goes through ``builder.as_data_source()`` (random access via
   ArrayRecord, no TensorFlow), as raw records for :func:`read_split`. A spec
   whose data cannot be generated (e.g. too few distinct sequences for the
-  splits) raises ``ValueError`` here, before anything is read.
+  splits) raises ``ValueError`` here, before anything is read, and a
+  ``data_dir`` that cannot hold the data :class:`DataDirError` (a
+  ``ValueError`` too).
 
   Returns:
     {'train': source, 'validation': source, 'test': source}.
   """
-  builder = make_builder(spec, os.path.expanduser(os.fspath(data_dir)))
-  with _quiet_tfds():
-    prepared = builder.is_prepared()
-  if not prepared:
-    print(
-        f"Preparing toy_seq2seq/{builder.builder_config_name} ({spec}) "
-        f"in {builder.data_dir}",
-        flush=True,
-    )
-    tfds.disable_progress_bar()  # one line above says what is happening
-    try:
-      with _quiet_tfds():
-        builder.download_and_prepare(file_format="array_record")
-    finally:
-      tfds.enable_progress_bar()
+  data_dir = os.path.abspath(os.path.expanduser(os.fspath(data_dir)))
+  try:
+    builder = make_builder(spec, data_dir)
+    with _quiet_tfds():
+      prepared = builder.is_prepared()
+    if not prepared:
+      print(
+          f"Preparing toy_seq2seq/{builder.builder_config_name} ({spec}) "
+          f"in {builder.data_dir}",
+          flush=True,
+      )
+      tfds.disable_progress_bar()  # one line above says what is happening
+      try:
+        with _quiet_tfds():
+          builder.download_and_prepare(file_format="array_record")
+      finally:
+        tfds.enable_progress_bar()
+  except OSError as e:  # A path through a file, a read-only disk, ...
+    raise DataDirError(f"data_dir {data_dir} cannot be used: "
+                       f"{write_failures.os_error_reason(e)}") from e
   sources = builder.as_data_source(
       deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)
   return {split: sources[split] for split in _SPLITS}

@@ -37,12 +37,18 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from mha import config_validation
+from mha import write_failures
 
 LOCK_FILE = "run.lock"
 
 
 class WorkdirLockedError(config_validation.ConfigError):
   """The folder is locked by another run (a user's mistake: exit code 2)."""
+
+
+class WorkdirUnusableError(config_validation.ConfigError):
+  """The folder cannot be made or written (a path through a file, a
+  read-only file system, no permission): exit code 2, nothing written."""
 
 
 def lock_path(directory: str | os.PathLike) -> str:
@@ -71,6 +77,11 @@ def _describe_holder(directory: str) -> str:
           f"{lock_path(directory)}; wait for it to end, or stop it")
 
 
+#: Why a folder could not be made or written, for one line
+#: (:func:`mha.write_failures.os_error_reason`).
+unusable_reason = write_failures.os_error_reason
+
+
 class WorkdirLock:
   """An exclusive lock on ``directory`` (created if missing) for one run.
 
@@ -89,9 +100,14 @@ class WorkdirLock:
 
     Raises:
       WorkdirLockedError: another process holds it.
+      WorkdirUnusableError: the folder or its lock file cannot be made.
     """
-    os.makedirs(self.directory, exist_ok=True)
-    fd = os.open(lock_path(self.directory), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      fd = os.open(lock_path(self.directory), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+      raise WorkdirUnusableError(
+          f"cannot use {self.directory}: {unusable_reason(e)}") from None
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -49,6 +49,20 @@ REMEDIES = {
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
 
 
+def os_error_reason(error: OSError) -> str:
+  """Why an ``OSError`` happened, for one line: the file in the way of a
+  path (``a/file/b``), or the system's reason and the path."""
+  path = os.fspath(error.filename) if error.filename else ""
+  if isinstance(error, (NotADirectoryError, FileExistsError)) and path:
+    probe = os.path.abspath(path)
+    while probe != os.path.dirname(probe):
+      if os.path.exists(probe) and not os.path.isdir(probe):
+        return f"{probe} is a file, not a folder"
+      probe = os.path.dirname(probe)
+  reason = (error.strerror or type(error).__name__).lower()
+  return f"{reason}: {path}" if path else reason
+
+
 class WriteFailure(Exception):
   """A write of a training run failed for want of space or permission.
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 
 from absl import app
@@ -37,6 +38,7 @@ from absl import logging
 from mha import cli
 from mha import collector
 from mha import compilation_cache
+from mha import write_failures
 from mha.pruning.study import grid
 from mha.pruning.study import options as study_options
 
@@ -102,6 +104,7 @@ def main(argv: list[str]) -> None:
     grid.check_grid(root, grid.grid_settings(options, overrides))
   except grid.GridMismatchError as e:
     cli.fail(_PROG, e)
+  _check_writable(root, cells)
   if _TABLE_ONLY.value:
     grid.write_table(root, cells)
     return
@@ -119,6 +122,32 @@ def main(argv: list[str]) -> None:
         f"{time.time() - start:.0f} s", flush=True)
   if counts["failed"]:
     sys.exit(1)
+
+
+def _check_writable(root: str, cells: list[grid.Cell]) -> None:
+  """Fails (one line, exit 2) where the grid cannot be written: ``--workdir``
+  through a file, read-only, or a file where a cell's folder goes; with
+  ``--table_only``, a folder that holds no grid. Creates ``root`` only where
+  the grid would."""
+  if _TABLE_ONLY.value and not os.path.isfile(os.path.join(root,
+                                                           grid.GRID_FILE)):
+    cli.fail(_PROG, f"--workdir {root} holds no grid ({grid.GRID_FILE} is "
+                    "missing): run the grid first, without --table_only")
+  for cell in cells:
+    folder = os.path.join(root, cell.name)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+      cli.fail(_PROG, f"cell {cell.name}: {folder} is a file, not a folder")
+  try:
+    os.makedirs(root, exist_ok=True)
+  except OSError as e:
+    cli.fail(_PROG, f"cannot write the grid in {root}: "
+                    f"{write_failures.os_error_reason(e)}")
+  try:
+    with tempfile.NamedTemporaryFile(dir=root, prefix=".write-check-"):
+      pass
+  except OSError as e:
+    reason = (e.strerror or type(e).__name__).lower()
+    cli.fail(_PROG, f"cannot write the grid in {root}: {reason}")
 
 
 def _default_config(overrides: list[str]):

@@ -152,9 +152,23 @@ def test_deterministic_across_data_dirs(tmp_path, capsys):
 def test_second_load_does_not_prepare(tmp_path, capsys):
   spec = tiny("sort")
   data.load_splits(spec, str(tmp_path))
-  assert "Preparing" in capsys.readouterr().out
+  # One line says what happens (TFDS's "Downloading and preparing dataset
+  # Unknown size ..." and "... will reuse this data." are left out).
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 1 and lines[0].startswith("Preparing"), lines
   data.load_splits(spec, str(tmp_path))
   assert "Preparing" not in capsys.readouterr().out
+
+
+def test_a_data_dir_through_a_file_is_one_clear_error(tmp_path):
+  (tmp_path / "afile").write_text("x")
+  with pytest.raises(data.DataDirError) as error:
+    data.load_splits(tiny("sort"), str(tmp_path / "afile" / "tfds"))
+  assert str(error.value) == (
+      f"data_dir {tmp_path / 'afile' / 'tfds'} cannot be used: "
+      f"{tmp_path / 'afile'} is a file, not a folder")
+  assert isinstance(error.value, ValueError)  # train.py: one line, exit 2
+  assert (tmp_path / "afile").read_text() == "x"
 
 
 def test_custom_specs_load_without_tfds_warnings(tmp_path, caplog):

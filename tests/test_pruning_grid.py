@@ -151,6 +151,31 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message,
   assert not root.exists()
 
 
+@pytest.mark.parametrize("case", ["table_only_without_a_grid",
+                                  "a_file_where_a_cell_goes"])
+def test_an_unwritable_grid_is_one_line_and_exit_2(tmp_path, case,
+                                                    subprocess_env):
+  root = tmp_path / "grid"
+  args = ["--tasks=reverse", "--models=tiny"]
+  if case == "table_only_without_a_grid":  # e.g. a typo in --workdir
+    args.append("--table_only")
+    message = f"--workdir {root} holds no grid (grid.json is missing)"
+  else:
+    root.mkdir()
+    (root / "reverse-tiny").write_text("not a folder")
+    message = (f"cell reverse-tiny: {root / 'reverse-tiny'} is a file, not "
+               "a folder")
+  before = sorted(p.name for p in root.iterdir()) if root.exists() else None
+  p = _script(f"--workdir={root}", *args, env=subprocess_env)
+  _, err = p.communicate()
+  assert p.returncode == 2, err[-2000:]
+  lines = err.strip().splitlines()
+  assert len(lines) == 1, err[-2000:]
+  assert lines[0].startswith(f"pruning_benchmark.py: error: {message}")
+  after = sorted(p.name for p in root.iterdir()) if root.exists() else None
+  assert after == before  # nothing written, nothing created
+
+
 def test_an_option_added_after_the_grid_started_reads_as_its_default(
     tmp_path):
   root = str(tmp_path / "grid")
