@@ -10,7 +10,14 @@ head's roles (``head_roles``, :mod:`mha.head_roles`). With ``--html`` it also
 writes ``workdir/eval/attention.html``, the interactive attention explorer of
 ``--examples`` examples (:mod:`mha.explorer`). The metrics
 are computed on every device, each batch split across them, whatever the
-device count of the run that saved the checkpoint.
+device count of the run that saved the checkpoint. It writes nothing but
+``workdir/eval/`` (never the checkpoints), and takes no lock: it works
+while a run trains.
+
+Exit codes: 0 done; 2 a bad command line or workdir (no checkpoint, a
+damaged one asked for, an ``eval/`` folder it cannot write: one line on
+stderr, checked before anything is computed or written); 1 a write that
+failed midway (the disk filled up: one line).
 """
 
 import json
@@ -29,8 +36,9 @@ _SPLIT = flags.DEFINE_enum("split", "test", ["train", "validation", "test"],
                            "The split to evaluate.")
 _STEP = flags.DEFINE_integer("step", None,
                              "Checkpoint step to load (default: the latest).")
-_NUM_EXAMPLES = flags.DEFINE_integer("num_examples", 4,
-                                     "Examples drawn as attention heatmaps.")
+_NUM_EXAMPLES = flags.DEFINE_integer(
+    "num_examples", 4, "Examples drawn as attention heatmaps, at least 1 and "
+    "at most the split's size.")
 _HTML = flags.DEFINE_bool(
     "html", False, "Also write the attention explorer, eval/attention.html.")
 _EXAMPLES = flags.DEFINE_integer(
@@ -43,9 +51,15 @@ flags.mark_flags_as_required(["workdir"])
 
 
 def _check_examples(num_examples: int | None) -> None:
-  """Fails (exit 2) on ``--examples`` without ``--html``, or outside
-  ``[1, num_examples]`` (the split's size, once known: the config's, before
-  the data is read)."""
+  """Fails (exit 2) on ``--num_examples`` outside ``[1, num_examples]``, on
+  ``--examples`` without ``--html``, or outside ``[1, num_examples]`` (the
+  split's size, once known: the config's, before the data is read)."""
+  if _NUM_EXAMPLES.value < 1:
+    cli.fail("eval.py",
+             f"--num_examples must be at least 1, got {_NUM_EXAMPLES.value}")
+  if num_examples is not None and _NUM_EXAMPLES.value > num_examples:
+    cli.fail("eval.py", f"--num_examples={_NUM_EXAMPLES.value} is more than "
+             f"the {num_examples} examples of the {_SPLIT.value} split")
   value = _EXAMPLES.value
   if not _HTML.value:
     if flags.FLAGS["examples"].present:
@@ -81,7 +95,7 @@ def main(argv):
   workdir = cli.existing_dir("eval.py", _WORKDIR.value)
   _check_examples(None)
   from mha import (build, checkpoint, collector, compilation_cache, data,
-                   evaluate, head_roles)
+                   evaluate)
   collector.tune_for_tracing()
 
   try:
@@ -91,12 +105,30 @@ def main(argv):
   config = ckpt.config
   _check_examples(config.data.num_train_examples if _SPLIT.value == "train"
                   else config.data.num_eval_examples)
+  out_dir = cli.writable_dir("eval.py", os.path.join(workdir, "eval"))
   compilation_cache.configure(config.compilation_cache_dir, "eval.py")
   splits = data.load_splits(build.data_spec(config), config.data.data_dir)
   split = splits[_SPLIT.value]
   metrics = evaluate.evaluate(ckpt.model, ckpt.params, split,
                               config.eval_batch_size)
-  out_dir = os.path.join(workdir, "eval")
+  try:
+    _write_outputs(ckpt, split, workdir, out_dir, metrics)
+  except OSError as e:  # The disk filled up meanwhile, say: exit code 1.
+    from mha import workdir_lock
+    print(f"eval.py: error: {workdir_lock.unusable_reason(e)}, while writing "
+          f"the results to {out_dir}/ (they are incomplete)",
+          file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def _write_outputs(ckpt, split, workdir: str, out_dir: str,
+                   metrics) -> None:
+  """Writes the heatmaps, the head roles, the explorer (``--html``) and the
+  metrics to ``out_dir`` (``workdir/eval``), and prints the final line of
+  JSON."""
+  from mha import evaluate, head_roles
+  config = ckpt.config
+
   paths = evaluate.write_attention_plots(
       ckpt.model, ckpt.params, split, out_dir,
       num_examples=_NUM_EXAMPLES.value,

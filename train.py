@@ -69,18 +69,16 @@ def _parse_flags(argv: list[str]) -> list[str]:
   one line on stderr with exit code 2 (no traceback, no usage text)."""
   try:
     # Defined here rather than at import: the --config.* overrides are
-    # registered from argv, and one naming no config field raises.
+    # registered from argv, and one naming no config field raises (here
+    # with the default config; while parsing with a --config given).
     config_flags.DEFINE_config_file(
         "config", _DEFAULT_CONFIG, "Training config file (path[:variant]).",
         lock_config=True, sys_argv=argv)
-  except (AttributeError, KeyError) as e:
-    cli.fail("train.py", "unknown config key in the --config.* "
-                           f"flags: {cli.one_line(e)}")
-  try:
     rest = cli.parse_flags(argv, "train.py")
     flags.FLAGS.config.to_dict()  # Loads the file, applies the overrides.
   except Exception as e:  # A config file can raise anything.
-    cli.fail("train.py", e)
+    cli.fail("train.py", cli.unknown_config_override(e) or e)
+  cli.nonempty_path("train.py", _WORKDIR.value)
   return rest
 
 

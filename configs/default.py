@@ -39,8 +39,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.task = "reverse"  # One of: reverse, sort, histogram, spell.
   config.seed = 0  # Seeds parameter init, dropout and the batch order.
   config.batch_size = 128  # Global training batch, split across the devices.
-  # Batch size of evaluation (the last one padded; rounded up to a multiple of
-  # the devices).
+  # Batch size of evaluation (the last one padded; at most a split's size;
+  # rounded up to a multiple of the devices).
   config.eval_batch_size = 1000
   config.num_train_steps = 500  # Total optimizer steps.
   config.learning_rate = 1e-2  # Peak learning rate of the schedule.

@@ -32,8 +32,9 @@ What survives what (see :class:`TrainCheckpoints`):
   temporary folder is removed; the older steps are untouched, and orbax's own
   log of it is dropped (the run reports it in one line).
 * Readers (``load_checkpoint``, ``eval.py``) never see a step being written
-  (orbax lists only renamed, complete steps) and write nothing, so they work
-  while a run trains; writers hold ``mha.workdir_lock``.
+  (orbax lists only renamed, complete steps) and never write to the
+  checkpoints (``eval.py`` writes only its ``workdir/eval/`` folder), so
+  they work while a run trains; writers hold ``mha.workdir_lock``.
 
 Checkpoints do not depend on the device count: each array is restored into the
 shardings of the mesh at hand (``mha.sharding``), so a run saved on 8 devices
@@ -62,6 +63,7 @@ from jax.experimental import multihost_utils
 
 from configs import default
 from mha import build
+from mha import config_validation
 from mha import sharding as sharding_lib
 from mha import write_failures
 from mha.model import Transformer, TransformerConfig
@@ -74,6 +76,12 @@ _T = TypeVar("_T")
 
 class DamagedCheckpointError(ValueError):
   """A checkpoint that cannot be restored: a file missing, truncated, bad."""
+
+
+class DamagedConfigFileError(config_validation.ConfigError):
+  """A workdir's ``config.json`` that cannot be read as a run config (not
+  JSON, cut short, not a JSON object, unreadable): a workdir that cannot
+  run (exit code 2), left as it is."""
 
 
 def checkpoint_dir(workdir: str | os.PathLike) -> str:
@@ -144,6 +152,9 @@ def complete_config(saved: Mapping[str, Any]) -> ml_collections.ConfigDict:
         merged[key] = value
     return merged
 
+  if not isinstance(saved, Mapping):
+    raise ValueError(f"the saved config is a {type(saved).__name__}, not a "
+                     "mapping of config fields")
   config = ml_collections.ConfigDict(
       merge(default.get_config().to_dict(), saved))
   config.lock()
@@ -218,7 +229,12 @@ def read_state(manager: ocp.CheckpointManager, step: int,
 
 def saved_config(workdir: str | os.PathLike) -> dict[str, Any] | None:
   """The config of the run in ``workdir`` (read only): the newest readable
-  checkpoint's, else ``config.json``'s, else None (a new workdir)."""
+  checkpoint's, else ``config.json``'s, else None (a new workdir).
+
+  Raises:
+    DamagedConfigFileError: no checkpoint is readable and ``config.json``
+      is there but damaged or not a config (:func:`read_config_file`).
+  """
   directory = checkpoint_dir(workdir)
   if os.path.isdir(directory):
     manager = make_manager(workdir, read_only=True)
@@ -232,10 +248,48 @@ def saved_config(workdir: str | os.PathLike) -> dict[str, Any] | None:
       manager.close()
   path = os.path.join(os.path.abspath(os.path.expanduser(workdir)),
                       "config.json")
-  if os.path.isfile(path):
+  if not os.path.lexists(path):
+    return None
+  return read_config_file(path)
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+  """The run config a ``config.json`` holds, as a dict.
+
+  Raises:
+    DamagedConfigFileError: it cannot be read, is not JSON (cut short, say)
+      or is not a JSON object; the message names the file.
+  """
+  try:
     with open(path, encoding="utf-8") as f:
-      return json.load(f)
-  return None
+      text = f.read()
+  except OSError as e:
+    reason = (e.strerror or type(e).__name__).lower()
+    raise DamagedConfigFileError(
+        f"cannot read the run config {path}: {reason}") from None
+  except UnicodeDecodeError:
+    raise DamagedConfigFileError(
+        f"the run config {path} is damaged: not UTF-8 text; move it away "
+        "or use another workdir") from None
+  try:
+    saved = json.loads(text)
+  except ValueError as e:
+    raise DamagedConfigFileError(
+        f"the run config {path} is damaged: not valid JSON ({e}); move it "
+        "away or use another workdir") from None
+  if not isinstance(saved, dict):
+    raise DamagedConfigFileError(
+        f"the run config {path} is not a config: a JSON "
+        f"{_json_kind(saved)}, not an object of config fields; move it away "
+        "or use another workdir")
+  return saved
+
+
+def _json_kind(value: Any) -> str:
+  """What JSON calls the kind of a parsed ``value``."""
+  return {list: "array", str: "string", bool: "boolean", int: "number",
+          float: "number", type(None): "null"}.get(type(value),
+                                                   type(value).__name__)
 
 
 class TrainCheckpoints:

@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+import traceback
 from typing import Callable, NoReturn, Sequence
 
 from absl import flags
+
+from mha import write_failures
 
 
 class UsageError(Exception):
@@ -58,6 +62,26 @@ def parse_flags(argv: list[str], prog: str) -> list[str]:
   return rest
 
 
+def unknown_config_override(error: BaseException,
+                            flag: str = "config") -> str | None:
+  """The line for ``error`` if it is ml_collections' ``config_flags`` not
+  finding the field a ``--config.*`` override names, else None.
+
+  ``config_flags`` resolves each override's path when the config is loaded,
+  at its definition (the default config) or while the flags are parsed (a
+  ``--config`` given), and raises a ``KeyError`` or an ``AttributeError``
+  wrapping one, of the bare field name, from its ``config_path`` module.
+  An error of the same kinds raised by a config file itself is not one.
+  """
+  if not isinstance(error, (AttributeError, KeyError)):
+    return None
+  if not any(os.path.basename(frame.filename) == "config_path.py"
+             and "ml_collections" in frame.filename
+             for frame in traceback.extract_tb(error.__traceback__)):
+    return None
+  return f"unknown config key in the --{flag}.* flags: {one_line(error)}"
+
+
 def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
   """:func:`parse_flags` for ``prog``, as ``app.run``'s ``flags_parser``."""
   return lambda argv: parse_flags(argv, prog)
@@ -77,12 +101,53 @@ def numbers(name: str, values: Sequence[str], kind: type) -> tuple:
                      ) from None
 
 
+def nonempty_path(prog: str, path: str | None, flag: str = "workdir") -> str:
+  """``path``, the value of ``--flag``; fails (exit 2) if it is empty: an
+  empty path would be the current directory."""
+  if not path:
+    fail(prog, f'--{flag} is empty; name a folder ("." for the current one)')
+  return path
+
+
 def existing_dir(prog: str, path: str, what: str = "workdir") -> str:
   """``path`` expanded and made absolute; fails (exit 2) unless it is an
-  existing directory."""
+  existing directory (an empty ``path`` included: ``--<what>`` is empty)."""
+  nonempty_path(prog, path, what)
   path = os.path.abspath(os.path.expanduser(path))
   if not os.path.isdir(path):
     fail(prog, f"{what} {path} " + (
         "is a file, not a directory" if os.path.exists(path)
         else "does not exist"))
+  return path
+
+
+def writable_dir(prog: str, path: str) -> str:
+  """``path``, once known to be a folder this process can write in; fails
+  (exit 2, one line) otherwise, leaving nothing behind.
+
+  Checked for real, before the work whose results go there: the folder is
+  made if missing (its parents must exist) and a small file written in it
+  and removed, then the folder removed again if it was made here. (A
+  read-only file system, a lost permission or a file in the way; a
+  permission check alone would pass as root.)
+  """
+  made = False
+  try:
+    if not os.path.isdir(path):
+      os.mkdir(path)
+      made = True
+    try:
+      fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=path)
+    except OSError as e:  # Named by the folder, not the probe's random name.
+      raise OSError(e.errno, e.strerror, path) from None
+    os.close(fd)
+    os.unlink(probe)
+  except OSError as e:
+    fail(prog, f"cannot write to {path}: {write_failures.os_error_reason(e)}")
+  finally:
+    if made:
+      try:
+        os.rmdir(path)
+      except OSError:
+        pass
   return path

@@ -48,7 +48,9 @@ _AT_LEAST_ONE = (
     "model.num_layers", "model.d_model", "model.mlp_dim", "data.num_symbols",
     "data.min_len", "data.num_train_examples", "data.num_eval_examples",
     "data.max_digits")
-_AT_LEAST_ZERO = ("warmup_steps", "data.seed")
+# ``seed`` draws the train batches' order with numpy, which takes no
+# negative seed (and the initialisation with it too).
+_AT_LEAST_ZERO = ("seed", "warmup_steps", "data.seed")
 
 
 class ConfigError(ValueError):
@@ -232,10 +234,48 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError("; ".join(problems))
 
 
-def check_workdir(workdir: str) -> None:
-  """Raises ``ConfigError`` if ``workdir`` cannot be a run's directory."""
+# What a run writes in its workdir, each a file (True) or a folder (False):
+# one of the wrong kind there would fail the run only once it has trained.
+WORKDIR_ENTRIES: dict[str, bool] = {
+    "config.json": True,
+    "metrics.jsonl": True,
+    "checkpoints": False,
+    "damaged_checkpoints": False,
+    "run.lock": True,  # mha.workdir_lock's
+}
+
+
+def check_workdir(workdir: str | os.PathLike) -> None:
+  """Raises ``ConfigError`` if ``workdir`` cannot be a run's directory: an
+  empty path (it would be the current directory), an existing file, a path
+  through a file (``a_file/run``), or a workdir whose ``config.json`` or
+  ``metrics.jsonl`` is a folder, or whose ``checkpoints`` is a file
+  (:data:`WORKDIR_ENTRIES`). Reads only; what cannot be known without
+  writing (a read-only file system) is found when the workdir is locked
+  (``mha.workdir_lock``), still before anything is written."""
+  if not os.fspath(workdir):
+    raise ConfigError('the workdir path is empty ("" would be the current '
+                      'folder); name a folder, "." for the current one')
+  workdir = os.path.abspath(os.path.expanduser(os.fspath(workdir)))
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ConfigError(f"workdir {workdir} is an existing file, not a directory")
+  parent = os.path.dirname(workdir)
+  while not os.path.exists(parent) and parent != os.path.dirname(parent):
+    parent = os.path.dirname(parent)  # The nearest one there.
+  if not os.path.isdir(parent):
+    raise ConfigError(f"cannot use {workdir}: {parent} is a file, not a "
+                      "folder")
+  for name, is_file in WORKDIR_ENTRIES.items():
+    path = os.path.join(workdir, name)
+    if not os.path.lexists(path) or (
+        os.path.isfile(path) if is_file else os.path.isdir(path)):
+      continue
+    kind = ("a broken link" if not os.path.exists(path)
+            else "a folder" if os.path.isdir(path)
+            else "a file" if os.path.isfile(path) else "a special file")
+    raise ConfigError(f"{path} is {kind}, not the "
+                      f"{'file' if is_file else 'folder'} a run writes there; "
+                      "move it away or use another workdir")
 
 
 def resume_conflicts(saved: Mapping[str, Any],

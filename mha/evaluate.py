@@ -118,7 +118,14 @@ def pick_examples(split: data.Split, num_examples: int, *,
                   shortest: bool = False) -> np.ndarray:
   """Indices of ``num_examples`` examples with lengths spread from half the
   longest length to the longest (short sequences make dull heatmaps), or
-  with ``shortest`` from the shortest length of the split to the longest."""
+  with ``shortest`` from the shortest length of the split to the longest;
+  all of the split's (in another order) when ``num_examples`` is larger.
+
+  Raises:
+    ValueError: ``num_examples`` is less than 1.
+  """
+  if num_examples < 1:
+    raise ValueError(f"num_examples must be at least 1, got {num_examples}")
   lengths = split.lengths
   longest = int(lengths.max())
   low = int(lengths.min()) if shortest else max(1, longest // 2)
@@ -145,7 +152,11 @@ def write_attention_plots(model: Transformer, params, split: data.Split,
 
   Returns:
     The paths of the files written (``out_dir/<prefix>_<index>.png``, or
-    ``.svg`` / ``.pdf`` with ``plot_format``).
+    ``.svg`` / ``.pdf`` with ``plot_format``): ``num_examples`` of them, or
+    one for each example of a smaller split.
+
+  Raises:
+    ValueError: ``num_examples`` is less than 1.
   """
   from mha import plotting  # Deferred: matplotlib is only needed here.
 

@@ -151,14 +151,24 @@ def padded_batch_size(batch_size: int, mesh: Mesh) -> int:
   return -(-batch_size // data_size(mesh)) * data_size(mesh)
 
 
+def eval_batch_rows(batch_size: int, num_examples: int, mesh: Mesh) -> int:
+  """The rows of each evaluation batch of a split of ``num_examples``:
+  ``batch_size``, but no more than the split fills, rounded up to a multiple
+  of the data axis. (An ``eval_batch_size`` of 10**8 on a split of 64 would
+  otherwise pad each batch to 10**8 rows; a size up to the split's is
+  unchanged.)"""
+  return padded_batch_size(max(1, min(batch_size, num_examples)), mesh)
+
+
 def eval_batches(split: data.Split, batch_size: int,
                  mesh: Mesh) -> Iterator[dict[str, jax.Array]]:
   """:func:`mha.data.eval_batches` as global arrays split along the data axis.
 
-  The batch size is rounded up to a multiple of the data axis (padding rows
-  have no valid token: they count nothing in metric sums).
+  The batch size is capped at the split's size and rounded up to a multiple
+  of the data axis (:func:`eval_batch_rows`; padding rows have no valid
+  token: they count nothing in metric sums).
   """
-  size = padded_batch_size(batch_size, mesh)
+  size = eval_batch_rows(batch_size, len(split), mesh)
   sharding = batch_sharding(mesh)
   rows = process_rows(sharding, size)
   for batch in data.eval_batches(split, size):

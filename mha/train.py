@@ -489,8 +489,8 @@ def _checked_workdir(config: ml_collections.ConfigDict,
   (another run's?) are checked; raises ``ConfigError`` otherwise."""
   config_validation.validate_config(config)
   config_validation.validate_devices(config, jax.device_count())
+  config_validation.check_workdir(workdir)  # "" too, before abspath's cwd
   workdir = os.path.abspath(os.path.expanduser(os.fspath(workdir)))
-  config_validation.check_workdir(workdir)
   saved = ckpt_lib.saved_config(workdir)
   if saved is not None:
     config_validation.check_resume(saved, config, workdir)
@@ -707,10 +707,13 @@ def eval_step_program(config: ml_collections.ConfigDict, model: Transformer,
                       mesh: Mesh, state_shardings: Any, abstract_state: Any
                       ) -> tuple[Any, tuple[Any, ...]]:
   """``(jitted, args)``: ``mha.evaluate.eval_step`` and its arguments' types
-  for the run's eval batches (padded) and parameter shardings."""
+  for the run's eval batches (of validation and test, each of
+  ``data.num_eval_examples``: ``mha.sharding.eval_batch_rows``) and
+  parameter shardings."""
   params = jax.tree.map(_laid_out, abstract_state.params,
                         state_shardings.params)
-  rows = sharding_lib.padded_batch_size(config.eval_batch_size, mesh)
+  rows = sharding_lib.eval_batch_rows(
+      config.eval_batch_size, config.data.num_eval_examples, mesh)
   tokens = jax.ShapeDtypeStruct((rows, config.data.max_len), jnp.int32,
                                 sharding=sharding_lib.batch_sharding(mesh))
   return eval_lib.eval_step, (model, params,

@@ -12,8 +12,9 @@ JSON) so that a second run can say who holds it:
     /home/me/runs/x/run.lock; wait for it to end, or stop it
 
 That second run exits 2 and writes nothing. Readers (``eval.py``,
-``mha.load_checkpoint``) take no lock: they only read, and orbax never lists
-a checkpoint before it is complete (it writes ``<step>.orbax-checkpoint-tmp``
+``mha.load_checkpoint``) take no lock: they never write to the checkpoints
+(``eval.py`` writes only ``workdir/eval/``), and orbax never lists a
+checkpoint before it is complete (it writes ``<step>.orbax-checkpoint-tmp``
 and renames it when done).
 
 With several processes, process 0 alone holds the lock (the others run in

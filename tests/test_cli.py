@@ -2,10 +2,16 @@
 stderr and exits with code 2 (the scripts' own tests run one such mistake
 through a real process; these cover the shared helpers in-process)."""
 
+import os
+
 import pytest
 from absl import flags
+from ml_collections import config_flags
 
 from mha import cli
+
+CONFIG_FILE = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "configs", "default.py")
 
 
 @pytest.fixture
@@ -55,6 +61,12 @@ def test_numbers_parses_or_names_the_flag():
 
 def test_existing_dir(tmp_path, capsys):
   assert cli.existing_dir("prog.py", str(tmp_path)) == str(tmp_path)
+  with pytest.raises(SystemExit) as exit_info:  # not the current folder
+    cli.existing_dir("prog.py", "")
+  assert exit_info.value.code == 2
+  assert capsys.readouterr().err == (
+      'prog.py: error: --workdir is empty; name a folder ("." for the '
+      'current one)\n')
   for path, says in [(tmp_path / "missing", "does not exist"),
                      (tmp_path / "file", "is a file")]:
     if says == "is a file":
@@ -74,3 +86,61 @@ def test_one_line_unwraps_key_errors_and_quoted_tracebacks():
                       "  File ...\nValueError: the real reason")
   assert cli.one_line(quoted) == "bad config: ValueError: the real reason"
   assert cli.one_line(ValueError()) == "ValueError"
+
+
+def test_writable_dir_checks_by_writing_and_leaves_nothing(tmp_path, capsys):
+  out = tmp_path / "eval"
+  assert cli.writable_dir("prog.py", str(out)) == str(out)
+  assert not out.exists()  # made for the check, removed again
+  out.mkdir()
+  (out / "old.png").write_text("kept")
+  cli.writable_dir("prog.py", str(out))
+  assert os.listdir(out) == ["old.png"]
+  in_the_way = tmp_path / "file"
+  in_the_way.write_text("kept")
+  with pytest.raises(SystemExit) as exit_info:
+    cli.writable_dir("prog.py", str(in_the_way))
+  assert exit_info.value.code == 2
+  assert capsys.readouterr().err == (
+      f"prog.py: error: cannot write to {in_the_way}: {in_the_way} is a "
+      "file, not a folder\n")
+  assert in_the_way.read_text() == "kept"
+
+
+def _config_flag_error(argv):
+  """What parsing ``argv`` with a ``--config`` flag raises."""
+  fv = flags.FlagValues()
+  try:
+    config_flags.DEFINE_config_file("config", CONFIG_FILE, flag_values=fv,
+                                    lock_config=True, sys_argv=argv)
+    fv(argv)
+    fv.config.to_dict()
+  except Exception as e:  # pylint: disable=broad-except
+    return e
+  raise AssertionError(f"{argv} parsed")
+
+
+# ml_collections' config_flags loads a config file with the deprecated
+# loader.load_module() (config_flags.py, version 1.x).
+@pytest.mark.filterwarnings(
+    "ignore:the load_module\\(\\) method is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("argv, line", [
+    # The default config: config_flags raises at the flag's definition.
+    (["train.py", "--config.nope=1"], "'nope'"),
+    # A --config given: it raises while parsing (an AttributeError then).
+    (["train.py", f"--config={CONFIG_FILE}:tiny", "--config.nonexistent=1"],
+     "'nonexistent'"),
+    (["train.py", f"--config={CONFIG_FILE}:tiny", "--config.model.bogus=1"],
+     "'bogus'"),
+    (["train.py", f"--config={CONFIG_FILE}", "--config.nope.deeper=1"],
+     "'nope'"),
+    # The config file's own KeyError is reported as it is.
+    (["train.py", f"--config={CONFIG_FILE}:tiny,model.nope=3"], None),
+])
+def test_unknown_config_overrides_are_named_with_or_without_config(argv,
+                                                                   line):
+  error = _config_flag_error(argv)
+  assert isinstance(error, (AttributeError, KeyError))
+  assert cli.unknown_config_override(error) == (
+      line and f"unknown config key in the --config.* flags: {line}")
+  assert cli.unknown_config_override(KeyError("'nope'")) is None

@@ -164,6 +164,9 @@ def test_per_layer_heads_and_configs_saved_before_head_dim():
      "histogram"),
     ("eval_every_steps=0", "eval_every_steps=0 must be >= 1"),
     ("checkpoint_every_steps=0", "checkpoint_every_steps=0 must be >= 1"),
+    # numpy's batch order takes no negative seed (a run trained, wrote its
+    # checkpoints and then crashed on it).
+    ("seed=-1", "seed=-1 must be >= 0"),
 ])
 def test_bad_config_values_are_named(override, message):
   with pytest.raises(config_validation.ConfigError) as error:
@@ -193,16 +196,84 @@ def test_train_and_evaluate_writes_nothing_for_bad_input(tmp_path, data_dir):
     train.train_and_evaluate(_run_config(data_dir), workdir)
 
 
+def _tree(path):
+  """Every file and folder below ``path``: kind, size and modification
+  time."""
+  entries = {}
+  for folder, dirs, files in os.walk(path):
+    for name in dirs + files:
+      stat = os.lstat(os.path.join(folder, name))
+      entries[os.path.relpath(os.path.join(folder, name), path)] = (
+          name in dirs, stat.st_size, stat.st_mtime_ns)
+  return entries
+
+
+def _write(path, text):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(text)
+
+
+# A workdir that cannot hold a run: how to make it in ``tmp_path / "run"``,
+# and what the refusal says. Each failed only after training (a folder where
+# a file goes, a file where a folder goes), with a traceback (a damaged
+# config.json), or trained in the current folder (an empty path).
+_BAD_WORKDIRS = {
+    "empty path": (lambda run: None, "", 'the workdir path is empty'),
+    "through a file": (lambda run: _write(run, "x"), "run/sub",
+                       "/run is a file, not a folder"),
+    "metrics.jsonl a folder": (
+        lambda run: (run / "metrics.jsonl").mkdir(parents=True), "run",
+        "/run/metrics.jsonl is a folder, not the file a run writes there"),
+    "checkpoints a file": (
+        lambda run: _write(run / "checkpoints", ""), "run",
+        "/run/checkpoints is a file, not the folder a run writes there"),
+    "run.lock a folder": (
+        lambda run: (run / "run.lock").mkdir(parents=True), "run",
+        "/run/run.lock is a folder, not the file a run writes there"),
+    "config.json cut short": (
+        lambda run: _write(run / "config.json", '{"seed": 0, "task'), "run",
+        "/run/config.json is damaged: not valid JSON"),
+    "config.json a list": (
+        lambda run: _write(run / "config.json", "[1, 2]"), "run",
+        "/run/config.json is not a config: a JSON array, not an object of "
+        "config fields"),
+}
+
+
+@pytest.mark.parametrize("case", _BAD_WORKDIRS)
+def test_a_workdir_that_cannot_hold_a_run_is_refused_untouched(
+    case, tmp_path, data_dir, monkeypatch):
+  make, workdir, message = _BAD_WORKDIRS[case]
+  make(tmp_path / "run")
+  monkeypatch.chdir(tmp_path)  # "" would be this folder
+  before = _tree(tmp_path)
+  with pytest.raises(config_validation.ConfigError) as error:
+    train.train_and_evaluate(_run_config(data_dir), workdir)
+  assert message in str(error.value)
+  assert _tree(tmp_path) == before
+  if case.startswith("config.json"):  # The library call says the same.
+    with pytest.raises(ckpt_lib.DamagedConfigFileError, match=message):
+      ckpt_lib.saved_config(tmp_path / "run")
+
+
 def test_command_line_mistakes_are_one_line_and_exit_code_2(tmp_path,
                                                             subprocess_env):
   workdir = str(tmp_path / "run")
   a_file = tmp_path / "file"
   a_file.write_text("")
+  cwd = tmp_path / "cwd"  # "--workdir=" would train here
+  cwd.mkdir()
   cases = [
       (_command("train.py", f"--workdir={workdir}", "--config.batch_size=abc"),
        "flag --config.batch_size=abc"),
       (_command("train.py", f"--workdir={workdir}", "--config.nope=1"),
        "unknown config key in the --config.* flags: 'nope'"),
+      # With --config given, config_flags raises it while parsing instead.
+      (_command("train.py", f"--workdir={workdir}",
+                f"--config={CONFIG_FILE}:tiny", "--config.model.bogus=1"),
+       "unknown config key in the --config.* flags: 'bogus'"),
+      (_command("train.py", "--workdir=", f"--config={CONFIG_FILE}:tiny"),
+       '--workdir is empty; name a folder ("." for the current one)'),
       (_command("train.py", f"--workdir={workdir}",
                 f"--config={CONFIG_FILE}:tiny,model.nope=3"),
        "unknown config key 'model.nope'"),
@@ -215,7 +286,7 @@ def test_command_line_mistakes_are_one_line_and_exit_code_2(tmp_path,
        "flag --step=last"),
   ]
   procs = [subprocess.Popen(command, env=subprocess_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, cwd=cwd)
            for command, _ in cases]
   for proc, (command, message) in zip(procs, cases):
     _, stderr = proc.communicate()
@@ -226,6 +297,7 @@ def test_command_line_mistakes_are_one_line_and_exit_code_2(tmp_path,
         command, stderr)
     assert message in lines[0], (command, stderr)
   assert not os.path.exists(workdir)
+  assert not os.listdir(cwd)
 
 
 # --------------------------------------------------------------------------

@@ -269,3 +269,9 @@ def test_one_device_mesh_and_eval_batches():
   batches = list(sharding.eval_batches(split, 3, mesh))
   assert [b["inputs"].shape for b in batches] == [(3, 4), (3, 4)]
   assert int(batches[1]["inputs"].sum()) == 8  # the padding row is zeros
+  # A batch size past the split's: one batch of the split's rows, not of
+  # 10**8 (an eval_batch_size of 10**8 ran out of memory).
+  assert sharding.eval_batch_rows(10**8, 5, mesh) == 5
+  assert sharding.eval_batch_rows(3, 5, mesh) == 3
+  assert [b["inputs"].shape for b in
+          sharding.eval_batches(split, 10**8, mesh)] == [(5, 4)]

@@ -84,6 +84,19 @@ def test_train_writes_metrics_checkpoints_and_events(tiny_run):
   expected = evaluate.evaluate(build.make_model(config), state.params,
                                splits["test"], config.eval_batch_size)
   assert {k: test_rows[0][f"test/{k}"] for k in expected} == expected
+  # An eval_batch_size far past the split pads no batch beyond the split's
+  # 64 rows (it asked for 732 GB): the same program, the same numbers. So
+  # does the program a run compiles for it.
+  assert evaluate.evaluate(build.make_model(config), state.params,
+                           splits["test"], 10**8) == expected
+  huge = tiny_config(config.data.data_dir, "eval_batch_size=100000000")
+  mesh = sharding.make_mesh()
+  _, (_, _, batch) = train.eval_step_program(
+      huge, build.make_model(huge), mesh,
+      jax.tree.map(lambda _: sharding.replicated(mesh), state),
+      jax.eval_shape(lambda: state))
+  assert batch["inputs"].shape == (config.data.num_eval_examples,
+                                   config.data.max_len)
   # The loss goes down on this tiny problem.
   assert train_rows[-1]["loss"] < train_rows[0]["loss"]
 
@@ -265,12 +278,24 @@ def test_eval_script_prints_json_and_writes_heatmaps(tiny_run, tmp_path,
 
 def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
   workdir = tiny_run.workdir
+  # eval/ cannot be made (a file in the way): refused before any work.
+  blocked = copy_workdir(workdir, tmp_path / "blocked")
+  with open(os.path.join(blocked, "eval"), "w", encoding="utf-8") as f:
+    f.write("kept")
   cases = (
       ([f"--workdir={tmp_path / 'missing'}"], "does not exist"),
       ([f"--workdir={tmp_path}"], "no checkpoints"),
+      (["--workdir="], "--workdir is empty"),  # not the current folder
       ([f"--workdir={workdir}", "--step=3"], "steps saved: 10, 20"),
       ([f"--workdir={workdir}", "--plot_format=gif"],
        "--plot_format=gif: value should be one of <png|svg|pdf>"),
+      ([f"--workdir={workdir}", "--num_examples=-3"],
+       "--num_examples must be at least 1, got -3"),
+      ([f"--workdir={workdir}", "--num_examples=0"],  # wrote 0 heatmaps
+       "--num_examples must be at least 1, got 0"),
+      ([f"--workdir={blocked}"],
+       f"cannot write to {blocked}/eval: {blocked}/eval is a file, not a "
+       "folder"),
   )
   procs = [subprocess.Popen(
       [sys.executable, os.path.join(ROOT, "eval.py")] + args,
@@ -283,6 +308,8 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
         f"eval.py: error: {stderr.strip()[len('eval.py: error: '):]}"]
     assert message in stderr
   assert not os.path.exists(os.path.join(workdir, "eval"))
+  with open(os.path.join(blocked, "eval"), encoding="utf-8") as f:
+    assert f.read() == "kept"
 
 
 def test_train_step_compiled_with_its_options_is_bitwise_the_plain_one():
