@@ -26,7 +26,13 @@ A user's mistake (no checkpoint, a fraction outside [0, 1], a head that
 does not exist, ``--oracle_max_heads`` below 1, a seed directory trained
 with another config, an ``--out`` that another study is writing: it is
 locked for the whole study, ``mha.workdir_lock``) is one line on stderr and
-exit code 2.
+exit code 2, found before anything is written. So are the output folders
+that may not be written: an empty ``--workdir``, ``--out`` or
+``--save_pruned``; a folder that cannot be made or written (a file in the
+way, a read-only file system); a folder inside a run's ``checkpoints/``
+(a resume of that run would delete it); an ``--out`` holding the study of
+another run (its ``results.json``); a ``--save_pruned`` that is, or holds,
+the current directory or the source workdir (it is replaced whole).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from mha import checkpoint as ckpt_lib
 from mha import cli
 from mha import collector
 from mha import compilation_cache
+from mha import config_validation
 from mha import data
 from mha import evaluate
 from mha import pruning
@@ -52,6 +59,7 @@ from mha import workdir_lock
 from mha.pruning import export
 from mha.pruning import study
 from mha.pruning.study import options as study_options
+from mha.pruning.study import outputs as study_outputs
 from mha.pruning.study.options import StudyOptions
 
 _PROG = "prune_heads.py"
@@ -91,6 +99,8 @@ def main(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
   collector.tune_for_tracing()
+  if _OUT.value is not None:  # "" is no folder at all.
+    cli.nonempty_path(_PROG, _OUT.value.strip(), "out")
   workdir = cli.existing_dir(_PROG, _WORKDIR.value)
   _configure_compilation_cache(workdir)
   if (_SAVE_PRUNED.value is not None or _PRUNE_FRACTION.value is not None
@@ -99,8 +109,6 @@ def main(argv: list[str]) -> None:
     return
   out = os.path.abspath(os.path.expanduser(
       _OUT.value or os.path.join(workdir, "pruning")))
-  if os.path.exists(out) and not os.path.isdir(out):
-    cli.fail(_PROG, f"--out {out} exists and is not a directory")
 
   try:
     options = _options()
@@ -108,7 +116,7 @@ def main(argv: list[str]) -> None:
     cli.fail(_PROG, e)
 
   try:  # Every user error is found before the long work starts.
-    study.check_inputs(workdir, out, options, _STEP.value)
+    first = study.check_inputs(workdir, out, options, _STEP.value)
   except (FileNotFoundError, ValueError) as e:
     cli.fail(_PROG, str(e).splitlines()[0] if str(e) else type(e).__name__)
 
@@ -116,14 +124,18 @@ def main(argv: list[str]) -> None:
   lock = workdir_lock.WorkdirLock(out)  # One study per folder at a time.
   try:
     lock.acquire()
-  except workdir_lock.WorkdirLockedError as e:
+  except config_validation.ConfigError as e:  # Locked, or cannot be made.
     cli.fail(_PROG, e)
   try:
     print(f"Pruning experiment on {workdir} -> {out}", flush=True)
-    results = study.run(workdir, out, options, _STEP.value)
+    try:  # Checked again under the lock, the checkpoint not read again.
+      results = study.run(workdir, out, options, _STEP.value,
+                          checkpoint=first)
+    except config_validation.ConfigError as e:
+      cli.fail(_PROG, e)
   finally:
     lock.release()
-  _print_summary(results, out, time.time() - start)
+  _print_summary(results, out, time.time() - start, options)
 
 
 def _configure_compilation_cache(workdir: str) -> None:
@@ -150,8 +162,11 @@ def _save_pruned(workdir: str) -> None:
     cli.fail(_PROG, e)
   details = ({"order": order, "prune_fraction": _PRUNE_FRACTION.value}
              if order is not None else {})
-  provenance = export.save_pruned(ckpt, heads, _SAVE_PRUNED.value,
-                                  source=workdir, details=details)
+  try:  # Checked again just before writing; a folder that cannot be made.
+    provenance = export.save_pruned(ckpt, heads, _SAVE_PRUNED.value,
+                                    source=workdir, details=details)
+  except config_validation.ConfigError as e:
+    cli.fail(_PROG, e)
   out = os.path.abspath(os.path.expanduser(_SAVE_PRUNED.value))
   pruned = ckpt_lib.load_checkpoint(out)  # Evaluate what was written.
   test = data.load_splits(build.data_spec(ckpt.config),
@@ -186,7 +201,8 @@ def _heads_of_order(ckpt, order: str, fraction: float
       oracle_max_heads=options.oracle_max_heads)
 
 
-def _print_summary(results, out: str, seconds: float) -> None:
+def _print_summary(results, out: str, seconds: float,
+                   options: StudyOptions) -> None:
   agg = results["aggregate"]["curve_summary"]
   labels = results["curve_labels"]
   width = max(len(label) for key, label in labels.items() if key in agg) + 2
@@ -219,8 +235,7 @@ def _print_summary(results, out: str, seconds: float) -> None:
   print(f"First seed incl. speed table: "
         f"{results['timings']['first_seed_with_speed_s']:.1f} s; total "
         f"{seconds:.1f} s")
-  print(f"Wrote {os.path.join(out, 'results.json')}, "
-        f"{os.path.join(out, 'report.md')} and plots.", flush=True)
+  print(study_outputs.written(out, options), flush=True)
 
 
 def _print_extensions(results) -> None:

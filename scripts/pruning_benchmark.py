@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 
 from absl import app
@@ -142,12 +141,7 @@ def _check_writable(root: str, cells: list[grid.Cell]) -> None:
   except OSError as e:
     cli.fail(_PROG, f"cannot write the grid in {root}: "
                     f"{write_failures.os_error_reason(e)}")
-  try:
-    with tempfile.NamedTemporaryFile(dir=root, prefix=".write-check-"):
-      pass
-  except OSError as e:
-    reason = (e.strerror or type(e).__name__).lower()
-    cli.fail(_PROG, f"cannot write the grid in {root}: {reason}")
+  cli.writable_dir(_PROG, root)
 
 
 def _default_config(overrides: list[str]):

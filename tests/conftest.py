@@ -26,6 +26,7 @@ import importlib.metadata
 import os
 import re
 import shutil
+import subprocess
 from typing import Any
 
 # XLA:CPU flags of every test process, set before JAX starts its backend;
@@ -122,6 +123,28 @@ def subprocess_env(_jit_cache) -> dict[str, str]:
               JAX_COMPILATION_CACHE_DIR=_jit_cache,
               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path, subprocess_env):
+  """An empty folder that takes no writes: a read-only tmpfs where this
+  process may mount one, else a folder without write permission (skipped
+  where that is writable anyway: root that may not mount)."""
+  path = tmp_path / "read_only"
+  path.mkdir()
+  mounted = shutil.which("mount") is not None and subprocess.run(
+      ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+      capture_output=True, env=subprocess_env, check=False).returncode == 0
+  if not mounted:
+    path.chmod(0o555)
+  try:
+    if os.access(path, os.W_OK):
+      pytest.skip("no folder here refuses writes (root, no mount)")
+    yield path
+  finally:
+    if mounted:
+      subprocess.run(["umount", str(path)], check=True, env=subprocess_env)
+    path.chmod(0o755)
 
 
 def tiny_config(data_dir: str, *overrides: str) -> ml_collections.ConfigDict:

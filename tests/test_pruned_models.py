@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import stat
 import subprocess
 import sys
 
@@ -21,6 +22,7 @@ from mha import cli
 from mha import config_validation
 from mha import data
 from mha import head_masks
+from mha import workdir_lock
 from mha.pruning import ablation
 from mha.pruning import core
 from mha.pruning import export
@@ -94,10 +96,17 @@ def test_saved_model_loads_and_equals_masked(tiny_run, source, splits,
     assert json.load(f) == loaded.config.to_dict()
 
 
+def _mode(path) -> int:
+  return stat.S_IMODE(os.stat(path).st_mode)
+
+
 def test_optimizer_moments_are_pruned_like_the_params(tiny_run, source,
                                                       tmp_path):
   out = str(tmp_path / "pruned")
+  os.mkdir(out)
+  os.chmod(out, 0o750)  # An existing empty folder keeps its permissions.
   export.save_pruned(source, [(0, 1)], out, source=tiny_run.workdir)
+  assert _mode(out) == 0o750
   before = export.read_train_state(tiny_run.workdir, source)
   after = export.read_train_state(out, mha.load_checkpoint(out))
   assert int(after.step) == int(before.step)
@@ -159,9 +168,17 @@ def test_output_dir_rules(tiny_run, tmp_path):
 def test_saving_again_replaces_the_previous_pruned_model(tiny_run, source,
                                                          tmp_path):
   out = tmp_path / "pruned"
-  export.save_pruned(source, [(0, 0), (0, 1)], out, source=tiny_run.workdir)
+  umask = os.umask(0o027)
+  try:
+    export.save_pruned(source, [(0, 0), (0, 1)], out,
+                       source=tiny_run.workdir)
+  finally:
+    os.umask(umask)
+  assert _mode(out) == 0o750  # as os.makedirs makes it (not mkdtemp's 700)
   (out / "eval").mkdir()  # what eval.py would add to the first model
+  out.chmod(0o705)
   export.save_pruned(source, [(1, 1)], out, source=tiny_run.workdir)
+  assert _mode(out) == 0o705  # the replaced folder's own
   assert export.read_provenance(out)["removed"] == [[1, 1]]
   assert not (out / "eval").exists()
   assert mha.load_checkpoint(out).model_config.heads_per_layer == (2, 1)
@@ -174,6 +191,70 @@ def test_a_head_that_does_not_exist_writes_nothing(tiny_run, source,
     export.save_pruned(source, [(0, 7)], tmp_path / "out",
                        source=tiny_run.workdir)
   assert os.listdir(tmp_path) == []
+
+
+def _tree(path) -> list[str]:
+  """Every folder and file under ``path``."""
+  return sorted(os.path.relpath(os.path.join(d, name), path)
+                for d, dirs, files in os.walk(path) for name in dirs + files)
+
+
+def test_output_dirs_that_may_not_be_written_are_refused_first(
+    tiny_run, source, tmp_path, monkeypatch):
+  """An empty --save_pruned, the current directory or a folder holding it
+  (replaced whole: it was deleted), a folder holding the source, a file in
+  the way, a run's checkpoints (a resume deletes them): refused with one
+  line before anything is written."""
+  workdir = os.path.realpath(tiny_run.workdir)
+  base = tmp_path.resolve()
+  run = base / "run"  # another run: config.json beside its checkpoints
+  (run / "checkpoints" / "10").mkdir(parents=True)
+  (run / "config.json").write_text("{}")
+  (base / "afile").write_text("x")
+  cwd = base / "cwd"
+  cwd.mkdir()
+  cwd.chmod(0o751)
+  monkeypatch.chdir(cwd)
+  before, listing = os.stat(cwd), _tree(base)
+  source_before = _tree(workdir)
+  cases = [
+      ("", "--save_pruned is empty; name a new folder for the pruned model"),
+      ("  ", "--save_pruned is empty"),
+      (".", f"--save_pruned {cwd} is the current directory; it would be "
+            "replaced whole"),
+      ("..", f"--save_pruned {base} holds the current directory {cwd}"),
+      (os.path.dirname(workdir),
+       f"holds the source workdir {workdir}; it would be replaced"),
+      ("../afile/sub", f"cannot use --save_pruned {base}/afile/sub: "
+                       f"{base}/afile is a file, not a folder"),
+      (run / "checkpoints" / "10", f"--save_pruned {run}/checkpoints/10 is "
+       f"inside the checkpoints of the run in {run}, which a resume"),
+      (run / "checkpoints", f"--save_pruned {run}/checkpoints is the "
+       f"checkpoints folder of the run in {run}"),
+      (run / "checkpoints" / "new" / "x", "is inside the checkpoints"),
+      (os.path.join(workdir, "checkpoints"), "is the checkpoints folder"),
+  ]
+  for out, message in cases:
+    with pytest.raises(config_validation.ConfigError) as error:
+      export.save_pruned(source, [(0, 1)], out, source=workdir)
+    assert message in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(config_validation.ConfigError):
+      _request(tiny_run, out, remove_heads="0:1")
+  after = os.stat(cwd)
+  assert (after.st_ino, _mode(cwd)) == (before.st_ino, 0o751)
+  assert _tree(base) == listing and _tree(workdir) == source_before
+
+
+def test_a_folder_that_takes_no_writes_is_refused_first(tiny_run, source,
+                                                        read_only_dir):
+  folder = os.path.realpath(read_only_dir)
+  out = os.path.join(folder, "pruned")
+  with pytest.raises(workdir_lock.WorkdirUnusableError) as error:
+    export.save_pruned(source, [(0, 1)], out, source=tiny_run.workdir)
+  message = str(error.value)
+  assert message.startswith(f"cannot use --save_pruned {out}: ")
+  assert message.endswith(f": {folder}") and "\n" not in message
+  assert os.listdir(read_only_dir) == []
 
 
 def test_heads_for_fraction(source):
@@ -453,16 +534,28 @@ def test_script_prunes_a_fraction_of_an_order(tiny_run, source, scores,
     # Found once the checkpoint is read, still before anything is written.
     (["--remove_heads=0:7", "--save_pruned={out}"],
      "head (0, 7) does not exist"),
+    # From an empty current directory, which a model saved there replaced
+    # (the directory deleted).
+    (["--remove_heads=0:1", "--save_pruned="], "--save_pruned is empty"),
+    (["--workdir="], '--workdir is empty; name a folder ("." for the current '
+                     'one)'),
 ])
 def test_script_bad_input_is_one_line_exit_2_nothing_written(
     tiny_run, tmp_path, subprocess_env, args, message):
   out = tmp_path / "out"
-  before = _listing(tiny_run.workdir)
-  result = _run(subprocess_env, SCRIPT, f"--workdir={tiny_run.workdir}",
-                *[a.format(out=out) for a in args])
+  cwd = tmp_path / "cwd"  # empty
+  cwd.mkdir()
+  before, cwd_before = _listing(tiny_run.workdir), os.stat(cwd)
+  result = subprocess.run(
+      [sys.executable, SCRIPT, f"--workdir={tiny_run.workdir}",
+       *[a.format(out=out) for a in args]], capture_output=True, text=True,
+      timeout=300, env=subprocess_env, cwd=cwd, check=False)
   assert result.returncode == 2, result.stderr[-2000:]
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and message in lines[0], result.stderr
   assert lines[0].startswith("prune_heads.py: error: ")
-  assert os.listdir(tmp_path) == []  # nothing written
+  assert os.listdir(tmp_path) == ["cwd"]  # nothing written
+  cwd_after = os.stat(cwd)
+  assert os.listdir(cwd) == [] and (cwd_after.st_ino, cwd_after.st_mode) == (
+      cwd_before.st_ino, cwd_before.st_mode)
   assert _listing(tiny_run.workdir) == before

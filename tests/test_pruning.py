@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -15,15 +16,20 @@ import pytest
 
 from mha import build
 from mha import checkpoint as ckpt_lib
+from mha import config_validation
 from mha import data
 from mha import head_masks
 from mha import pruning
+from mha import workdir_lock
 from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
 from mha.pruning import study
+from mha.pruning.study import outputs as study_outputs
 from mha.pruning.study import report as report_lib
 from mha.pruning.study import seeds as study_seeds
 from mha.model import Transformer, TransformerConfig
+
+from conftest import copy_workdir, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "prune_heads.py")
@@ -352,7 +358,9 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
       "--retrain_random=1", "--retrain_fractions=0.5", "--noattribution",
       env=subprocess_env)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "Wrote" in result.stdout
+  assert result.stdout.strip().splitlines()[-1] == (
+      f"Wrote {out}/results.json, {out}/report.md and the report's PNG "
+      "plots.")
   with open(os.path.join(out, "results.json"), encoding="utf-8") as f:
     results = json.load(f)
   assert [s["seed"] for s in results["seeds"]] == [0, 1]
@@ -535,6 +543,8 @@ def test_a_study_under_resample_ablation(tiny_run, tmp_path):
     report = f.read()
   assert "## Attribution patching against actual patching" in report
   assert "(`--ablation resample`)" in report
+  _check_the_study_is_not_mixed_with_another(tiny_run, out, options,
+                                             tmp_path)
   # Every head removed, on test: each replaced by its context on the
   # test example's donor (drawn as the study draws them).
   model, params = build.make_model(tiny_run.config), tiny_run.state.params
@@ -550,6 +560,41 @@ def test_a_study_under_resample_ablation(tiny_run, tmp_path):
                                      none)["token_accuracy"][0]
   got = seed["oracle"][-1]["test"]["token_accuracy"]
   assert got == pytest.approx(want, abs=1e-6) and got != zero
+
+
+def _check_the_study_is_not_mixed_with_another(tiny_run, out, options,
+                                               tmp_path):
+  """The same study again into its folder is allowed; a study of another
+  workdir, or of another run of the same workdir (its config differs),
+  into it is refused before anything is read or written."""
+  first = study.check_inputs(tiny_run.workdir, out, options)
+  study.check_inputs(tiny_run.workdir, out, options, checkpoint=first)
+  results = os.path.join(out, "results.json")
+  with open(results, "rb") as f:
+    written = f.read()
+  listing = sorted(os.listdir(out))
+  other = tmp_path / "other"  # no checkpoint: refused before it is looked for
+  other.mkdir()
+  with pytest.raises(config_validation.ConfigError) as error:
+    study.check_inputs(str(other), out, options)
+  assert str(error.value) == (
+      f"--out {out} holds the study of another workdir ({tiny_run.workdir})"
+      "; refusing to mix it with this one's: choose another --out, or "
+      "delete that study")
+  # The same workdir retrained with another config.
+  retrained = json.loads(written)
+  retrained["seeds"][0]["config"]["model"]["mlp_dim"] += 1
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  (elsewhere / "results.json").write_text(json.dumps(retrained))
+  with pytest.raises(config_validation.ConfigError,
+                     match=r"holds the study of another run of .* \(its "
+                           r"config differs in model.mlp_dim\)"):
+    study.check_inputs(tiny_run.workdir, str(elsewhere), options,
+                       checkpoint=first)
+  with open(results, "rb") as f:
+    assert f.read() == written
+  assert sorted(os.listdir(out)) == listing
 
 
 @pytest.mark.slow
@@ -694,18 +739,136 @@ def test_mismatched_seed_directory_is_refused(tiny_run, tmp_path,
     study_seeds.check_seeds(at_10, str(out), 2, retrain=False)
 
 
+@pytest.mark.parametrize("args, lock_dir, message", [
+    (["--oracle_max_heads=0"], False,
+     "--oracle_max_heads must be >= 1, got 0"),
+    (["--out="], False,
+     '--out is empty; name a folder ("." for the current one)'),
+    # Found only when the study takes its lock: run.lock cannot be made.
+    (["--num_seeds=1"], True, "cannot use {out}: is a directory: "
+                              "{out}/run.lock"),
+])
 def test_bad_option_exits_2_writing_nothing(tiny_workdir, tmp_path,
-                                            subprocess_env):
+                                            subprocess_env, args, lock_dir,
+                                            message):
   """The script turns the ValueError of a check into one line and exit 2
   (each check is tested in-process below)."""
   out = tmp_path / "out"
-  result = _run_script(f"--workdir={tiny_workdir}", f"--out={out}",
-                       "--oracle_max_heads=0", env=subprocess_env)
+  if lock_dir:
+    (out / workdir_lock.LOCK_FILE).mkdir(parents=True)
+  before = _tree(tmp_path)
+  result = _run_script(f"--workdir={tiny_workdir}", f"--out={out}", *args,
+                       env=subprocess_env)
   assert result.returncode == 2, result.stderr[-2000:]
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1, result.stderr
-  assert "--oracle_max_heads must be >= 1" in lines[0]
-  assert not out.exists()  # nothing written
+  assert lines[0] == "prune_heads.py: error: " + message.format(out=out)
+  assert _tree(tmp_path) == before  # nothing written
+
+
+def _tree(path) -> list[str]:
+  """Every folder and file under ``path``."""
+  return sorted(os.path.relpath(os.path.join(d, name), path)
+                for d, dirs, files in os.walk(path) for name in dirs + files)
+
+
+def test_output_folders_that_may_not_be_written_are_refused(tmp_path,
+                                                            data_dir):
+  """--out: an empty path, a file (or one in the way), a run's checkpoints
+  (a resume of that run deletes them), a results.json that is not this
+  workdir's study; nothing written."""
+  base = tmp_path.resolve()
+  workdir = str(base / "workdir")
+  run = base / "run"  # another run: config.json beside its checkpoints
+  (run / "checkpoints" / "10").mkdir(parents=True)
+  (run / "config.json").write_text("{}")
+  (base / "afile").write_text("x")
+  (base / "unreadable").mkdir()
+  (base / "unreadable" / "results.json").write_text("{")
+  (base / "study").mkdir()
+  (base / "study" / "results.json").write_text(json.dumps({
+      "workdir": workdir, "seeds": [{"config": {"seed": 0}}]}))
+  before = _tree(base)
+  for out, message in [
+      ("", "--out is empty; name a folder"),
+      (base / "afile", f"--out {base}/afile exists and is not a directory"),
+      (base / "afile" / "x", f"cannot use --out {base}/afile/x: "
+                             f"{base}/afile is a file, not a folder"),
+      (run / "checkpoints" / "10", f"--out {run}/checkpoints/10 is inside "
+       f"the checkpoints of the run in {run}, which a resume of that run "
+       f"would delete; choose a folder outside {run}/checkpoints"),
+      (run / "checkpoints", "is the checkpoints folder of the run in"),
+      (run / "checkpoints" / "10" / "pruning", "is inside the checkpoints"),
+      (base / "unreadable", f"--out {base}/unreadable holds a results.json "
+       "that does not read as a study's"),
+      (base / "study", f"--out {base}/study holds the study of another "
+       f"workdir ({workdir})"),
+  ]:
+    with pytest.raises(config_validation.ConfigError) as error:
+      study.check_out_dir(str(base / "this"), str(out))
+    assert message in str(error.value) and "\n" not in str(error.value)
+  # That workdir's own study: allowed; with its checkpoint, its config is
+  # compared (the seed differs here).
+  study.check_out_dir(workdir, str(base / "study"))
+  config = tiny_config(data_dir, "seed=1")
+  with pytest.raises(config_validation.ConfigError,
+                     match=r"another run of .* \(its config differs in "
+                           r".*\bseed\b"):
+    study.check_out_dir(workdir, str(base / "study"),
+                        types.SimpleNamespace(config=config))
+  assert _tree(base) == before
+
+
+def test_an_output_folder_that_takes_no_writes_is_refused(read_only_dir):
+  """A read-only workdir's default --out (workdir/pruning), or a read-only
+  --out: one line, nothing written."""
+  folder = os.path.realpath(read_only_dir)
+  for out in (os.path.join(folder, "pruning"), folder):
+    with pytest.raises(workdir_lock.WorkdirUnusableError) as error:
+      study.check_out_dir(os.path.join(folder, "workdir"), out)
+    message = str(error.value)
+    assert message.startswith(f"cannot use --out {out}: ")
+    assert message.endswith(f": {folder}") and "\n" not in message
+  assert os.listdir(folder) == []
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_is_reported_once(tiny_run, tmp_path,
+                                                      capfd, monkeypatch):
+  """check_inputs reads the checkpoint (skipping the damaged newest one
+  with a warning); run, given what it returned, checks again without
+  reading it again, so the warning is printed once."""
+  workdir = copy_workdir(tiny_run.workdir, tmp_path / "run")
+  newest = os.path.join(ckpt_lib.checkpoint_dir(workdir),
+                        str(tiny_run.config.num_train_steps))
+  os.remove(os.path.join(newest, "state", "_METADATA"))
+  options = study.StudyOptions(num_seeds=1)
+  out = str(tmp_path / "out")
+  capfd.readouterr()
+  first = study.check_inputs(workdir, out, options)
+  assert first.step < tiny_run.config.num_train_steps
+
+  class Checked(Exception):
+    pass
+
+  def stop(*args, **kwargs):
+    raise Checked
+
+  monkeypatch.setattr(study_seeds, "seed_models", stop)  # after the checks
+  with pytest.raises(Checked):
+    study.run(workdir, out, options, log=lambda _: None, checkpoint=first)
+  assert capfd.readouterr().err.count(f"checkpoint {newest} is damaged") == 1
+
+
+def test_the_last_line_says_what_was_written():
+  out = "/x/pruning"
+  assert study_outputs.written(out, study.StudyOptions()) == (
+      "Wrote /x/pruning/results.json, /x/pruning/report.md and the "
+      "report's PNG plots.")
+  assert study_outputs.written(
+      out, study.StudyOptions(plots=False, plot_format="svg")) == (
+          "Wrote /x/pruning/results.json and /x/pruning/report.md (no "
+          "plots: --noplots).")
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -15,7 +15,11 @@ module writes it as a training run would: an orbax checkpoint in
 * ``out/pruned_from.json`` records where it came from: the source workdir and
   step, the removed ``[layer, head]`` pairs and how they were chosen. It is
   also what makes ``out`` safe to overwrite: a non-empty ``out`` is replaced
-  only when this file names the same source workdir.
+  only when this file names the same source workdir. ``out`` is replaced
+  whole, so it is never the current directory, the source or a folder
+  holding either, nor inside a run's ``checkpoints/`` (a resume of that run
+  would delete it); a new ``out`` gets the permissions ``os.makedirs``
+  gives a folder (:func:`check_output_dir`).
 * What ``scripts/prune_heads.py --save_pruned`` decides is decided here, so
   that it is tested without a process: :func:`check_request` (the flags, and
   whether ``out`` may be written), :func:`check_order` (an order that needs
@@ -31,10 +35,12 @@ module writes it as a training run would: an orbax checkpoint in
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import secrets
 import shutil
-import tempfile
+import stat
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -44,8 +50,10 @@ import numpy as np
 from mha import build
 from mha import checkpoint as ckpt_lib
 from mha import cli
+from mha import config_validation
 from mha import data
 from mha import head_masks
+from mha import workdir_lock
 from mha.aliases import HeadSpec
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
@@ -68,6 +76,84 @@ SUBSET_ORDERS = ("shapley", "oracle")
 
 def _real(path: str | os.PathLike) -> str:
   return os.path.realpath(os.path.abspath(os.path.expanduser(path)))
+
+
+def _within(path: str, folder: str) -> bool:
+  """Whether the real path ``path`` is ``folder`` or lies inside it."""
+  return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _current_dir() -> str | None:
+  try:
+    return os.path.realpath(os.getcwd())
+  except OSError:  # The current directory was deleted.
+    return None
+
+
+def run_checkpoints_of(path: str | os.PathLike) -> str | None:
+  """The checkpoints folder of a run that ``path`` is or lies inside (a
+  folder named ``checkpoints`` beside a ``config.json``), or None. A
+  resume of that run deletes what it does not know there."""
+  probe = _real(path)
+  while True:
+    parent = os.path.dirname(probe)
+    if (os.path.basename(probe) == ckpt_lib.CHECKPOINT_DIR
+        and os.path.isfile(os.path.join(parent, "config.json"))):
+      return probe
+    if parent == probe:
+      return None
+    probe = parent
+
+
+def check_writable_target(path: str | os.PathLike | None, flag: str, *,
+                          replaced: bool = False) -> str:
+  """Checks a folder the user named with ``flag`` to write into; writes
+  nothing. Returns its real path.
+
+  Args:
+    path: the folder (it need not exist).
+    flag: the flag that named it, for the messages.
+    replaced: the folder is written beside it and moved into its place
+      (its parent must take writes), not written into.
+
+  Raises:
+    config_validation.ConfigError: an empty value; a folder inside a run's
+      checkpoints (:func:`run_checkpoints_of`); a file.
+    workdir_lock.WorkdirUnusableError: a file in the way of the path; the
+      folder (or, when missing, the nearest folder above it) cannot be
+      written (no permission, a read-only file system).
+  """
+  if path is None or not os.fspath(path).strip():
+    raise config_validation.ConfigError(f"{flag} is empty; name a folder")
+  real = _real(path)
+  checkpoints = run_checkpoints_of(real)
+  if checkpoints is not None:
+    where = ("is the checkpoints folder" if real == checkpoints
+             else "is inside the checkpoints")
+    raise config_validation.ConfigError(
+        f"{flag} {real} {where} of the run in {os.path.dirname(checkpoints)}"
+        f", which a resume of that run would delete; choose a folder outside "
+        f"{checkpoints}")
+  if os.path.lexists(real) and not os.path.isdir(real):
+    raise config_validation.ConfigError(
+        f"{flag} {real} exists and is not a directory")
+  probe = os.path.dirname(real) if replaced else real
+  while not os.path.lexists(probe):
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    raise workdir_lock.WorkdirUnusableError(
+        f"cannot use {flag} {real}: {probe} is a file, not a folder")
+  if not os.access(probe, os.W_OK | os.X_OK):
+    readonly = False
+    try:
+      readonly = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    except OSError:
+      pass
+    code = errno.EROFS if readonly else errno.EACCES
+    raise workdir_lock.WorkdirUnusableError(
+        f"cannot use {flag} {real}: " + workdir_lock.unusable_reason(
+            OSError(code, os.strerror(code), probe)))
+  return real
 
 
 def read_provenance(out: str | os.PathLike) -> dict[str, Any] | None:
@@ -102,8 +188,8 @@ def check_request(out: str | os.PathLike | None, source: str | os.PathLike,
   Raises:
     cli.UsageError: an inconsistent combination of the flags, a fraction
       outside [0, 1], an unknown order, unreadable ``--remove_heads``.
-    ValueError: a pruned model of ``source`` may not go to ``out``
-      (:func:`check_output_dir`).
+    config_validation.ConfigError: a pruned model of ``source`` may not go
+      to ``out`` (:func:`check_output_dir`).
   """
   if out is None:
     raise cli.UsageError("--prune_fraction and --order need --save_pruned")
@@ -135,29 +221,47 @@ def check_request(out: str | os.PathLike | None, source: str | os.PathLike,
 
 def check_output_dir(out: str | os.PathLike,
                      source: str | os.PathLike) -> None:
-  """Raises ValueError unless a pruned model of ``source`` may go to ``out``.
+  """Raises ``config_validation.ConfigError`` (a ValueError) unless a
+  pruned model of ``source`` may go to ``out``.
 
-  Allowed: ``out`` does not exist, is an empty directory, or is a pruned model
-  of the same source workdir (its ``pruned_from.json`` names it; that model is
-  replaced). Refused: a file, the source workdir itself, anything else that
-  is not empty. Writes nothing.
+  Allowed: ``out`` does not exist (and its nearest existing folder takes
+  writes), is an empty directory, or is a pruned model of the same source
+  workdir (its ``pruned_from.json`` names it; that model is replaced).
+  Refused: an empty value, a file (or a file in the way of the path), a
+  folder that cannot be written, a folder inside a run's checkpoints, the
+  source workdir or a folder holding it, the current directory or a folder
+  holding it (``out`` is replaced whole), anything else that is not empty.
+  Writes nothing.
   """
+  flag = "--save_pruned"
+  if out is None or not os.fspath(out).strip():
+    raise config_validation.ConfigError(
+        f"{flag} is empty; name a new folder for the pruned model")
   out, source = _real(out), _real(source)
-  if not os.path.exists(out):
-    return
-  if not os.path.isdir(out):
-    raise ValueError(f"--save_pruned {out} exists and is not a directory")
   if out == source:
-    raise ValueError(f"--save_pruned {out} is the source workdir itself")
-  if not os.listdir(out):
+    raise config_validation.ConfigError(
+        f"{flag} {out} is the source workdir itself")
+  if _within(source, out):
+    raise config_validation.ConfigError(
+        f"{flag} {out} holds the source workdir {source}; it would be "
+        "replaced")
+  cwd = _current_dir()
+  if cwd is not None and _within(cwd, out):
+    raise config_validation.ConfigError(
+        f"{flag} {out} " + ("is the current directory" if cwd == out else
+                            f"holds the current directory {cwd}")
+        + "; it would be replaced whole: name a folder elsewhere")
+  check_writable_target(out, flag, replaced=True)
+  if not os.path.exists(out) or not os.listdir(out):
     return
   provenance = read_provenance(out)
   if provenance is None:
-    raise ValueError(f"--save_pruned {out} is not empty and is not a pruned "
-                     f"model (no {PROVENANCE_FILE}); refusing to overwrite it")
+    raise config_validation.ConfigError(
+        f"{flag} {out} is not empty and is not a pruned model (no "
+        f"{PROVENANCE_FILE}); refusing to overwrite it")
   if _real(provenance.get("source_workdir", "")) != source:
-    raise ValueError(
-        f"--save_pruned {out} holds a pruned model of another workdir "
+    raise config_validation.ConfigError(
+        f"{flag} {out} holds a pruned model of another workdir "
         f"({provenance.get('source_workdir')}); refusing to overwrite it")
 
 
@@ -321,6 +425,21 @@ def _sorted_pairs(heads: HeadSpec) -> list[list[int]]:
   return [list(pair) for pair in sorted({(int(l), int(h)) for l, h in heads})]
 
 
+def _make_staging(out: str) -> str:
+  """A new, empty folder beside ``out`` to write the model into, made as
+  ``os.makedirs`` makes folders (mode ``0o777`` less the umask), unlike
+  ``tempfile.mkdtemp``'s ``0o700``: it becomes ``out``."""
+  parent, name = os.path.dirname(out), os.path.basename(out)
+  for _ in range(100):
+    staging = os.path.join(parent, f".{name}.{secrets.token_hex(4)}")
+    try:
+      os.mkdir(staging, 0o777)
+      return staging
+    except FileExistsError:
+      continue
+  raise FileExistsError(errno.EEXIST, "no free staging name", out)
+
+
 def save_pruned(ckpt: ckpt_lib.LoadedCheckpoint, heads: HeadSpec,
                 out: str | os.PathLike, *, source: str | os.PathLike,
                 details: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -328,7 +447,8 @@ def save_pruned(ckpt: ckpt_lib.LoadedCheckpoint, heads: HeadSpec,
 
   The model is written to a temporary folder beside ``out`` and moved into
   place once complete, so ``out`` never holds half a model; a previous
-  pruned model of the same source in ``out`` is replaced.
+  pruned model of the same source in ``out`` is replaced. A new ``out`` gets
+  the mode ``os.makedirs`` would give it; an existing one keeps its own.
 
   Args:
     ckpt: the loaded source checkpoint (``mha.load_checkpoint(source)``).
@@ -343,11 +463,13 @@ def save_pruned(ckpt: ckpt_lib.LoadedCheckpoint, heads: HeadSpec,
     The provenance written to ``out/pruned_from.json``.
 
   Raises:
-    ValueError: a head that does not exist, or ``out`` may not be written
-      (:func:`check_output_dir`).
+    ValueError: a head that does not exist.
+    config_validation.ConfigError: ``out`` may not be written
+      (:func:`check_output_dir`; ``workdir_lock.WorkdirUnusableError``
+      when its folder cannot be made), checked before anything is written.
   """
-  source, out = _real(source), _real(out)
   check_output_dir(out, source)
+  source, out = _real(source), _real(out)
   pairs = _sorted_pairs(heads)
   state, model_config = prune_train_state(
       read_train_state(source, ckpt), ckpt.model_config, pairs)
@@ -361,11 +483,16 @@ def save_pruned(ckpt: ckpt_lib.LoadedCheckpoint, heads: HeadSpec,
       **dict(details or {}),
   }
   parent = os.path.dirname(out)
-  os.makedirs(parent, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=parent)
+  try:
+    os.makedirs(parent, exist_ok=True)
+    staging = _make_staging(out)
+  except OSError as e:
+    raise workdir_lock.WorkdirUnusableError(
+        f"cannot write {out}: {workdir_lock.unusable_reason(e)}") from None
   try:
     _write(staging, int(ckpt.step), state, config, provenance)
-    if os.path.exists(out):
+    if os.path.isdir(out):  # Keep the folder's own permissions.
+      os.chmod(staging, stat.S_IMODE(os.stat(out).st_mode))
       shutil.rmtree(out)
     os.rename(staging, out)
   except BaseException:
@@ -381,6 +508,8 @@ __all__ = [
     "read_provenance",
     "check_request",
     "check_output_dir",
+    "check_writable_target",
+    "run_checkpoints_of",
     "check_order",
     "heads_of_order",
     "pruned_run_config",

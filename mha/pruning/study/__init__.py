@@ -23,7 +23,7 @@ reverse.
                   StudyOptions(num_seeds=1, speed=False))
 """
 
-from mha.pruning.study.experiment import check_inputs, run
+from mha.pruning.study.experiment import check_inputs, check_out_dir, run
 from mha.pruning.study.options import StudyOptions
 
-__all__ = ["StudyOptions", "check_inputs", "run"]
+__all__ = ["StudyOptions", "check_inputs", "check_out_dir", "run"]

@@ -21,6 +21,7 @@ each seed's per-example sums of every mask it evaluated
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from typing import Any, Mapping, Sequence
@@ -30,10 +31,13 @@ import numpy as np
 
 from mha import build
 from mha import checkpoint as ckpt_lib
+from mha import cli
+from mha import config_validation
 from mha import data
 from mha.aliases import Log
 from mha.progress import timed
 from mha.pruning import core
+from mha.pruning import export
 from mha.pruning import gates
 from mha.pruning import oracle
 from mha.pruning import orderings
@@ -46,18 +50,108 @@ from mha.pruning.study import seeds as seeds_lib
 from mha.pruning.study.options import StudyOptions
 
 
+RESULTS_FILE = "results.json"
+
+
+def _real(path: str) -> str:
+  return os.path.realpath(os.path.abspath(os.path.expanduser(path)))
+
+
+def _recorded_study(out: str) -> dict[str, Any] | None:
+  """The ``results.json`` in ``out`` (None when there is none).
+
+  Raises:
+    ConfigError: it is not a study's results (unreadable, or no
+      ``workdir``).
+  """
+  path = os.path.join(out, RESULTS_FILE)
+  if not os.path.lexists(path):
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      results = json.load(f)
+  except (OSError, ValueError) as e:
+    raise config_validation.ConfigError(
+        f"--out {out} holds a {RESULTS_FILE} that does not read as a study's "
+        f"({cli.one_line(e)}); refusing to overwrite it: delete it or choose "
+        "another --out") from None
+  if not isinstance(results, dict) or not isinstance(
+      results.get("workdir"), str):
+    raise config_validation.ConfigError(
+        f"--out {out} holds a {RESULTS_FILE} that is not a study's (it names "
+        "no workdir); refusing to overwrite it: delete it or choose another "
+        "--out")
+  return results
+
+
+def check_out_dir(workdir: str, out_dir: str,
+                  first: ckpt_lib.LoadedCheckpoint | None = None) -> None:
+  """Checks that the study of ``workdir`` may write to ``out_dir``; writes
+  nothing.
+
+  Refused: an empty path, a file (or a file in the way of the path), a
+  folder that cannot be written, a folder inside a run's checkpoints (a
+  resume of that run would delete it:
+  ``mha.pruning.export.run_checkpoints_of``), and a folder whose
+  ``results.json`` is the study of another run: another workdir, or (with
+  ``first``, the workdir's checkpoint) a config that differs beyond what a
+  resumed run may change (``config_validation.RESUMABLE_KEYS``). The same
+  study again into the same folder is allowed (it is replaced).
+
+  Raises:
+    ConfigError: any of the above (``workdir_lock.WorkdirUnusableError``
+      for a folder that cannot be made or written).
+  """
+  out = export.check_writable_target(out_dir, "--out")
+  recorded = _recorded_study(out)
+  if recorded is None:
+    return
+  if _real(recorded["workdir"]) != _real(workdir):
+    raise config_validation.ConfigError(
+        f"--out {out} holds the study of another workdir "
+        f"({recorded['workdir']}); refusing to mix it with this one's: "
+        "choose another --out, or delete that study")
+  seeds = recorded.get("seeds")
+  saved = (seeds[0].get("config") if isinstance(seeds, list) and seeds
+           and isinstance(seeds[0], dict) else None)
+  if first is not None and isinstance(saved, dict):
+    keys = [c.split(" ", 1)[0] for c in
+            config_validation.resume_conflicts(saved, first.config)]
+    if keys:
+      raise config_validation.ConfigError(
+          f"--out {out} holds the study of another run of {workdir} (its "
+          f"config differs in {', '.join(keys)}); refusing to mix it with "
+          "this one's: choose another --out, or delete that study")
+
+
 def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
-                 step: int | None = None) -> ckpt_lib.LoadedCheckpoint:
+                 step: int | None = None,
+                 checkpoint: ckpt_lib.LoadedCheckpoint | None = None
+                 ) -> ckpt_lib.LoadedCheckpoint:
   """Every check of the user's input before the long work: the options,
-  the workdir's checkpoint (of ``step``), the seeds
-  (:func:`check_seeds`), the heads to remove. Returns the checkpoint.
+  the output folder (:func:`check_out_dir`), the workdir's checkpoint (of
+  ``step``), the seeds (:func:`check_seeds`), the heads to remove. Returns
+  the checkpoint. Writes nothing.
+
+  Args:
+    workdir: the trained run.
+    out_dir: where the study goes.
+    options: the study's options.
+    step: the step to analyse (default: the newest intact one).
+    checkpoint: what an earlier call returned for the same ``workdir`` and
+      ``step``: checked again without loading it again (nor repeating a
+      warning of a damaged newest step).
 
   Raises:
     FileNotFoundError: no checkpoint (of ``step``) in ``workdir``.
-    ValueError: any other mistake, naming it.
+    ValueError: any other mistake, naming it (``ConfigError`` for the
+      output folder).
   """
   options.validate()
-  first = ckpt_lib.load_checkpoint(workdir, step)
+  check_out_dir(workdir, out_dir)  # Before the checkpoint is read.
+  first = (checkpoint if checkpoint is not None
+           else ckpt_lib.load_checkpoint(workdir, step))
+  check_out_dir(workdir, out_dir, first)
   seeds_lib.check_seeds(first, out_dir, options.num_seeds, options.retrain_seeds)
   if options.remove_heads:
     core.prune_heads(first.params, first.model_config, options.remove_heads)
@@ -168,20 +262,24 @@ def _header(workdir: str, first: ckpt_lib.LoadedCheckpoint,
 
 
 def run(workdir: str, out_dir: str, options: StudyOptions,
-        step: int | None = None, log: Log = print) -> dict[str, Any]:
+        step: int | None = None, log: Log = print,
+        checkpoint: ckpt_lib.LoadedCheckpoint | None = None
+        ) -> dict[str, Any]:
   """The whole experiment on the checkpoint of ``workdir`` (its newest, or
-  ``step``); writes ``results.json``, ``report.md``, the plots and each
+  ``step``; or ``checkpoint``, what :func:`check_inputs` returned for
+  them); writes ``results.json``, ``report.md``, the plots and each
   seed's per-example results (``examples_seed<s>.npz``) to ``out_dir`` and
   returns the results.
 
   Raises:
     FileNotFoundError: no checkpoint (of ``step``) in ``workdir``.
-    ValueError: bad options, a head to remove that does not exist, a
-      step the other seeds will not have, or a seed directory trained
-      with another config (without ``retrain_seeds``): :func:`check_inputs`.
+    ValueError: bad options, an output folder that may not be written, a
+      head to remove that does not exist, a step the other seeds will not
+      have, or a seed directory trained with another config (without
+      ``retrain_seeds``): :func:`check_inputs`.
   """
   start = time.perf_counter()
-  first = check_inputs(workdir, out_dir, options, step)
+  first = check_inputs(workdir, out_dir, options, step, checkpoint)
   os.makedirs(out_dir, exist_ok=True)
   checkpoints = seeds_lib.seed_models(first, out_dir, options.num_seeds, log,
                             retrain=options.retrain_seeds)
@@ -223,4 +321,4 @@ def run(workdir: str, out_dir: str, options: StudyOptions,
   return results
 
 
-__all__ = ["check_inputs", "run"]
+__all__ = ["RESULTS_FILE", "check_out_dir", "check_inputs", "run"]

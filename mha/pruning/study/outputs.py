@@ -16,6 +16,8 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from mha.pruning.study.options import StudyOptions
+
 
 def jsonable(value: Any) -> Any:
   if isinstance(value, Mapping):
@@ -66,4 +68,15 @@ def write_outputs(results: Mapping[str, Any], out_dir: str) -> list[str]:
   return written + [path] + report.write(json.loads(text), out_dir)
 
 
-__all__ = ["jsonable", "write_outputs"]
+def written(out_dir: str, options: StudyOptions) -> str:
+  """The line that says what a study with ``options`` (its ``plots`` and
+  ``plot_format``) wrote to ``out_dir``."""
+  results = os.path.join(out_dir, "results.json")
+  report = os.path.join(out_dir, "report.md")
+  if options.plots:
+    return (f"Wrote {results}, {report} and the report's "
+            f"{options.plot_format.upper()} plots.")
+  return f"Wrote {results} and {report} (no plots: --noplots)."
+
+
+__all__ = ["jsonable", "write_outputs", "written"]
