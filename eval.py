@@ -57,7 +57,10 @@ def _check_examples(num_examples: int | None) -> None:
   if _NUM_EXAMPLES.value < 1:
     cli.fail("eval.py",
              f"--num_examples must be at least 1, got {_NUM_EXAMPLES.value}")
-  if num_examples is not None and _NUM_EXAMPLES.value > num_examples:
+  # The default (4) on a smaller split draws all of it; a value given is
+  # checked.
+  if (num_examples is not None and _NUM_EXAMPLES.value > num_examples
+      and flags.FLAGS["num_examples"].present):
     cli.fail("eval.py", f"--num_examples={_NUM_EXAMPLES.value} is more than "
              f"the {num_examples} examples of the {_SPLIT.value} split")
   value = _EXAMPLES.value
@@ -107,15 +110,18 @@ def main(argv):
                   else config.data.num_eval_examples)
   out_dir = cli.writable_dir("eval.py", os.path.join(workdir, "eval"))
   compilation_cache.configure(config.compilation_cache_dir, "eval.py")
-  splits = data.load_splits(build.data_spec(config), config.data.data_dir)
+  try:
+    splits = data.load_splits(build.data_spec(config), config.data.data_dir)
+  except data.DataDirError as e:  # The data to prepare, and nowhere to.
+    cli.fail("eval.py", e)
   split = splits[_SPLIT.value]
   metrics = evaluate.evaluate(ckpt.model, ckpt.params, split,
                               config.eval_batch_size)
   try:
     _write_outputs(ckpt, split, workdir, out_dir, metrics)
   except OSError as e:  # The disk filled up meanwhile, say: exit code 1.
-    from mha import workdir_lock
-    print(f"eval.py: error: {workdir_lock.unusable_reason(e)}, while writing "
+    from mha import write_failures
+    print(f"eval.py: error: {write_failures.os_error_reason(e)}, while writing "
           f"the results to {out_dir}/ (they are incomplete)",
           file=sys.stderr, flush=True)
     sys.exit(1)

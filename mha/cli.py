@@ -127,9 +127,11 @@ def writable_dir(prog: str, path: str) -> str:
 
   Checked for real, before the work whose results go there: the folder is
   made if missing (its parents must exist) and a small file written in it
-  and removed, then the folder removed again if it was made here. (A
-  read-only file system, a lost permission or a file in the way; a
-  permission check alone would pass as root.)
+  and removed; a folder made here is removed again if that fails, and kept
+  otherwise (the work writes there next; removing it could race another
+  process checking the same folder). (A read-only file system, a lost
+  permission or a file in the way; a permission check alone would pass as
+  root.)
   """
   made = False
   try:
@@ -143,11 +145,11 @@ def writable_dir(prog: str, path: str) -> str:
     os.close(fd)
     os.unlink(probe)
   except OSError as e:
-    fail(prog, f"cannot write to {path}: {write_failures.os_error_reason(e)}")
-  finally:
     if made:
       try:
         os.rmdir(path)
       except OSError:
         pass
+    fail(prog, f"cannot write to {path}: {write_failures.os_error_reason(e)}"
+         "; choose a folder this process can write")
   return path

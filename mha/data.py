@@ -572,7 +572,9 @@ def data_sources(spec: DataSpec, data_dir: str) -> dict[str, object]:
         tfds.enable_progress_bar()
   except OSError as e:  # A path through a file, a read-only disk, ...
     raise DataDirError(f"data_dir {data_dir} cannot be used: "
-                       f"{write_failures.os_error_reason(e)}") from e
+                       f"{write_failures.os_error_reason(e)}; set "
+                       "data.data_dir to a folder this process can write"
+                       ) from e
   sources = builder.as_data_source(
       deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)
   return {split: sources[split] for split in _SPLITS}

@@ -108,7 +108,8 @@ class WorkdirLock:
       fd = os.open(lock_path(self.directory), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
       raise WorkdirUnusableError(
-          f"cannot use {self.directory}: {unusable_reason(e)}") from None
+          f"cannot use {self.directory}: {unusable_reason(e)}; choose a "
+          "folder this process can write") from None
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -139,21 +140,22 @@ class WorkdirLock:
 @contextlib.contextmanager
 def held(directory: str | os.PathLike) -> Iterator[None]:
   """Holds ``directory``'s lock within; with several processes, process 0
-  holds it and every process raises ``WorkdirLockedError`` if it could not.
-  """
+  holds it and every process raises ``WorkdirLockedError`` if it could not
+  (or ``WorkdirUnusableError`` where the folder cannot be made: every
+  process learns of it, none waits for the others)."""
   lock, error = None, None
   if jax.process_index() == 0:
     lock = WorkdirLock(directory)
     try:
       lock.acquire()
-    except WorkdirLockedError as e:
+    except config_validation.ConfigError as e:  # Locked, or unusable.
       error = e
   if jax.process_count() > 1:
     got = multihost_utils.process_allgather(np.int32(error is None))
     if error is None and not np.all(got):
       error = WorkdirLockedError(
-          f"{directory} is in use by another run (process 0 could not lock "
-          "it)")
+          f"{directory} could not be locked by process 0 (in use by another "
+          "run, or a folder it cannot write: its message says which)")
   if error is not None:
     if lock is not None:
       lock.release()

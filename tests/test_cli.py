@@ -91,8 +91,9 @@ def test_one_line_unwraps_key_errors_and_quoted_tracebacks():
 def test_writable_dir_checks_by_writing_and_leaves_nothing(tmp_path, capsys):
   out = tmp_path / "eval"
   assert cli.writable_dir("prog.py", str(out)) == str(out)
-  assert not out.exists()  # made for the check, removed again
-  out.mkdir()
+  # Made for the check and kept, empty: the work writes there next (and
+  # removing it could race another process checking the same folder).
+  assert os.listdir(out) == []
   (out / "old.png").write_text("kept")
   cli.writable_dir("prog.py", str(out))
   assert os.listdir(out) == ["old.png"]
@@ -103,7 +104,7 @@ def test_writable_dir_checks_by_writing_and_leaves_nothing(tmp_path, capsys):
   assert exit_info.value.code == 2
   assert capsys.readouterr().err == (
       f"prog.py: error: cannot write to {in_the_way}: {in_the_way} is a "
-      "file, not a folder\n")
+      "file, not a folder; choose a folder this process can write\n")
   assert in_the_way.read_text() == "kept"
 
 

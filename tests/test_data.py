@@ -166,7 +166,8 @@ def test_a_data_dir_through_a_file_is_one_clear_error(tmp_path):
     data.load_splits(tiny("sort"), str(tmp_path / "afile" / "tfds"))
   assert str(error.value) == (
       f"data_dir {tmp_path / 'afile' / 'tfds'} cannot be used: "
-      f"{tmp_path / 'afile'} is a file, not a folder")
+      f"{tmp_path / 'afile'} is a file, not a folder; set data.data_dir to "
+      "a folder this process can write")
   assert isinstance(error.value, ValueError)  # train.py: one line, exit 2
   assert (tmp_path / "afile").read_text() == "x"
 

@@ -106,7 +106,11 @@ def check_out_dir(workdir: str, out_dir: str,
   recorded = _recorded_study(out)
   if recorded is None:
     return
-  if _real(recorded["workdir"]) != _real(workdir):
+  # A study inside its workdir (the default --out, workdir/pruning) moves
+  # with it: a copied or renamed workdir is the same run (its config is
+  # compared below).
+  inside = os.path.dirname(out) == _real(workdir)
+  if not inside and _real(recorded["workdir"]) != _real(workdir):
     raise config_validation.ConfigError(
         f"--out {out} holds the study of another workdir "
         f"({recorded['workdir']}); refusing to mix it with this one's: "
