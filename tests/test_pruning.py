@@ -816,6 +816,15 @@ def test_output_folders_that_may_not_be_written_are_refused(tmp_path,
                            r".*\bseed\b"):
     study.check_out_dir(workdir, str(base / "study"),
                         types.SimpleNamespace(config=config))
+  # A copied (or renamed) workdir's default --out, workdir/pruning: the same
+  # run's study, whatever folder its results.json names (its config is
+  # compared all the same).
+  copied = base / "copied"
+  (copied / "pruning").mkdir(parents=True)
+  (copied / "pruning" / "results.json").write_text(json.dumps({
+      "workdir": workdir, "seeds": [{"config": {"seed": 0}}]}))
+  before = _tree(base)
+  study.check_out_dir(str(copied), str(copied / "pruning"))
   assert _tree(base) == before
 
 
