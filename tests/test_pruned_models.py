@@ -209,7 +209,7 @@ def test_output_dirs_that_may_not_be_written_are_refused_first(
   base = tmp_path.resolve()
   run = base / "run"  # another run: config.json beside its checkpoints
   (run / "checkpoints" / "10").mkdir(parents=True)
-  (run / "config.json").write_text("{}")
+  (run / "config.json").write_text(json.dumps({"model": {}, "data": {}}))
   (base / "afile").write_text("x")
   cwd = base / "cwd"
   cwd.mkdir()

@@ -781,7 +781,7 @@ def test_output_folders_that_may_not_be_written_are_refused(tmp_path,
   workdir = str(base / "workdir")
   run = base / "run"  # another run: config.json beside its checkpoints
   (run / "checkpoints" / "10").mkdir(parents=True)
-  (run / "config.json").write_text("{}")
+  (run / "config.json").write_text(json.dumps({"model": {}, "data": {}}))
   (base / "afile").write_text("x")
   (base / "unreadable").mkdir()
   (base / "unreadable" / "results.json").write_text("{")
@@ -816,6 +816,13 @@ def test_output_folders_that_may_not_be_written_are_refused(tmp_path,
                            r".*\bseed\b"):
     study.check_out_dir(workdir, str(base / "study"),
                         types.SimpleNamespace(config=config))
+  # A folder named checkpoints beside a config.json that is no run's (a
+  # project's own, say) is an ordinary folder.
+  project = base / "project"
+  (project / "checkpoints").mkdir(parents=True)
+  (project / "config.json").write_text('{"lr": 0.1}')
+  study.check_out_dir(workdir, str(project / "checkpoints" / "study"))
+  assert not (project / "checkpoints" / "study").exists()
   # A copied (or renamed) workdir's default --out, workdir/pruning: the same
   # run's study, whatever folder its results.json names (its config is
   # compared all the same).

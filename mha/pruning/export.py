@@ -90,15 +90,26 @@ def _current_dir() -> str | None:
     return None
 
 
+def _is_run_config(path: str) -> bool:
+  """Whether ``path`` is a run's ``config.json`` (a JSON object with the
+  ``model`` and ``data`` sections every run config has)."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      config = json.load(f)
+  except (OSError, ValueError):
+    return False
+  return isinstance(config, dict) and {"model", "data"} <= set(config)
+
+
 def run_checkpoints_of(path: str | os.PathLike) -> str | None:
   """The checkpoints folder of a run that ``path`` is or lies inside (a
-  folder named ``checkpoints`` beside a ``config.json``), or None. A
+  folder named ``checkpoints`` beside a run's ``config.json``), or None. A
   resume of that run deletes what it does not know there."""
   probe = _real(path)
   while True:
     parent = os.path.dirname(probe)
     if (os.path.basename(probe) == ckpt_lib.CHECKPOINT_DIR
-        and os.path.isfile(os.path.join(parent, "config.json"))):
+        and _is_run_config(os.path.join(parent, "config.json"))):
       return probe
     if parent == probe:
       return None
