@@ -746,7 +746,8 @@ def test_mismatched_seed_directory_is_refused(tiny_run, tmp_path,
      '--out is empty; name a folder ("." for the current one)'),
     # Found only when the study takes its lock: run.lock cannot be made.
     (["--num_seeds=1"], True, "cannot use {out}: is a directory: "
-                              "{out}/run.lock"),
+                              "{out}/run.lock; choose a folder this process "
+                              "can write"),
 ])
 def test_bad_option_exits_2_writing_nothing(tiny_workdir, tmp_path,
                                             subprocess_env, args, lock_dir,
