@@ -279,6 +279,7 @@ def test_bad_head_counts_raise_value_error(kwargs, match):
 # ------------------------------------------------- a Linen checkpoint in NNX
 
 
+@pytest.mark.slow  # trains the tiny run: the full suite only
 def test_transformer_from_checkpoint_equals_the_linen_model(tiny_run):
   from mha.checkpoint import load_checkpoint
   loaded = load_checkpoint(tiny_run.workdir)
