@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import ml_collections
 
 from configs import default
+from mha import write_failures
 from mha.data import MAX_WORD_LEN, TASKS
 from mha.model import DTYPES, POSITIONAL_KINDS
 
@@ -259,9 +260,7 @@ def check_workdir(workdir: str | os.PathLike) -> None:
   workdir = os.path.abspath(os.path.expanduser(os.fspath(workdir)))
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ConfigError(f"workdir {workdir} is an existing file, not a directory")
-  parent = os.path.dirname(workdir)
-  while not os.path.exists(parent) and parent != os.path.dirname(parent):
-    parent = os.path.dirname(parent)  # The nearest one there.
+  parent = write_failures.nearest_existing(os.path.dirname(workdir))
   if not os.path.isdir(parent):
     raise ConfigError(f"cannot use {workdir}: {parent} is a file, not a "
                       "folder")

@@ -49,16 +49,24 @@ REMEDIES = {
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
 
 
+def nearest_existing(path: str | os.PathLike) -> str:
+  """``path`` made absolute, or its nearest ancestor that exists (a link
+  counts, broken or not): where making ``path`` would start, and what is
+  in its way when that is not a folder."""
+  probe = os.path.abspath(os.fspath(path))
+  while not os.path.lexists(probe) and probe != os.path.dirname(probe):
+    probe = os.path.dirname(probe)
+  return probe
+
+
 def os_error_reason(error: OSError) -> str:
   """Why an ``OSError`` happened, for one line: the file in the way of a
   path (``a/file/b``), or the system's reason and the path."""
   path = os.fspath(error.filename) if error.filename else ""
   if isinstance(error, (NotADirectoryError, FileExistsError)) and path:
-    probe = os.path.abspath(path)
-    while probe != os.path.dirname(probe):
-      if os.path.exists(probe) and not os.path.isdir(probe):
-        return f"{probe} is a file, not a folder"
-      probe = os.path.dirname(probe)
+    probe = nearest_existing(path)
+    if not os.path.isdir(probe):
+      return f"{probe} is a file, not a folder"
   reason = (error.strerror or type(error).__name__).lower()
   return f"{reason}: {path}" if path else reason
 

@@ -54,6 +54,7 @@ from mha import config_validation
 from mha import data
 from mha import head_masks
 from mha import workdir_lock
+from mha import write_failures
 from mha.aliases import HeadSpec
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
@@ -148,9 +149,8 @@ def check_writable_target(path: str | os.PathLike | None, flag: str, *,
   if os.path.lexists(real) and not os.path.isdir(real):
     raise config_validation.ConfigError(
         f"{flag} {real} exists and is not a directory")
-  probe = os.path.dirname(real) if replaced else real
-  while not os.path.lexists(probe):
-    probe = os.path.dirname(probe)
+  probe = write_failures.nearest_existing(
+      os.path.dirname(real) if replaced else real)
   if not os.path.isdir(probe):
     raise workdir_lock.WorkdirUnusableError(
         f"cannot use {flag} {real}: {probe} is a file, not a folder")

@@ -152,10 +152,11 @@ def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
       output folder).
   """
   options.validate()
-  check_out_dir(workdir, out_dir)  # Before the checkpoint is read.
+  if checkpoint is None:
+    check_out_dir(workdir, out_dir)  # Before the checkpoint is read.
   first = (checkpoint if checkpoint is not None
            else ckpt_lib.load_checkpoint(workdir, step))
-  check_out_dir(workdir, out_dir, first)
+  check_out_dir(workdir, out_dir, first)  # Its config compared too.
   seeds_lib.check_seeds(first, out_dir, options.num_seeds, options.retrain_seeds)
   if options.remove_heads:
     core.prune_heads(first.params, first.model_config, options.remove_heads)
