@@ -155,4 +155,5 @@ def _write_outputs(ckpt, split, workdir: str, out_dir: str,
 
 
 if __name__ == "__main__":
+  cli.end_quietly_on_broken_pipe()
   app.run(main, flags_parser=cli.flags_parser("eval.py"))

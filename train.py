@@ -121,4 +121,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  cli.end_quietly_on_broken_pipe()
   app.run(main, flags_parser=_parse_flags)

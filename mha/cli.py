@@ -14,6 +14,7 @@ own flags).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -47,6 +48,21 @@ def fail(prog: str, error: BaseException | str) -> NoReturn:
   """Reports a user's mistake as ``prog: error: ...`` on stderr; exits 2."""
   print(f"{prog}: error: {one_line(error)}", file=sys.stderr, flush=True)
   sys.exit(2)
+
+
+def end_quietly_on_broken_pipe() -> None:
+  """An entry point's output piped to a reader that stops early
+  (``python train.py | head``) ends the process quietly, as it ends ``cat``
+  or ``grep``: SIGPIPE's default action, which Python replaces with a
+  ``BrokenPipeError`` that surfaced as a traceback from the next ``print``.
+
+  For the ``__main__`` blocks of the entry points only, never on import: in a
+  notebook it would end the kernel. Ending there is what ``kill -9`` does,
+  which a training run survives (``tests/test_reliability.py``): rerun, it
+  resumes from its last checkpoint.
+  """
+  if hasattr(signal, "SIGPIPE"):  # not on Windows
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
 def parse_flags(argv: list[str], prog: str) -> list[str]:

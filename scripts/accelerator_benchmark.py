@@ -495,6 +495,7 @@ def main(argv: list[str], flag: Mapping[str, flags.FlagHolder]) -> None:
 
 
 if __name__ == "__main__":
+  cli.end_quietly_on_broken_pipe()
   _FLAGS = _define_flags()
   app.run(functools.partial(main, flag=_FLAGS),
           flags_parser=cli.flags_parser(_PROG))

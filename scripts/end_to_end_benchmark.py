@@ -298,4 +298,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  cli.end_quietly_on_broken_pipe()
   app.run(main, flags_parser=cli.flags_parser(_PROG))

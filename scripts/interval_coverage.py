@@ -236,5 +236,6 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+  cli.end_quietly_on_broken_pipe()
   _define_flags()
   app.run(main, flags_parser=cli.flags_parser(_PROG))

@@ -264,4 +264,5 @@ def _print_extensions(results) -> None:
 
 
 if __name__ == "__main__":
+  cli.end_quietly_on_broken_pipe()
   app.run(main, flags_parser=cli.flags_parser(_PROG))

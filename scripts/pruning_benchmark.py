@@ -150,4 +150,5 @@ def _default_config(overrides: list[str]):
 
 
 if __name__ == "__main__":
+  cli.end_quietly_on_broken_pipe()
   app.run(main, flags_parser=cli.flags_parser(_PROG))

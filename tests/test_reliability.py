@@ -441,6 +441,25 @@ def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(
   _assert_params_equal(workdir, final)
 
 
+@pytest.mark.slow
+def test_a_reader_that_stops_early_ends_the_run_quietly(tmp_path, data_dir,
+                                                        subprocess_env):
+  # ``python train.py | head -1``, without the race: the pipe's reader is
+  # gone before the run prints its first line, so that print finds the pipe
+  # broken. The run ends as SIGPIPE ends ``cat`` (no traceback, which a
+  # BrokenPipeError used to print), before it has compiled anything.
+  read_end, write_end = os.pipe()
+  os.close(read_end)
+  try:
+    result = subprocess.run(
+        _train_command(data_dir, str(tmp_path / "run")), env=subprocess_env,
+        stdout=write_end, stderr=subprocess.PIPE, text=True, check=False)
+  finally:
+    os.close(write_end)
+  assert result.returncode == -signal.SIGPIPE, result.stderr
+  assert result.stderr == ""
+
+
 def test_sigint_stops_after_the_step_with_a_checkpoint(tmp_path, data_dir):
   workdir = str(tmp_path / "run")
   first = os.path.join(workdir, "checkpoints", str(EVERY))
