@@ -36,7 +36,7 @@ import hashlib
 import json
 import logging
 import os
-from typing import Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -66,13 +66,13 @@ BLANK = _DIGIT_0 + len(DIGIT_WORDS)  # Token 11: a position still to spell.
 _LETTER_0 = BLANK + 1  # Token of LETTERS[0]; LETTERS[i] is token 12 + i.
 
 
-def spell(digits) -> str:
+def spell(digits: Iterable[int]) -> str:
   """The digits' English words written one after the other: [3, 1] ->
   "threeone"."""
   return "".join(DIGIT_WORDS[int(d)] for d in digits)
 
 
-def spell_tokens(digits) -> tuple[list[int], list[int]]:
+def spell_tokens(digits: Sequence[int]) -> tuple[list[int], list[int]]:
   """The ``spell`` task's (inputs, targets) for ``digits``, unpadded:
   [3, 1] -> ([4, 2, 11, 11, 11, 11, 11, 11], tokens of "threeone")."""
   letters = spell(digits)
@@ -478,7 +478,7 @@ class Split:
     return (self.inputs != 0).sum(axis=1).astype(np.int32)
 
 
-def read_split(source, spec: DataSpec) -> Split:
+def read_split(source: Any, spec: DataSpec) -> Split:
   """Reads a whole data source of :func:`data_sources` (raw records) into
   memory at once."""
   records = source.__getitems__(range(len(source)))

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from mha import data
 from mha import sharding as sharding_lib
-from mha.aliases import Array
+from mha.aliases import Array, Params
 from mha.model import Transformer
 
 Metrics = dict[str, Array]
@@ -79,15 +79,16 @@ def summarize(sums: Mapping[str, np.ndarray | float]
 
 
 @functools.partial(jax.jit, static_argnames="model")
-def eval_step(model: Transformer, params, batch: Mapping[str, Array]) -> Metrics:
+def eval_step(model: Transformer, params: Params,
+              batch: Mapping[str, Array]) -> Metrics:
   """Metric sums of ``model`` on one batch (deterministic, no weights)."""
   logits, _ = model.apply({"params": params}, batch["inputs"],
                           return_weights=False)
   return metric_sums(logits, batch["targets"], batch["inputs"])
 
 
-def evaluate(model: Transformer, params, split: data.Split, batch_size: int,
-             *, mesh: Mesh | None = None,
+def evaluate(model: Transformer, params: Params, split: data.Split,
+             batch_size: int, *, mesh: Mesh | None = None,
              compiled: Callable[[Any, Mapping[str, Array]], Metrics] | None
              = None) -> dict[str, float]:
   """``loss``, ``token_accuracy`` and ``exact_match`` of ``model`` on
@@ -142,7 +143,8 @@ def pick_examples(split: data.Split, num_examples: int, *,
   return np.asarray(chosen, dtype=np.int64)
 
 
-def write_attention_plots(model: Transformer, params, split: data.Split,
+def write_attention_plots(model: Transformer, params: Params,
+                          split: data.Split,
                           out_dir: str, *, num_examples: int = 4,
                           prefix: str = "attention",
                           plot_format: str = "png") -> list[str]:

@@ -38,7 +38,7 @@ each head's removal under a baseline, ``-dL/dm_h`` at the full mask.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import flax.linen as nn
 import jax
@@ -161,7 +161,7 @@ def _shifted(out: Array, layer_mask: Array, shift: Array) -> Array:
       out.dtype)
 
 
-def block_interceptor(layer_mask: Array, shift: Array):
+def block_interceptor(layer_mask: Array, shift: Array) -> Callable[..., Any]:
   """An ``nn.intercept_methods`` interceptor for one block applied alone:
   adds ``sum_h (1 - m_h) shift_h`` (``shift`` ``[H, B | 1, T | 1, D]``) to
   its attention's output projection, so the block is ablated."""

@@ -45,7 +45,8 @@ import socket
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import (TYPE_CHECKING, Any, Callable, Iterator, Mapping,
+                    Sequence)
 
 import numpy as np
 
@@ -54,6 +55,9 @@ from mha import workdir_lock
 from mha.aliases import Log
 from mha.pruning.study import markdown as md
 from mha.pruning.study.options import StudyOptions
+
+if TYPE_CHECKING:  # matplotlib is imported where a figure is drawn
+  from matplotlib.figure import Figure
 
 #: The default grid: the tasks, and two models of 12 heads with spare heads
 #: (``wide6``, 2 x 6, and ``wide``, 2 x 8 = 16 heads, are added with
@@ -465,7 +469,7 @@ def table_markdown(grid: Mapping[str, Any],
   return "\n".join(lines) + "\n"
 
 
-def leaderboard_figure(grid: Mapping[str, Any]):
+def leaderboard_figure(grid: Mapping[str, Any]) -> Figure:
   """Each method's AUC gap to the oracle per cell (a marker per cell, its
   interval a line; colour: task, marker: model) and its mean (black)."""
   # pylint: disable=import-outside-toplevel
