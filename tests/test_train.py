@@ -282,6 +282,17 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
   blocked = copy_workdir(workdir, tmp_path / "blocked")
   with open(os.path.join(blocked, "eval"), "w", encoding="utf-8") as f:
     f.write("kept")
+  # Its data to prepare in a data_dir that cannot hold it (behind a file):
+  # the run's config, saved in each checkpoint, names that folder.
+  no_data = copy_workdir(workdir, tmp_path / "no_data")
+  (tmp_path / "a_file").write_text("kept")
+  for saved in glob.glob(os.path.join(no_data, "checkpoints", "*", "config",
+                                      "metadata")):
+    with open(saved, encoding="utf-8") as f:
+      config = json.load(f)
+    config["data"]["data_dir"] = str(tmp_path / "a_file" / "tfds")
+    with open(saved, "w", encoding="utf-8") as f:
+      json.dump(config, f)
   cases = (
       ([f"--workdir={tmp_path / 'missing'}"], "does not exist"),
       ([f"--workdir={tmp_path}"], "no checkpoints"),
@@ -296,6 +307,8 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
       ([f"--workdir={blocked}"],
        f"cannot write to {blocked}/eval: {blocked}/eval is a file, not a "
        "folder"),
+      ([f"--workdir={no_data}"],
+       f"data_dir {tmp_path}/a_file/tfds cannot be used"),
   )
   procs = [subprocess.Popen(
       [sys.executable, os.path.join(ROOT, "eval.py")] + args,
@@ -310,6 +323,7 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
   assert not os.path.exists(os.path.join(workdir, "eval"))
   with open(os.path.join(blocked, "eval"), encoding="utf-8") as f:
     assert f.read() == "kept"
+  assert (tmp_path / "a_file").read_text() == "kept"
 
 
 def test_train_step_compiled_with_its_options_is_bitwise_the_plain_one():
