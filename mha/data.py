@@ -554,27 +554,35 @@ def data_sources(spec: DataSpec, data_dir: str) -> dict[str, object]:
     {'train': source, 'validation': source, 'test': source}.
   """
   data_dir = os.path.abspath(os.path.expanduser(os.fspath(data_dir)))
-  try:
+
+  @contextlib.contextmanager
+  def data_dir_errors() -> Iterator[None]:
+    """The data_dir's own failures (a path through a file, a read-only
+    disk, ...) as :class:`DataDirError`; not stdout's (a closed pipe)."""
+    try:
+      yield
+    except OSError as e:
+      raise DataDirError(f"data_dir {data_dir} cannot be used: "
+                         f"{write_failures.os_error_reason(e)}; set "
+                         "data.data_dir to a folder this process can write"
+                         ) from e
+
+  with data_dir_errors():
     builder = make_builder(spec, data_dir)
     with _quiet_tfds():
       prepared = builder.is_prepared()
-    if not prepared:
-      print(
-          f"Preparing toy_seq2seq/{builder.builder_config_name} ({spec}) "
-          f"in {builder.data_dir}",
-          flush=True,
-      )
-      tfds.disable_progress_bar()  # one line above says what is happening
-      try:
-        with _quiet_tfds():
-          builder.download_and_prepare(file_format="array_record")
-      finally:
-        tfds.enable_progress_bar()
-  except OSError as e:  # A path through a file, a read-only disk, ...
-    raise DataDirError(f"data_dir {data_dir} cannot be used: "
-                       f"{write_failures.os_error_reason(e)}; set "
-                       "data.data_dir to a folder this process can write"
-                       ) from e
+  if not prepared:
+    print(
+        f"Preparing toy_seq2seq/{builder.builder_config_name} ({spec}) "
+        f"in {builder.data_dir}",
+        flush=True,
+    )
+    tfds.disable_progress_bar()  # one line above says what is happening
+    try:
+      with data_dir_errors(), _quiet_tfds():
+        builder.download_and_prepare(file_format="array_record")
+    finally:
+      tfds.enable_progress_bar()
   sources = builder.as_data_source(
       deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)
   return {split: sources[split] for split in _SPLITS}
