@@ -18,7 +18,7 @@ import signal
 import sys
 import tempfile
 import traceback
-from typing import Callable, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from absl import flags
 
@@ -50,19 +50,66 @@ def fail(prog: str, error: BaseException | str) -> NoReturn:
   sys.exit(2)
 
 
+# The shell status of a process that SIGPIPE ended (``cat`` into a closed
+# pipe): 128 plus the signal's number.
+BROKEN_PIPE_STATUS = 128 + getattr(signal, "SIGPIPE", 13)
+
+
+class _EndOnBrokenPipe:
+  """A standard stream whose write into a closed pipe ends the process at
+  once with :data:`BROKEN_PIPE_STATUS`, quietly; everything else is the
+  wrapped stream's."""
+
+  def __init__(self, stream: Any) -> None:
+    self._stream = stream
+
+  def _end(self) -> NoReturn:
+    # What is still buffered can never be read: nothing to flush, nothing to
+    # report. os._exit, not sys.exit: from any thread, through any ``except``.
+    os._exit(BROKEN_PIPE_STATUS)  # pylint: disable=protected-access
+
+  def write(self, text: str) -> int:
+    try:
+      return self._stream.write(text)
+    except BrokenPipeError:
+      self._end()
+
+  def writelines(self, lines: Any) -> None:
+    for line in lines:
+      self.write(line)
+
+  def flush(self) -> None:
+    try:
+      self._stream.flush()
+    except BrokenPipeError:
+      self._end()
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._stream, name)
+
+
 def end_quietly_on_broken_pipe() -> None:
   """An entry point's output piped to a reader that stops early
   (``python train.py | head``) ends the process quietly, as it ends ``cat``
-  or ``grep``: SIGPIPE's default action, which Python replaces with a
-  ``BrokenPipeError`` that surfaced as a traceback from the next ``print``.
+  or ``grep`` (shell status 141), where Python's ``BrokenPipeError`` surfaced
+  as a traceback from the next ``print``.
+
+  ``sys.stdout`` and ``sys.stderr`` are wrapped so that a write of theirs
+  that finds the pipe closed ends the process. SIGPIPE itself stays ignored,
+  as Python sets it: its default action would also end the process on any
+  other closed pipe or socket, and asyncio (orbax saves through it) writes
+  to its own wake-up socket while another thread may have closed it (a
+  training run ended so, at random, before this was changed).
 
   For the ``__main__`` blocks of the entry points only, never on import: in a
   notebook it would end the kernel. Ending there is what ``kill -9`` does,
   which a training run survives (``tests/test_reliability.py``): rerun, it
   resumes from its last checkpoint.
   """
-  if hasattr(signal, "SIGPIPE"):  # not on Windows
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+  for name in ("stdout", "stderr"):
+    stream = getattr(sys, name)
+    if stream is not None and not isinstance(stream, _EndOnBrokenPipe):
+      setattr(sys, name, _EndOnBrokenPipe(stream))
 
 
 def parse_flags(argv: list[str], prog: str) -> list[str]:

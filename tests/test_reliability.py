@@ -8,6 +8,7 @@ import resource
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -20,6 +21,7 @@ from configs import default
 from conftest import assert_same_bits, copy_workdir, tiny_config
 import mha
 from mha import checkpoint as ckpt_lib
+from mha import cli
 from mha import config_validation
 from mha import metric_writers
 from mha import train
@@ -442,22 +444,54 @@ def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(
 
 
 @pytest.mark.slow
-def test_a_reader_that_stops_early_ends_the_run_quietly(tmp_path, data_dir,
-                                                        subprocess_env):
-  # ``python train.py | head -1``, without the race: the pipe's reader is
-  # gone before the run prints its first line, so that print finds the pipe
-  # broken. The run ends as SIGPIPE ends ``cat`` (no traceback, which a
-  # BrokenPipeError used to print), before it has compiled anything.
+def _closed_pipe_run(command, env):
+  """``command`` with its stdout into a pipe whose reader is already gone."""
   read_end, write_end = os.pipe()
   os.close(read_end)
   try:
-    result = subprocess.run(
-        _train_command(data_dir, str(tmp_path / "run")), env=subprocess_env,
-        stdout=write_end, stderr=subprocess.PIPE, text=True, check=False)
+    return subprocess.run(command, env=env, stdout=write_end,
+                          stderr=subprocess.PIPE, text=True, check=False)
   finally:
     os.close(write_end)
-  assert result.returncode == -signal.SIGPIPE, result.stderr
+
+
+def test_a_reader_that_stops_early_ends_the_run_quietly(tmp_path, data_dir,
+                                                        subprocess_env):
+  # ``python train.py | head -1``, without the race: the pipe's reader is
+  # gone before the run writes its first line, so that write finds the pipe
+  # broken. The run ends with the status SIGPIPE gives ``cat`` (no
+  # traceback, which a BrokenPipeError used to print).
+  result = _closed_pipe_run(_train_command(data_dir, str(tmp_path / "run")),
+                            subprocess_env)
+  assert result.returncode == cli.BROKEN_PIPE_STATUS, result.stderr
   assert result.stderr == ""
+
+
+def test_only_the_standard_streams_end_the_process_on_a_closed_pipe(
+    subprocess_env):
+  # Another closed pipe or socket is an error to its writer, as Python has
+  # it: asyncio (under orbax's saves) writes to its wake-up socket after
+  # another thread may have closed it, and SIGPIPE's default action, set for
+  # the standard streams' sake, ended a training run so at random. A print
+  # from another thread into the closed stdout still ends the process.
+  code = textwrap.dedent("""
+      import socket, threading
+      from mha import cli
+      cli.end_quietly_on_broken_pipe()
+      ours, theirs = socket.socketpair()
+      theirs.close()
+      try:
+        ours.send(b"x")
+      except BrokenPipeError:
+        print("raised", file=__import__("sys").stderr, flush=True)
+      thread = threading.Thread(target=lambda: print("line", flush=True))
+      thread.start()
+      thread.join()
+      raise SystemExit(3)
+      """)
+  result = _closed_pipe_run([sys.executable, "-c", code], subprocess_env)
+  assert (result.returncode, result.stderr) == (cli.BROKEN_PIPE_STATUS,
+                                                "raised\n")
 
 
 def test_sigint_stops_after_the_step_with_a_checkpoint(tmp_path, data_dir):
