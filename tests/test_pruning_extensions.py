@@ -54,7 +54,7 @@ def _planted():
   return model, params, data.Split(inputs, targets)
 
 
-def test_gates_keep_the_planted_head_at_every_strength():
+def test_gates_keep_the_planted_head_at_every_strength(caplog):
   model, params, split = _planted()
   flat = PLANTED[0] * CONFIG.max_heads + PLANTED[1]
   drop = core.evaluate_masks(model, params, split, head_masks.mask_without(
@@ -69,6 +69,12 @@ def test_gates_keep_the_planted_head_at_every_strength():
     # The other heads cost nothing to remove: every penalty removes them.
     assert mask.sum() == 1.0, log_alpha
   np.testing.assert_allclose(trained["expected_heads"], 1.0, atol=0.1)
+  # Another seed (the study's next one) trains on the step already compiled.
+  caplog.clear()
+  with jax.log_compiles(True), caplog.at_level("WARNING"):
+    gates.train_gates(model, params, split, strengths, steps=1,
+                      batch_size=64, learning_rate=0.2, seed=1)
+  assert not [r for r in caplog.records if "_step" in r.getMessage()]
   assert gates.removal_of_size(trained["log_alpha"][0], CONFIG, 3).tolist(
   ).count(flat) == 0
   # Never emptying a layer: layer 0 keeps its head of largest log_alpha.
@@ -90,7 +96,7 @@ def test_hard_concrete_gates_by_their_formulas():
 
 
 @pytest.mark.parametrize("method", gates.EXACT_K_METHODS)
-def test_exact_k_gates_keep_exactly_k_heads(method):
+def test_exact_k_gates_keep_exactly_k_heads(method, caplog):
   # Three layers, one of them with no heads: the absent heads are never
   # counted, kept or removed.
   config = TransformerConfig(vocab_size=8, num_layers=3,
@@ -111,6 +117,12 @@ def test_exact_k_gates_keep_exactly_k_heads(method):
   if method == "top_k":  # every step keeps exactly N - k heads
     np.testing.assert_array_equal(trained["expected_heads"],
                                   [n - k for k in targets])
+  # Another seed (the study's next one) trains on the step already compiled.
+  caplog.clear()
+  with jax.log_compiles(True), caplog.at_level("WARNING"):
+    gates.train_exact_k(model, params, split, targets, steps=1,
+                        batch_size=16, method=method, seed=1)
+  assert not [r for r in caplog.records if "_step" in r.getMessage()]
   for bad in ([0], [n], [1, 2.5], []):
     with pytest.raises(ValueError, match="from 1 to 4"):
       gates.train_exact_k(model, params, split, bad, steps=1, batch_size=16)
