@@ -443,7 +443,6 @@ def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(
   _assert_params_equal(workdir, final)
 
 
-@pytest.mark.slow
 def _closed_pipe_run(command, env):
   """``command`` with its stdout into a pipe whose reader is already gone."""
   read_end, write_end = os.pipe()
@@ -455,6 +454,7 @@ def _closed_pipe_run(command, env):
     os.close(write_end)
 
 
+@pytest.mark.slow
 def test_a_reader_that_stops_early_ends_the_run_quietly(tmp_path, data_dir,
                                                         subprocess_env):
   # ``python train.py | head -1``, without the race: the pipe's reader is
