@@ -49,7 +49,9 @@ class Browser:
   out, each message JSON ended by a NUL byte): no driver to install."""
 
   def __init__(self, executable: str, width: int = 1400, height: int = 1000,
-               timeout: float = 20.0):
+               timeout: float = 120.0):
+    # A bound against a hung browser, not a measure: a first start beside
+    # two test workers compiling can take many seconds.
     self.timeout = timeout
     self._profile = tempfile.mkdtemp(prefix="chromium-")
     read_end, self._to_chrome = os.pipe()
