@@ -13,6 +13,7 @@ own flags).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -21,6 +22,7 @@ import traceback
 from typing import Any, Callable, NoReturn, Sequence
 
 from absl import flags
+from absl import logging as absl_logging
 
 from mha import write_failures
 
@@ -56,9 +58,11 @@ BROKEN_PIPE_STATUS = 128 + getattr(signal, "SIGPIPE", 13)
 
 
 class _EndOnBrokenPipe:
-  """A standard stream whose write into a closed pipe ends the process at
-  once with :data:`BROKEN_PIPE_STATUS`, quietly; everything else is the
-  wrapped stream's."""
+  """A standard text stream whose write into a closed pipe ends the process
+  with :data:`BROKEN_PIPE_STATUS`, quietly; everything else is the wrapped
+  stream's. A text stream into a pipe is block-buffered: the write that
+  finds the pipe closed is the next flush (``print(..., flush=True)``, a
+  full buffer, the process's end)."""
 
   def __init__(self, stream: Any) -> None:
     self._stream = stream
@@ -85,6 +89,8 @@ class _EndOnBrokenPipe:
       self._end()
 
   def __getattr__(self, name: str) -> Any:
+    if name == "_stream":  # Not set yet (a copy, an unpickled one).
+      raise AttributeError(name)
     return getattr(self._stream, name)
 
 
@@ -95,7 +101,13 @@ def end_quietly_on_broken_pipe() -> None:
   as a traceback from the next ``print``.
 
   ``sys.stdout`` and ``sys.stderr`` are wrapped so that a write of theirs
-  that finds the pipe closed ends the process. SIGPIPE itself stays ignored,
+  that finds the pipe closed ends the process, and the logging handlers
+  that held either (absl's among them) write through the wrappers. Only
+  text written through ``sys.stdout`` and ``sys.stderr`` is covered, not
+  ``sys.stdout.buffer`` or ``os.write(1, ...)`` (nothing here writes so).
+  An uncaught exception's traceback is lost when stdout still holds
+  unwritten text for a closed pipe (Python flushes stdout first), as it was
+  under SIGPIPE's default action. SIGPIPE itself stays ignored,
   as Python sets it: its default action would also end the process on any
   other closed pipe or socket, and asyncio (orbax saves through it) writes
   to its own wake-up socket while another thread may have closed it (a
@@ -106,10 +118,21 @@ def end_quietly_on_broken_pipe() -> None:
   which a training run survives (``tests/test_reliability.py``): rerun, it
   resumes from its last checkpoint.
   """
+  wrapped = {}
   for name in ("stdout", "stderr"):
     stream = getattr(sys, name)
     if stream is not None and not isinstance(stream, _EndOnBrokenPipe):
-      setattr(sys, name, _EndOnBrokenPipe(stream))
+      wrapped[id(stream)] = _EndOnBrokenPipe(stream)
+      setattr(sys, name, wrapped[id(stream)])
+  # Handlers made on import hold the streams themselves: absl's, for one,
+  # which also compares its stream with ``sys.stderr`` and, told apart,
+  # would print some records twice.
+  handlers = list(logging.getLogger().handlers)
+  handlers.append(absl_logging.get_absl_handler().python_handler)
+  for handler in handlers:
+    if (isinstance(handler, logging.StreamHandler)
+        and id(handler.stream) in wrapped):
+      handler.setStream(wrapped[id(handler.stream)])
 
 
 def parse_flags(argv: list[str], prog: str) -> list[str]:

@@ -145,3 +145,23 @@ def test_unknown_config_overrides_are_named_with_or_without_config(argv,
   assert cli.unknown_config_override(error) == (
       line and f"unknown config key in the --config.* flags: {line}")
   assert cli.unknown_config_override(KeyError("'nope'")) is None
+
+
+def test_quiet_ending_leaves_absl_logging_one_line_per_record():
+  # end_quietly_on_broken_pipe wraps sys.stderr after absl made its handler
+  # with the stream itself; absl prints a record to stderr a second time
+  # when its stream is not sys.stderr (--alsologtostderr here), so the
+  # handler must write through the wrapper.
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  code = ("from absl import app, logging\n"
+          "from mha import cli\n"
+          "def main(argv):\n"
+          "  logging.warning('the one record')\n"
+          "cli.end_quietly_on_broken_pipe()\n"
+          "app.run(main)\n")
+  result = subprocess.run([sys.executable, "-c", code, "--alsologtostderr"],
+                          capture_output=True, text=True, check=False,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert result.returncode == 0, result.stderr
+  assert result.stderr.count("the one record") == 1, result.stderr
