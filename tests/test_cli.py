@@ -3,6 +3,8 @@ stderr and exits with code 2 (the scripts' own tests run one such mistake
 through a real process; these cover the shared helpers in-process)."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 from absl import flags
@@ -152,8 +154,6 @@ def test_quiet_ending_leaves_absl_logging_one_line_per_record():
   # with the stream itself; absl prints a record to stderr a second time
   # when its stream is not sys.stderr (--alsologtostderr here), so the
   # handler must write through the wrapper.
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
   code = ("from absl import app, logging\n"
           "from mha import cli\n"
           "def main(argv):\n"

@@ -486,7 +486,7 @@ def test_only_the_standard_streams_end_the_process_on_a_closed_pipe(
   # the standard streams' sake, ended a training run so at random. A print
   # from another thread into the closed stdout still ends the process.
   code = textwrap.dedent("""
-      import socket, threading
+      import socket, sys, threading
       from mha import cli
       cli.end_quietly_on_broken_pipe()
       ours, theirs = socket.socketpair()
@@ -494,7 +494,7 @@ def test_only_the_standard_streams_end_the_process_on_a_closed_pipe(
       try:
         ours.send(b"x")
       except BrokenPipeError:
-        print("raised", file=__import__("sys").stderr, flush=True)
+        print("raised", file=sys.stderr, flush=True)
       thread = threading.Thread(target=lambda: print("line", flush=True))
       thread.start()
       thread.join()
