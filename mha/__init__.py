@@ -8,8 +8,9 @@ Flax or orbax first.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mha import lazy
 
 if TYPE_CHECKING:  # For type checkers and IDEs; at run time, on first use.
   from mha.attention import MultiHeadAttention, dot_product_attention
@@ -25,16 +26,4 @@ _PUBLIC = {
     "load_checkpoint": "mha.checkpoint",
 }
 
-__all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str) -> Any:
-  if name in _PUBLIC:
-    value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    globals()[name] = value  # Later look-ups skip this function.
-    return value
-  raise AttributeError(f"module 'mha' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__, __all__ = lazy.attach(__name__, _PUBLIC)

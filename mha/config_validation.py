@@ -22,8 +22,6 @@ import ml_collections
 
 from configs import default
 from mha import write_failures
-from mha.data import MAX_WORD_LEN, TASKS
-from mha.model import DTYPES, POSITIONAL_KINDS
 
 # The keys a resumed run may change: none of them changes the model, the data
 # or the optimizer state. (``num_train_steps`` stretches or shortens the cosine
@@ -157,6 +155,10 @@ def config_problems(config: ml_collections.ConfigDict) -> list[str]:
 
 def _range_problems(values: Mapping[str, Any]) -> list[str]:
   """The values out of range of a config whose every field has its type."""
+  # Imported here: this module is imported by command lines before JAX
+  # (mha.data imports TFDS, mha.model Flax).
+  from mha.data import MAX_WORD_LEN, TASKS  # pylint: disable=import-outside-toplevel
+  from mha.model import DTYPES, POSITIONAL_KINDS  # pylint: disable=import-outside-toplevel
 
   def value(key):
     return values[key]

@@ -33,9 +33,7 @@ import socket
 import time
 from typing import Any, Iterator
 
-import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from mha import config_validation
 from mha import write_failures
@@ -143,6 +141,9 @@ def held(directory: str | os.PathLike) -> Iterator[None]:
   holds it and every process raises ``WorkdirLockedError`` if it could not
   (or ``WorkdirUnusableError`` where the folder cannot be made: every
   process learns of it, none waits for the others)."""
+  # Imported here: a command line takes a lock before it needs JAX.
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   lock, error = None, None
   if jax.process_index() == 0:
     lock = WorkdirLock(directory)

@@ -36,8 +36,9 @@ from absl import logging
 
 from mha import cli
 from mha import collector
-from mha import compilation_cache
 from mha import write_failures
+# The grid's module and the options import no JAX: --help, a mistyped flag
+# or a bad option answer at once.
 from mha.pruning.study import grid
 from mha.pruning.study import options as study_options
 
@@ -107,6 +108,7 @@ def main(argv: list[str]) -> None:
   if _TABLE_ONLY.value:
     grid.write_table(root, cells)
     return
+  from mha import compilation_cache  # pylint: disable=import-outside-toplevel
   compilation_cache.configure(
       _default_config(overrides).compilation_cache_dir, _PROG)
   start = time.time()

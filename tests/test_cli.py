@@ -2,6 +2,7 @@
 stderr and exits with code 2 (the scripts' own tests run one such mistake
 through a real process; these cover the shared helpers in-process)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -165,3 +166,48 @@ def test_quiet_ending_leaves_absl_logging_one_line_per_record():
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert result.returncode == 0, result.stderr
   assert result.stderr.count("the one record") == 1, result.stderr
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Runs an entry point in this process (as `python SCRIPT ARGS...` would),
+# then prints its exit code and which heavy packages it imported.
+_RUN_AND_LIST_IMPORTS = r"""
+import json, runpy, sys
+script, sys.argv = sys.argv[1], sys.argv[1:]
+try:
+  runpy.run_path(script, run_name="__main__")
+  code = 0
+except SystemExit as e:
+  code = e.code
+heavy = ("jax", "flax", "optax", "orbax", "tensorflow_datasets")
+print(json.dumps({"code": code,
+                  "imported": [m for m in heavy if m in sys.modules]}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, args, message", [
+    ("train.py", ["--bogus"], "Unknown command line flag 'bogus'"),
+    ("eval.py", ["--bogus"], "Unknown command line flag 'bogus'"),
+    ("scripts/prune_heads.py", ["--bogus"],
+     "Unknown command line flag 'bogus'"),
+    ("scripts/prune_heads.py", ["--workdir={tmp}", "--oracle_max_heads=0"],
+     "--oracle_max_heads must be >= 1, got 0"),
+    ("scripts/prune_heads.py", ["--workdir={tmp}/none"], "does not exist"),
+    ("scripts/pruning_benchmark.py", ["--bogus"],
+     "Unknown command line flag 'bogus'"),
+    ("scripts/pruning_benchmark.py", ["--workdir={tmp}", "--tasks=nope"],
+     "--tasks: unknown task 'nope'"),
+])
+def test_a_mistake_on_the_command_line_is_answered_without_jax(
+    script, args, message, tmp_path):
+  # JAX, Flax, orbax and TFDS take seconds to import; the entry points
+  # import them only once the command line holds up.
+  args = [a.format(tmp=tmp_path) for a in args]
+  result = subprocess.run(
+      [sys.executable, "-c", _RUN_AND_LIST_IMPORTS,
+       os.path.join(ROOT, script), *args], capture_output=True, text=True,
+      check=False, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and message in lines[0], result.stderr
+  assert json.loads(result.stdout) == {"code": 2, "imported": []}

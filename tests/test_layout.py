@@ -118,3 +118,32 @@ def test_no_untyped_options():
   for module, path in _modules().items():
     text = open(path, encoding="utf-8").read()
     assert "options: Any" not in text, module
+
+
+def test_the_pruning_packages_import_their_names_on_first_use():
+  # mha.pruning and mha.pruning.study resolve their names lazily (PEP 562),
+  # so that the study's flags import no JAX (tests/test_cli.py runs that);
+  # the names are the same objects as before.
+  # pylint: disable=import-outside-toplevel
+  from mha import head_masks
+  from mha import pruning
+  from mha.pruning import constants, core, orderings, speed, study
+  from mha.pruning.study import experiment, options
+  # pylint: enable=import-outside-toplevel
+  modules = (head_masks, core, speed)
+  assert pruning.__all__ == [n for m in modules for n in m.__all__]
+  names: dict = {}
+  exec("from mha.pruning import *", names)  # pylint: disable=exec-used
+  for module in modules:
+    for name in module.__all__:
+      assert names[name] is getattr(module, name), name
+  assert pruning.prune_heads is core.prune_heads
+  assert pruning.oracle.__name__ == "mha.pruning.oracle"  # a submodule
+  with pytest.raises(AttributeError, match="no attribute 'nope'"):
+    pruning.nope  # pylint: disable=pointless-statement
+  assert (study.StudyOptions, study.run, study.check_inputs) == (
+      options.StudyOptions, experiment.run, experiment.check_inputs)
+  assert study.__all__ == ["StudyOptions", "check_inputs", "check_out_dir",
+                           "run"]
+  assert orderings.ORDERINGS is constants.ORDERINGS
+  assert speed.MAX_REPEATS == constants.MAX_REPEATS == 40

@@ -24,14 +24,52 @@ study (:mod:`mha.pruning.study`) that composes them:
 * :mod:`mha.pruning.kwon`: retraining-free pruning after Kwon et al. (2022):
   Fisher mask search, rearrangement, mask tuning.
 
-So ``from mha import pruning; pruning.prune_heads(...)`` works.
+So ``from mha import pruning; pruning.prune_heads(...)`` works. The names
+are imported on first use (PEP 562, as :mod:`mha` does), so that the study's
+command line answers ``--help`` or a mistyped flag without importing JAX:
+its flags read only :mod:`mha.pruning.constants`.
 """
 
-from mha.head_masks import *  # noqa: F401,F403
-from mha.head_masks import __all__ as _masks_all
-from mha.pruning.core import *  # noqa: F401,F403
-from mha.pruning.core import __all__ as _core_all
-from mha.pruning.speed import *  # noqa: F401,F403
-from mha.pruning.speed import __all__ as _speed_all
+from __future__ import annotations
 
-__all__ = [*_masks_all, *_core_all, *_speed_all]
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # For type checkers and IDEs; at run time, on first use.
+  from mha.head_masks import *  # noqa: F401,F403
+  from mha.pruning.core import *  # noqa: F401,F403
+  from mha.pruning.speed import *  # noqa: F401,F403
+
+#: The modules whose ``__all__`` this package re-exports.
+_REEXPORTED = ("mha.head_masks", "mha.pruning.core", "mha.pruning.speed")
+
+
+def _public() -> list[str]:
+  """Every re-exported name (imports the three modules)."""
+  return [name for module in _REEXPORTED
+          for name in importlib.import_module(module).__all__]
+
+
+def __getattr__(name: str) -> Any:
+  # A submodule first (``from mha.pruning import constants`` asks here
+  # before importing it), so that it does not import the three below.
+  if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    return importlib.import_module(f"{__name__}.{name}")
+  if name == "__all__":  # from mha.pruning import *
+    value = _public()
+  else:
+    for module_name in _REEXPORTED:
+      module = importlib.import_module(module_name)
+      if name in module.__all__:
+        value = getattr(module, name)
+        break
+    else:
+      raise AttributeError(
+          f"module 'mha.pruning' has no attribute {name!r}")
+  globals()[name] = value  # Later look-ups skip this function.
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_public()))

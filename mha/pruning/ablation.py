@@ -52,9 +52,10 @@ from mha import head_masks
 from mha import sharding as sharding_lib
 from mha.aliases import Array, Params
 from mha.model import Transformer
+from mha.pruning.constants import ABLATION_MODES
 
 #: The ablation modes, ``--ablation``'s choices.
-MODES = ("zero", "mean", "mean_position", "resample")
+MODES = ABLATION_MODES
 
 
 @struct.dataclass

@@ -68,6 +68,7 @@ from mha import head_masks
 from mha import sharding as sharding_lib
 from mha.aliases import Array, Params
 from mha.model import Transformer, TransformerConfig
+from mha.pruning.constants import EXACT_K_METHODS
 
 
 BETA, GAMMA, ZETA = 2.0 / 3.0, -0.1, 1.1
@@ -345,9 +346,7 @@ def check_targets(config: TransformerConfig, targets: Sequence[int]) -> None:
         f"{n - 1} for this model's {n} heads, got {list(targets)}")
 
 
-#: How :func:`train_exact_k` trains: an L0 Lagrangian on the expected count
-#: kept, or Gumbel top-k with a straight-through estimator.
-EXACT_K_METHODS = ("top_k", "lagrangian")
+# EXACT_K_METHODS (mha.pruning.constants): train_exact_k's methods.
 
 
 def train_exact_k(model: Transformer, params: Params, train: data.Split,

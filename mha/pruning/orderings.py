@@ -34,24 +34,9 @@ from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
 from mha.pruning import kwon
 from mha.pruning import oracle
+from mha.pruning.constants import ORDERINGS
 
-#: The orderings of the pruning curves: key -> label. Measures first, then
-#: baselines.
-ORDERINGS = {
-    "gradient": "gradient",
-    "gradient_l2": "gradient (L2 per layer)",
-    "gradient_iterative": "gradient (re-estimated)",
-    "fisher": "Fisher (Kwon et al.)",
-    "attribution_zero": "attribution patching (zero)",
-    "attribution_mean": "attribution patching (mean per position)",
-    "attribution_resample": "attribution patching (resample)",
-    "leave_one_out": "leave-one-out",
-    "confidence": "confidence",
-    "entropy": "entropy",
-    "shapley": "Shapley value",
-    "reverse_gradient": "reverse gradient",
-    "random": "random",
-}
+# ORDERINGS (mha.pruning.constants): key -> label of each ordering.
 
 
 def halves(split: data.Split) -> tuple[data.Split, data.Split]:

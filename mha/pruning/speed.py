@@ -45,16 +45,14 @@ from mha import head_masks
 from mha.aliases import Array, Params
 from mha.model import Transformer
 from mha.pruning import core
+from mha.pruning.constants import (ADAPTIVE_MIN_SECONDS, CONFIDENCE,
+                                   MAX_REPEATS, MIN_SECONDS, REPEATS,
+                                   TARGET_WIDTH)
 
 
-REPEATS = 10  # Rounds of timing: the floor (issue 14's).
-MIN_SECONDS = 0.2  # Shortest timing window per model and round (fixed).
-#: The adaptive protocol's defaults (the study's): windows of 0.02 s, a cell
-#: stops once its speed-up's interval is within 10% of it, 40 rounds at most.
-ADAPTIVE_MIN_SECONDS = 0.02
-TARGET_WIDTH = 0.10
-MAX_REPEATS = 40
-CONFIDENCE = 0.95  # Nominal coverage of the median's interval.
+# The timing protocol's defaults are in mha.pruning.constants (the flags
+# read them without JAX): REPEATS, MIN_SECONDS, ADAPTIVE_MIN_SECONDS,
+# TARGET_WIDTH, MAX_REPEATS, CONFIDENCE.
 # XLA's cost analysis keys -> our JSON names.
 COST_KEYS = {"flops": "flops", "bytes accessed": "bytes_accessed",
              "transcendentals": "transcendentals"}

@@ -23,7 +23,23 @@ reverse.
                   StudyOptions(num_seeds=1, speed=False))
 """
 
-from mha.pruning.study.experiment import check_inputs, check_out_dir, run
-from mha.pruning.study.options import StudyOptions
+from __future__ import annotations
 
-__all__ = ["StudyOptions", "check_inputs", "check_out_dir", "run"]
+from typing import TYPE_CHECKING
+
+from mha import lazy
+
+if TYPE_CHECKING:  # For type checkers and IDEs; at run time, on first use.
+  from mha.pruning.study.experiment import check_inputs, check_out_dir, run
+  from mha.pruning.study.options import StudyOptions
+
+# Imported on first use (PEP 562): the command line's flags need only
+# mha.pruning.study.options, which imports no JAX.
+_PUBLIC = {
+    "StudyOptions": "mha.pruning.study.options",
+    "check_inputs": "mha.pruning.study.experiment",
+    "check_out_dir": "mha.pruning.study.experiment",
+    "run": "mha.pruning.study.experiment",
+}
+
+__getattr__, __dir__, __all__ = lazy.attach(__name__, _PUBLIC)

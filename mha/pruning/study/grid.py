@@ -52,12 +52,13 @@ import numpy as np
 
 from mha import config_validation
 from mha import workdir_lock
-from mha.aliases import Log
 from mha.pruning.study import markdown as md
 from mha.pruning.study.options import StudyOptions
 
 if TYPE_CHECKING:  # matplotlib is imported where a figure is drawn
   from matplotlib.figure import Figure
+
+  from mha.aliases import Log  # Imports JAX, which the flags do without.
 
 #: The default grid: the tasks, and two models of 12 heads with spare heads
 #: (``wide6``, 2 x 6, and ``wide``, 2 x 8 = 16 heads, are added with

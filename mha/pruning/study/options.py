@@ -18,11 +18,10 @@ from absl import flags
 
 from mha import cli
 from mha.figures import PLOT_FORMATS
-from mha.head_masks import parse_heads
-from mha.pruning import speed
-from mha.pruning.ablation import MODES as ABLATION_MODES
-from mha.pruning.gates import EXACT_K_METHODS
-from mha.pruning.orderings import ORDERINGS
+from mha.pruning import constants
+from mha.pruning.constants import ABLATION_MODES
+from mha.pruning.constants import EXACT_K_METHODS
+from mha.pruning.constants import ORDERINGS
 
 #: ``--shapley``: how the Shapley values are computed.
 SHAPLEY_METHODS = ("auto", "exact", "sampled")
@@ -101,17 +100,17 @@ class StudyOptions:
   batch_sizes: tuple[int, ...] = _option(
       (1, 16, 64, 256), "Batch sizes of the speed table.")
   speed_repeats: int = _option(
-      speed.REPEATS, "Timing rounds per model at least, the models' order "
+      constants.REPEATS, "Timing rounds per model at least, the models' order "
       "rotated every round (median and its interval).")
   speed_max_repeats: int = _option(
-      speed.MAX_REPEATS, "Timing rounds per model at most: a cell stops "
+      constants.MAX_REPEATS, "Timing rounds per model at most: a cell stops "
       "earlier once its speed-up is known within --speed_target_width.")
   speed_target_width: float = _option(
-      speed.TARGET_WIDTH, "Adaptive timing: a cell stops once its speed-up's "
+      constants.TARGET_WIDTH, "Adaptive timing: a cell stops once its speed-up's "
       "interval is at most this share of the speed-up wide; 0 runs exactly "
       "--speed_repeats rounds.")
   speed_min_seconds: float = _option(
-      speed.ADAPTIVE_MIN_SECONDS, "Shortest timing window per model and "
+      constants.ADAPTIVE_MIN_SECONDS, "Shortest timing window per model and "
       "round, seconds.")
   speed_order: str = _option(
       "gradient_l2", "Ordering pruned for the speed table.")
@@ -327,7 +326,11 @@ def from_flags(holders: Mapping[str, flags.FlagHolder],
   types, values = _field_types(), {}
   for name, holder in holders.items():
     value = holder.value
-    if name == "remove_heads":
+    if name == "remove_heads" and not value.strip():
+      value = ()
+    elif name == "remove_heads":
+      # Imported here: mha.head_masks imports Flax, the flags do not.
+      from mha.head_masks import parse_heads  # pylint: disable=import-outside-toplevel
       try:
         value = tuple(parse_heads(value))
       except ValueError as e:
