@@ -141,7 +141,8 @@ def held(directory: str | os.PathLike) -> Iterator[None]:
   holds it and every process raises ``WorkdirLockedError`` if it could not
   (or ``WorkdirUnusableError`` where the folder cannot be made: every
   process learns of it, none waits for the others)."""
-  # Imported here: a command line takes a lock before it needs JAX.
+  # Imported here: mha.pruning.study.grid imports this module for its
+  # command line's checks, before JAX is needed.
   import jax  # pylint: disable=import-outside-toplevel
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   lock, error = None, None

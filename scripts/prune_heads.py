@@ -49,10 +49,15 @@ from absl import logging
 from mha import cli
 from mha import collector
 # The flags need only the options, which import no JAX: --help, a mistyped
-# flag or a bad option answer at once. What runs the study is imported in
-# the functions that use it.
+# flag, most bad options and a missing workdir answer at once. What runs the
+# study (JAX, Flax, orbax, TFDS) is imported by _import_the_study, once the
+# command line holds up.
 from mha.pruning.study import options as study_options
 from mha.pruning.study.options import StudyOptions
+
+# The modules that _import_the_study binds.
+build = ckpt_lib = compilation_cache = config_validation = data = None
+evaluate = pruning = workdir_lock = export = study = study_outputs = None
 
 _PROG = "prune_heads.py"
 _WORKDIR = flags.DEFINE_string("workdir", None,
@@ -90,28 +95,26 @@ def _options() -> StudyOptions:
 def main(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
-  collector.tune_for_tracing()
   if _OUT.value is not None:  # "" is no folder at all.
     cli.nonempty_path(_PROG, _OUT.value.strip(), "out")
   workdir = cli.existing_dir(_PROG, _WORKDIR.value)
-  if (_SAVE_PRUNED.value is not None or _PRUNE_FRACTION.value is not None
-      or _ORDER.value is not None):
+  save = (_SAVE_PRUNED.value is not None or _PRUNE_FRACTION.value is not None
+          or _ORDER.value is not None)
+  if not save:
+    try:  # Before JAX is imported: a bad option answers at once.
+      options = _options()
+    except cli.UsageError as e:
+      cli.fail(_PROG, e)
+  _import_the_study()
+  try:
     _configure_compilation_cache(workdir)
+  except config_validation.ConfigError as e:  # A damaged config.json.
+    cli.fail(_PROG, e)
+  if save:
     _save_pruned(workdir)
     return
   out = os.path.abspath(os.path.expanduser(
       _OUT.value or os.path.join(workdir, "pruning")))
-
-  try:  # Before JAX is imported: a bad option answers at once.
-    options = _options()
-  except cli.UsageError as e:
-    cli.fail(_PROG, e)
-  _configure_compilation_cache(workdir)
-  # pylint: disable=import-outside-toplevel
-  from mha import config_validation
-  from mha import workdir_lock
-  from mha.pruning import study
-  # pylint: enable=import-outside-toplevel
 
   try:  # Every user error is found before the long work starts.
     first = study.check_inputs(workdir, out, options, _STEP.value)
@@ -136,13 +139,32 @@ def main(argv: list[str]) -> None:
   _print_summary(results, out, time.time() - start, options)
 
 
+def _import_the_study() -> None:
+  """Imports what runs the study into this module's namespace, then sets
+  the garbage collector for the long work (:mod:`mha.collector`: what was
+  imported is frozen out of its sight, as ``train.py`` does)."""
+  # pylint: disable=global-statement,import-outside-toplevel,redefined-outer-name
+  global build, ckpt_lib, compilation_cache, config_validation, data
+  global evaluate, pruning, workdir_lock, export, study, study_outputs
+  from mha import build
+  from mha import checkpoint as ckpt_lib
+  from mha import compilation_cache
+  from mha import config_validation
+  from mha import data
+  from mha import evaluate
+  from mha import pruning
+  from mha import workdir_lock
+  from mha.pruning import export
+  from mha.pruning import study
+  from mha.pruning.study import outputs as study_outputs
+  import mha.pruning.study.experiment  # The study's own modules too.
+  # pylint: enable=global-statement,import-outside-toplevel,redefined-outer-name
+  collector.tune_for_tracing()
+
+
 def _configure_compilation_cache(workdir: str) -> None:
   """The persistent compilation cache of the workdir's run config (its
   ``compilation_cache_dir``), before anything is compiled."""
-  # pylint: disable=import-outside-toplevel
-  from mha import checkpoint as ckpt_lib
-  from mha import compilation_cache
-  # pylint: enable=import-outside-toplevel
   saved = ckpt_lib.saved_config(workdir) or {}
   compilation_cache.configure(
       ckpt_lib.complete_config(saved).compilation_cache_dir, _PROG)
@@ -150,15 +172,6 @@ def _configure_compilation_cache(workdir: str) -> None:
 
 def _save_pruned(workdir: str) -> None:
   """--save_pruned: write the pruned model, print its test metrics."""
-  # pylint: disable=import-outside-toplevel
-  from mha import build
-  from mha import checkpoint as ckpt_lib
-  from mha import config_validation
-  from mha import data
-  from mha import evaluate
-  from mha import pruning
-  from mha.pruning import export
-  # pylint: enable=import-outside-toplevel
   try:
     heads, order = export.check_request(
         _SAVE_PRUNED.value, workdir,
@@ -200,11 +213,6 @@ def _heads_of_order(ckpt, order: str, fraction: float
   """The --prune_fraction least important heads of ``order`` (computed on
   validation); a model too big for ``order`` is refused before any data is
   loaded."""
-  # pylint: disable=import-outside-toplevel
-  from mha import build
-  from mha import data
-  from mha.pruning import export
-  # pylint: enable=import-outside-toplevel
   options = _options()
   export.check_order(ckpt.model_config, order,
                      oracle_max_heads=options.oracle_max_heads)
@@ -251,7 +259,6 @@ def _print_summary(results, out: str, seconds: float,
   print(f"First seed incl. speed table: "
         f"{results['timings']['first_seed_with_speed_s']:.1f} s; total "
         f"{seconds:.1f} s")
-  from mha.pruning.study import outputs as study_outputs  # pylint: disable=import-outside-toplevel
   print(study_outputs.written(out, options), flush=True)
 
 

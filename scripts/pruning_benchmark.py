@@ -90,7 +90,6 @@ def _checked_cells(overrides: list[str]) -> list[grid.Cell]:
 def main(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
-  collector.tune_for_tracing()
   root = os.path.abspath(os.path.expanduser(_WORKDIR.value))
   if os.path.exists(root) and not os.path.isdir(root):
     cli.fail(_PROG, f"--workdir {root} exists and is not a directory")
@@ -108,7 +107,15 @@ def main(argv: list[str]) -> None:
   if _TABLE_ONLY.value:
     grid.write_table(root, cells)
     return
-  from mha import compilation_cache  # pylint: disable=import-outside-toplevel
+  # What the cells run (JAX, Flax, orbax, TFDS), imported once the command
+  # line holds up, then frozen out of the garbage collector's sight
+  # (mha.collector, as train.py does).
+  # pylint: disable=import-outside-toplevel
+  from mha import compilation_cache
+  import mha.pruning.study.experiment
+  import mha.train
+  # pylint: enable=import-outside-toplevel
+  collector.tune_for_tracing()
   compilation_cache.configure(
       _default_config(overrides).compilation_cache_dir, _PROG)
   start = time.time()

@@ -126,6 +126,7 @@ def test_the_pruning_packages_import_their_names_on_first_use():
   # the names are the same objects as before.
   # pylint: disable=import-outside-toplevel
   from mha import head_masks
+  from mha import lazy
   from mha import pruning
   from mha.pruning import constants, core, orderings, speed, study
   from mha.pruning.study import experiment, options
@@ -145,5 +146,12 @@ def test_the_pruning_packages_import_their_names_on_first_use():
       options.StudyOptions, experiment.run, experiment.check_inputs)
   assert study.__all__ == ["StudyOptions", "check_inputs", "check_out_dir",
                            "run"]
+  # A submodule is found without importing it, whatever the name probed.
+  assert lazy.submodule("mha.pruning.study", "experiment")
+  assert not lazy.submodule("mha.pruning.study", "nope")
+  assert not lazy.submodule("mha.pruning", "a.b")
+  assert not lazy.submodule("mha", "__wrapped__")
+  with pytest.raises(AttributeError):
+    pruning.__wrapped__  # pylint: disable=pointless-statement
   assert orderings.ORDERINGS is constants.ORDERINGS
   assert speed.MAX_REPEATS == constants.MAX_REPEATS == 40

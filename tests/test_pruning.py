@@ -748,6 +748,12 @@ def test_mismatched_seed_directory_is_refused(tiny_run, tmp_path,
     (["--num_seeds=1"], True, "cannot use {out}: is a directory: "
                               "{out}/run.lock; choose a folder this process "
                               "can write"),
+    # A workdir whose config.json is damaged (and no checkpoint): it was a
+    # traceback, from configuring the compilation cache.
+    (["--workdir={damaged}"], False,
+     "the run config {damaged}/config.json is damaged: not valid JSON "
+     "(Expecting property name enclosed in double quotes: line 1 column 2 "
+     "(char 1)); move it away or use another workdir"),
 ])
 def test_bad_option_exits_2_writing_nothing(tiny_workdir, tmp_path,
                                             subprocess_env, args, lock_dir,
@@ -757,13 +763,18 @@ def test_bad_option_exits_2_writing_nothing(tiny_workdir, tmp_path,
   out = tmp_path / "out"
   if lock_dir:
     (out / workdir_lock.LOCK_FILE).mkdir(parents=True)
+  damaged = tmp_path / "damaged"
+  damaged.mkdir()
+  (damaged / "config.json").write_text("{not json")
+  args = [a.format(damaged=damaged) for a in args]
   before = _tree(tmp_path)
   result = _run_script(f"--workdir={tiny_workdir}", f"--out={out}", *args,
                        env=subprocess_env)
   assert result.returncode == 2, result.stderr[-2000:]
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1, result.stderr
-  assert lines[0] == "prune_heads.py: error: " + message.format(out=out)
+  assert lines[0] == "prune_heads.py: error: " + message.format(
+      out=out, damaged=damaged)
   assert _tree(tmp_path) == before  # nothing written
 
 

@@ -33,8 +33,9 @@ its flags read only :mod:`mha.pruning.constants`.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from typing import TYPE_CHECKING, Any
+
+from mha import lazy
 
 if TYPE_CHECKING:  # For type checkers and IDEs; at run time, on first use.
   from mha.head_masks import *  # noqa: F401,F403
@@ -54,8 +55,10 @@ def _public() -> list[str]:
 def __getattr__(name: str) -> Any:
   # A submodule first (``from mha.pruning import constants`` asks here
   # before importing it), so that it does not import the three below.
-  if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+  if lazy.submodule(__name__, name):
     return importlib.import_module(f"{__name__}.{name}")
+  if name.startswith("__") and name != "__all__":  # Probes (inspect, ...).
+    raise AttributeError(f"module 'mha.pruning' has no attribute {name!r}")
   if name == "__all__":  # from mha.pruning import *
     value = _public()
   else:
