@@ -48,7 +48,7 @@ class StudyOptions:
       "(otherwise that is an error).")
   oracle_max_heads: int = _option(
       16, "Evaluate every subset of heads (the oracle, Shapley values) up to "
-      "this many heads, streamed (about 4 min at 16 heads on 2 CPU cores); "
+      "this many heads, streamed (about 2.5 min at 16 heads on 2 CPU cores); "
       "skipped above it.")
   shapley: str = _option(
       "auto", "Shapley values: exact (from every subset; needs at most "
