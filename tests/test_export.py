@@ -89,3 +89,37 @@ def test_layer_lowers_for_cuda_and_tpu(return_weights):
     np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-7)
   else:
     assert got[1] is None and want[1] is None
+
+
+def test_streamed_oracle_lowers_for_cuda_and_tpu():
+  # On CPU the last layer goes a prefix at a time, its masks in groups
+  # (loops, for the cache: oracle.MASKS_PER_STEP); for GPU and TPU it
+  # evaluates every subset at once (no loop).
+  # pylint: disable=import-outside-toplevel
+  from mha import data
+  from mha.model import Transformer, TransformerConfig
+  from mha.pruning import oracle
+  # pylint: enable=import-outside-toplevel
+  config = TransformerConfig(vocab_size=7, num_layers=2, num_heads=(2, 5),
+                             d_model=8, head_dim=4, mlp_dim=8, max_len=5)
+  model = Transformer(config)
+  params = model.init(jax.random.key(0),
+                      jnp.ones((1, 5), jnp.int32))["params"]
+  inputs = np.random.default_rng(0).integers(1, 7, (3, 5)).astype(np.int32)
+  inputs[1, 3:] = 0
+  split = data.Split(inputs, (inputs * 2) % 7)
+  positions, weights = oracle._valid_positions(inputs, 16)  # pylint: disable=protected-access
+  fn = jax.jit(lambda p, i, t, w: oracle._sums(  # pylint: disable=protected-access
+      model, p, i, t, True, positions=positions, position_weights=w))
+  args = (params, split.inputs, split.targets, weights)
+  exported = _exported(fn, *args)
+  for platform, loops in (("cpu", 2), ("cuda", 0), ("tpu", 0)):
+    one = export.export(fn, platforms=[platform])(*args)
+    assert one.mlir_module().count("stablehlo.while") == loops, platform
+  got, want = exported.call(*args), fn(*args)
+  for key in want:
+    np.testing.assert_array_equal(got[key], want[key])
+  # The same sums as the per-example table's, every subset.
+  table = oracle.evaluate_subsets(model, params, split, per_example=True)
+  np.testing.assert_array_equal(
+      np.asarray(got["correct"]).sum(-1), table["correct"].sum(-1))

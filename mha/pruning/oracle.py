@@ -327,7 +327,9 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
   with ``weights`` 0): the block's own code, with its attention replaced by
   the combined output (``nn.intercept_methods``). The prefixes run one at
   a time and the masks in groups of :data:`MASKS_PER_STEP`
-  (``jax.lax.map``), so that a group's activations stay in the cache.
+  (``jax.lax.map``), so that a group's activations stay in the cache, on
+  CPU; a program lowered for GPU or TPU evaluates them all at once
+  (``jax.lax.platform_dependent``).
   """
   cfg = model.config
   layer = cfg.num_layers - 1
@@ -339,7 +341,7 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
             weights[:, None])  # [P, B]: each valid position's example
   flat_targets = targets.reshape(-1)[positions]
 
-  def per_prefix(x):
+  def for_prefix(x):
     if shift is None and added is None:
       base, heads = _head_outputs(model, params, layer, x, attention_mask,
                                   positions)  # [P, D], [H, P, D]
@@ -371,10 +373,18 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
       correct = right @ onehot
       return ce @ onehot, correct, ((correct == tokens) & (tokens > 0)
                                      ).astype(jnp.int32)
-    if codes.shape[0] > MASKS_PER_STEP:  # In groups (MASKS_PER_STEP).
-      return jax.lax.map(per_mask, codes, batch_size=MASKS_PER_STEP)
-    return jax.vmap(per_mask)(codes)
-  return jax.lax.map(per_prefix, xs)  # One prefix at a time (the cache).
+    return per_mask
+
+  def grouped(xs):  # On CPU: a prefix at a time, masks in groups (cache).
+    def one(x):
+      if codes.shape[0] > MASKS_PER_STEP:
+        return jax.lax.map(for_prefix(x), codes, batch_size=MASKS_PER_STEP)
+      return jax.vmap(for_prefix(x))(codes)
+    return jax.lax.map(one, xs)
+
+  def batched(xs):  # Elsewhere (GPU, TPU): everything at once.
+    return jax.vmap(lambda x: jax.vmap(for_prefix(x))(codes))(xs)
+  return jax.lax.platform_dependent(xs, cpu=grouped, default=batched)
 
 
 def _readout(model: Transformer, params: Params, x: Array) -> Array:
