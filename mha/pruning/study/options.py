@@ -18,10 +18,9 @@ from absl import flags
 
 from mha import cli
 from mha.figures import PLOT_FORMATS
-from mha.pruning import constants
-from mha.pruning.constants import ABLATION_MODES
-from mha.pruning.constants import EXACT_K_METHODS
-from mha.pruning.constants import ORDERINGS
+from mha.pruning.constants import (ABLATION_MODES, ADAPTIVE_MIN_SECONDS,
+                                   EXACT_K_METHODS, MAX_REPEATS, ORDERINGS,
+                                   REPEATS, TARGET_WIDTH)
 
 #: ``--shapley``: how the Shapley values are computed.
 SHAPLEY_METHODS = ("auto", "exact", "sampled")
@@ -100,17 +99,17 @@ class StudyOptions:
   batch_sizes: tuple[int, ...] = _option(
       (1, 16, 64, 256), "Batch sizes of the speed table.")
   speed_repeats: int = _option(
-      constants.REPEATS, "Timing rounds per model at least, the models' order "
+      REPEATS, "Timing rounds per model at least, the models' order "
       "rotated every round (median and its interval).")
   speed_max_repeats: int = _option(
-      constants.MAX_REPEATS, "Timing rounds per model at most: a cell stops "
+      MAX_REPEATS, "Timing rounds per model at most: a cell stops "
       "earlier once its speed-up is known within --speed_target_width.")
   speed_target_width: float = _option(
-      constants.TARGET_WIDTH, "Adaptive timing: a cell stops once its speed-up's "
+      TARGET_WIDTH, "Adaptive timing: a cell stops once its speed-up's "
       "interval is at most this share of the speed-up wide; 0 runs exactly "
       "--speed_repeats rounds.")
   speed_min_seconds: float = _option(
-      constants.ADAPTIVE_MIN_SECONDS, "Shortest timing window per model and "
+      ADAPTIVE_MIN_SECONDS, "Shortest timing window per model and "
       "round, seconds.")
   speed_order: str = _option(
       "gradient_l2", "Ordering pruned for the speed table.")
