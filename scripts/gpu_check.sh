@@ -3,12 +3,16 @@
 #
 #   bash scripts/gpu_check.sh OUTDIR [PART ...]
 #
-# PARTs (default: all, in this order): env, tests+train (the fast tests on 6
-# workers while the default config trains and its one-seed study runs beside
-# them; GPU_CHECK_TESTS=all runs the whole suite instead, on 8 workers,
-# within GPU_CHECK_TESTS_LIMIT seconds, default 200), accel
-# (scripts/accelerator_benchmark.py, alone), oracle (the 16-head `wide`
-# oracle of the workdir runs/wide, alone, when it is there). Each part has
+# PARTs (default: env tests+train accel oracle, in this order): env,
+# tests+train (the fast tests on 6 workers while the default config trains
+# and its one-seed study runs beside them; GPU_CHECK_TESTS=all runs the whole
+# suite instead, on 8 workers, within GPU_CHECK_TESTS_LIMIT seconds, default
+# 200), accel (scripts/accelerator_benchmark.py, alone), oracle (the 16-head
+# `wide` oracle of the workdir runs/wide, alone, when it is there). Not in
+# the default: tests (the tests alone, selected as in tests+train, on
+# GPU_CHECK_WORKERS workers, default 14), determinism
+# (scripts/determinism_check.py: two runs and a resumed one, bitwise or not,
+# without and with XLA_FLAGS=--xla_gpu_deterministic_ops=true). Each part has
 # its own time limit, so one that hangs costs only its own minutes; all of
 # them take about 8 minutes on an H100 (2026-11-26). Logs and JSON go to
 # OUTDIR; the last lines printed are a summary. The device tool brings back
@@ -57,6 +61,26 @@ print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__versi
 'optax', optax.__version__, 'numpy', numpy.__version__); print(jax.devices())"
         nproc; } >"$out/env.log" 2>&1
       note "env: $(tail -2 "$out/env.log" | head -1)"
+      ;;
+    tests)
+      if [ "${GPU_CHECK_TESTS:-fast}" = all ]; then
+        select=(-n "${GPU_CHECK_WORKERS:-14}")
+      else
+        select=(-m "not slow" -n "${GPU_CHECK_WORKERS:-14}")
+      fi
+      timed tests "${GPU_CHECK_TESTS_LIMIT:-200}" python3 -m pytest -v --tb=short --durations=25 \
+        "${select[@]}" -p no:cacheprovider \
+        -o addopts="-ra --dist loadfile -p no:hypothesispytest -p no:benchmark"
+      grep -E "^(FAILED|ERROR) |^=+ .*(passed|failed)" "$out/tests.log" | tail -40 | sed 's/^/  /' | tee -a "$summary"
+      ;;
+    determinism)
+      timed determinism 120 python3 scripts/determinism_check.py \
+        --out "$out/determinism.json"
+      grep -E "^backend|vs the first" "$out/determinism.log" | sed 's/^/  /' | tee -a "$summary"
+      XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_deterministic_ops=true" \
+        timed determinism_ops 120 python3 scripts/determinism_check.py \
+        --out "$out/determinism_ops.json"
+      grep -E "^backend|vs the first" "$out/determinism_ops.log" | sed 's/^/  /' | tee -a "$summary"
       ;;
     tests+train)
       # The fast tests on 6 workers (in-process tests run on the GPU; the

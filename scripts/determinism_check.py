@@ -1,0 +1,118 @@
+r"""Are two training runs, and a resumed one, bitwise equal on this backend?
+
+    python scripts/determinism_check.py                  # default config, 200 steps
+    XLA_FLAGS=--xla_gpu_deterministic_ops=true \
+        python scripts/determinism_check.py             # XLA's deterministic GPU ops
+
+Trains the default config (with dropout, so that resuming must redraw the
+masks of the steps after its checkpoint) three times in one process on the
+default device: twice from scratch, and once resumed from the first run's
+middle checkpoint. Prints, for "second run" and "resumed run", whether every
+parameter and optimizer-state leaf is bitwise equal to the first run's, and
+otherwise how many leaves differ and the largest absolute difference. Exit
+code 0 either way: this measures, it does not judge.
+
+On XLA:CPU both are bitwise equal (the suite checks it:
+``tests/conftest.py``'s ``assert_same_bits``). XLA promises no bitwise-equal
+runs on a GPU, where reductions may use atomics; ``XLA_FLAGS=
+--xla_gpu_deterministic_ops=true`` is its switch for deterministic programs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Sequence
+
+from absl import app
+from absl import flags
+
+from mha import cli
+
+_PROG = "determinism_check.py"
+_STEPS = flags.DEFINE_integer("steps", 200, "Training steps of each run "
+                              "(even; the resumed run starts at half).")
+_DROPOUT = flags.DEFINE_float("dropout", 0.1, "Dropout and attention "
+                              "dropout rate of the three runs.")
+_DATA_DIR = flags.DEFINE_string("data_dir", None, "TFDS data directory "
+                                "(default: the config's).")
+_OUT = flags.DEFINE_string("out", None, "Also write the result as JSON here.")
+
+
+def compare(a: Any, b: Any) -> dict[str, Any]:
+  """Leaf by leaf: how many of the trees' leaves differ, and by how much."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+  differing, largest = 0, 0.0
+  for x, y in zip(leaves_a, leaves_b, strict=True):
+    x, y = np.asarray(x), np.asarray(y)
+    if not np.array_equal(x, y):
+      differing += 1
+      if np.issubdtype(x.dtype, np.floating):
+        largest = max(largest, float(np.max(np.abs(x.astype(np.float64)
+                                                    - y.astype(np.float64)))))
+  return {"bitwise_equal": differing == 0, "leaves": len(leaves_a),
+          "leaves_differing": differing, "max_abs_difference": largest}
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    cli.fail(_PROG, f"unexpected arguments: {' '.join(argv[1:])}")
+  if _STEPS.value < 2 or _STEPS.value % 2:
+    cli.fail(_PROG, f"--steps must be an even number >= 2, got {_STEPS.value}")
+  if not 0.0 <= _DROPOUT.value < 1.0:
+    cli.fail(_PROG, f"--dropout must be in [0, 1), got {_DROPOUT.value}")
+  if _OUT.value and not os.path.isdir(os.path.dirname(_OUT.value) or "."):
+    cli.fail(_PROG, f"--out {_OUT.value}: its folder does not exist")
+  import jax  # pylint: disable=import-outside-toplevel
+  from configs import default  # pylint: disable=import-outside-toplevel
+  from mha import train  # pylint: disable=import-outside-toplevel
+
+  steps, rate = _STEPS.value, _DROPOUT.value
+  overrides = [f"num_train_steps={steps}", f"eval_every_steps={steps // 2}",
+               f"checkpoint_every_steps={steps // 2}",
+               f"model.dropout_rate={rate}",
+               f"model.attention_dropout_rate={rate}"]
+  if _DATA_DIR.value:
+    overrides.append(f"data.data_dir={_DATA_DIR.value}")
+  config = default.get_config(",".join(overrides))
+  print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), "
+        f"jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        flush=True)
+  root = tempfile.mkdtemp(prefix="determinism_")
+  try:
+    t0 = time.perf_counter()
+    first = train.train_and_evaluate(config, os.path.join(root, "first"))
+    second = train.train_and_evaluate(config, os.path.join(root, "second"))
+    resumed_dir = os.path.join(root, "resumed")
+    shutil.copytree(os.path.join(root, "first"), resumed_dir)
+    shutil.rmtree(os.path.join(resumed_dir, "checkpoints", str(steps)))
+    resumed = train.train_and_evaluate(config, resumed_dir)
+    result = {"backend": jax.default_backend(),
+              "device": jax.devices()[0].device_kind,
+              "jax": jax.__version__,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "steps": steps, "dropout": rate,
+              "second_run": compare(second, first),
+              "resumed_run": compare(resumed, first),
+              "seconds": round(time.perf_counter() - t0, 1)}
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  for name in ("second_run", "resumed_run"):
+    r = result[name]
+    verdict = ("bitwise equal" if r["bitwise_equal"] else
+               f"{r['leaves_differing']} of {r['leaves']} leaves differ, "
+               f"largest by {r['max_abs_difference']:.3g}")
+    print(f"{name.replace('_', ' ')} vs the first: {verdict}", flush=True)
+  if _OUT.value:
+    with open(_OUT.value, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+  cli.end_quietly_on_broken_pipe()
+  app.run(main, flags_parser=cli.flags_parser(_PROG))
