@@ -53,11 +53,30 @@ def _jaxlib_version() -> tuple[int, ...]:
   return tuple(int(p) for p in re.findall(r"\d+", version)[:2])
 
 
+def _jax_has_cuda() -> bool:
+  """Whether a CUDA plugin of jaxlib is installed (a GPU machine's jax)."""
+  for name in ("jax-cuda13-plugin", "jax-cuda12-plugin"):
+    try:
+      importlib.metadata.version(name)
+      return True
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  return False
+
+
+# Where jax has CUDA, also XLA's deterministic GPU ops: without them two
+# training runs on a GPU differ (an H100, 2026-11-27,
+# scripts/determinism_check.py: 114 of 117 leaves, by up to 0.23 after 200
+# steps); with them, two runs and a resumed one were bitwise equal, so the
+# suite checks those bits on a GPU too (``assert_same_bits``). Not set on
+# CPU-only machines, where XLA:CPU's programs are deterministic anyway.
+GPU_DETERMINISTIC_OPS = "--xla_gpu_deterministic_ops=true"
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [
     os.environ.get("XLA_FLAGS", ""), "--xla_cpu_multi_thread_eigen=false",
     "--xla_cpu_parallel_codegen_split_count=1",
     "--xla_cpu_use_fusion_emitters=false"
-    if _jaxlib_version() < (0, 11) else ""]))
+    if _jaxlib_version() < (0, 11) else "",
+    GPU_DETERMINISTIC_OPS if _jax_has_cuda() else ""]))
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import ml_collections  # noqa: E402
@@ -186,20 +205,29 @@ def tiny_run(tmp_path_factory, data_dir) -> TinyRun:
   return TinyRun(config=config, workdir=workdir, state=state)
 
 
-def assert_same_bits(a: Any, b: Any) -> None:
+def assert_same_bits(a: Any, b: Any, *, subprocess_trained: bool = False
+                     ) -> None:
   """Two runs' trees (parameters, optimizer states), leaf by leaf, bitwise.
 
   A resumed run against an uninterrupted one, programs loaded against
   compiled ones, a stacked model against its twin: bitwise equal on XLA:CPU,
-  and checked there. On another backend the test is skipped at this point,
-  after its other checks: on an H100 (2026-11-26) the seven tests that make
-  such comparisons failed, and XLA promises no bitwise-equal runs on a GPU
-  (docs/performance.md, "On a GPU"). Three of them compared a run in this
-  process, on the GPU, with one trained at least in part in a subprocess,
-  which runs on the CPU.
+  and on a GPU under XLA's deterministic ops (``GPU_DETERMINISTIC_OPS``,
+  which this file sets where jax has CUDA). Elsewhere the test is skipped at
+  this point, after its other checks: XLA promises no bitwise-equal runs on
+  a GPU without them (docs/performance.md, "On a GPU"). Also skipped off CPU
+  when ``subprocess_trained``: one of the runs was trained, at least in part,
+  by an entry point in a subprocess, and those run on the CPU
+  (``subprocess_env``), while this process runs on the accelerator.
   """
-  if jax.default_backend() != "cpu":
-    pytest.skip("bitwise-equal training runs are checked on CPU only")
+  backend = jax.default_backend()
+  if backend != "cpu":
+    if subprocess_trained:
+      pytest.skip("a run trained in a subprocess (on the CPU) against one "
+                  f"in this process (on the {backend}): not bitwise")
+    if (backend != "gpu" or GPU_DETERMINISTIC_OPS
+        not in os.environ.get("XLA_FLAGS", "").split()):
+      pytest.skip("bitwise-equal training runs are checked on CPU, and on a "
+                  "GPU under XLA's deterministic ops")
   import numpy as np  # pylint: disable=import-outside-toplevel
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(x, y)

@@ -66,8 +66,9 @@ def reference(tmp_path_factory, data_dir):
   return config, workdir, state
 
 
-def _assert_params_equal(workdir, state):
-  assert_same_bits(mha.load_checkpoint(workdir).params, state.params)
+def _assert_params_equal(workdir, state, *, subprocess_trained):
+  assert_same_bits(mha.load_checkpoint(workdir).params, state.params,
+                   subprocess_trained=subprocess_trained)
 
 
 def _steps(workdir):
@@ -451,7 +452,7 @@ def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(
   assert "Resumed from checkpoint" in result.stdout
   _assert_quiet(result.stderr)
   assert not _tmp_dirs(workdir)
-  _assert_params_equal(workdir, final)
+  _assert_params_equal(workdir, final, subprocess_trained=True)
 
 
 def _closed_pipe_run(command, env):
@@ -560,7 +561,7 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes(
   moved = glob.glob(os.path.join(copy, "damaged_checkpoints", f"{STEPS}-*"))
   assert len(moved) == 1 and f"moved it to {moved[0]}" in err
   assert int(state.step) == STEPS and _steps(copy)[-1] == STEPS  # saved again
-  _assert_params_equal(copy, final)
+  _assert_params_equal(copy, final, subprocess_trained=False)
 
 
 def test_load_checkpoint_and_eval_skip_or_name_a_damaged_checkpoint(
@@ -676,7 +677,8 @@ def test_a_second_run_is_refused_and_the_first_ends_as_if_alone(
   _assert_quiet(stderr)
   steps = [row["step"] for row in _rows(workdir) if "loss" in row]
   assert steps == sorted(set(steps))  # one run's rows, none twice
-  _assert_params_equal(workdir, final)  # last: skipped off CPU
+  # Last: skipped off CPU.
+  _assert_params_equal(workdir, final, subprocess_trained=True)
 
 
 def _rows(workdir):
@@ -790,8 +792,8 @@ def test_full_disk_stops_in_one_line_and_the_rerun_resumes(
   state = train.train_and_evaluate(config, workdir)
   assert (f"Resumed from checkpoint at step {intact[-1]}"
           in capfd.readouterr().out)
-  _assert_params_equal(workdir, final)
-  assert_same_bits(state.params, final.params)
+  _assert_params_equal(workdir, final, subprocess_trained=True)
+  assert_same_bits(state.params, final.params, subprocess_trained=True)
 
 
 @pytest.fixture
