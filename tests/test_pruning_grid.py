@@ -4,6 +4,7 @@ failed cell is marked and the grid goes on, and mistakes are one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -120,6 +121,31 @@ def test_a_failed_cell_is_marked_and_the_grid_goes_on_a_held_one_skipped(
   grid.run_grid(root, cells, StudyOptions(num_seeds=1), log=lambda m: None,
                 run_cell=run_cell)
   assert ran == ["reverse-tiny", "sort-tiny", "histogram-tiny"]
+
+
+def test_the_longest_expected_cells_run_first(tmp_path):
+  options = StudyOptions(num_seeds=3)
+  given = grid.cells(grid.TASKS, grid.MODELS)
+  order = [c.name for c in grid.schedule(given, options)]
+  assert sorted(order) == sorted(c.name for c in given)
+  # spell trains 2000 steps, the others 500; deep64 is deep 4x wider. Ties
+  # keep the given (task by task) order.
+  assert order == ["spell-deep64", "reverse-deep64", "sort-deep64",
+                   "histogram-deep64", "spell-deep", "reverse-deep",
+                   "sort-deep", "histogram-deep"]
+  wide = grid.Cell("reverse", "wide")  # 16 heads: 2^16 oracle subsets
+  assert (grid.expected_seconds(wide, options)
+          > grid.expected_seconds(grid.Cell("spell", "deep64"), options))
+  beyond = dataclasses.replace(options, oracle_max_heads=12)
+  assert (grid.expected_seconds(wide, beyond)
+          < grid.expected_seconds(wide, options) / 2)
+  assert grid.expected_seconds(grid.Cell("reverse", "no_such_model"),
+                               options) == 0.0
+  # run_grid tries the cells in that order.
+  ran = []
+  grid.run_grid(str(tmp_path / "grid"), given, options, log=lambda m: None,
+                run_cell=lambda root, cell, *args: ran.append(cell.name))
+  assert ran == order
 
 
 def test_a_grid_with_other_settings_is_refused(tmp_path):
