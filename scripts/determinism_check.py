@@ -1,8 +1,10 @@
 r"""Are two training runs, and a resumed one, bitwise equal on this backend?
 
-    python scripts/determinism_check.py                  # default config, 200 steps
+    # The default config with dropout, 200 steps:
+    python scripts/determinism_check.py
+    # The same under XLA's deterministic GPU ops:
     XLA_FLAGS=--xla_gpu_deterministic_ops=true \
-        python scripts/determinism_check.py             # XLA's deterministic GPU ops
+        python scripts/determinism_check.py
 
 Trains the default config (with dropout, so that resuming must redraw the
 masks of the steps after its checkpoint) three times in one process on the
@@ -11,6 +13,10 @@ middle checkpoint. Prints, for "second run" and "resumed run", whether every
 parameter and optimizer-state leaf is bitwise equal to the first run's, and
 otherwise how many leaves differ and the largest absolute difference. Exit
 code 0 either way: this measures, it does not judge.
+
+All three runs share one process, so they share its compiled programs (and,
+on a GPU, XLA's autotuning choices): a resume in a new process, which
+compiles again, is not what this measures.
 
 On XLA:CPU both are bitwise equal (the suite checks it:
 ``tests/conftest.py``'s ``assert_same_bits``). XLA promises no bitwise-equal

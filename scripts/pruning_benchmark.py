@@ -119,11 +119,11 @@ def main(argv: list[str]) -> None:
   compilation_cache.configure(
       _default_config(overrides).compilation_cache_dir, _PROG)
   start = time.time()
-  guess = lambda c: grid.expected_seconds(c, options, overrides) / 60
+  order = ", ".join(
+      f"{c.name} (~{grid.expected_seconds(c, options, overrides) / 60:.0f} "
+      "min)" for c in grid.schedule(cells, options, overrides))
   print(f"Pruning benchmark: {len(cells)} cells in {root}, the longest "
-        "expected first: " + ", ".join(
-            f"{c.name} (~{guess(c):.0f} min)"
-            for c in grid.schedule(cells, options, overrides)), flush=True)
+        f"expected first: {order}", flush=True)
   counts = grid.run_grid(root, cells, options, overrides,
                          log=lambda m: print(m, flush=True),
                          max_cells=_MAX_CELLS.value)

@@ -67,9 +67,11 @@ def _jax_has_cuda() -> bool:
 # Where jax has CUDA, also XLA's deterministic GPU ops: without them two
 # training runs on a GPU differ (an H100, 2026-11-27,
 # scripts/determinism_check.py: 114 of 117 leaves, by up to 0.23 after 200
-# steps); with them, two runs and a resumed one were bitwise equal, so the
-# suite checks those bits on a GPU too (``assert_same_bits``). Not set on
-# CPU-only machines, where XLA:CPU's programs are deterministic anyway.
+# steps); with them, two runs and a resumed one (in one process) were
+# bitwise equal, so the suite checks those bits on a GPU too
+# (``assert_same_bits``; its comparisons are within this process). So on a
+# GPU the suite tests the deterministic configuration, not the default one.
+# Not set on CPU-only machines, whose XLA:CPU programs are deterministic.
 GPU_DETERMINISTIC_OPS = "--xla_gpu_deterministic_ops=true"
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [
     os.environ.get("XLA_FLAGS", ""), "--xla_cpu_multi_thread_eigen=false",

@@ -130,7 +130,8 @@ def test_each_stacked_model_trains_as_it_would_alone():
         a, b, rtol=1e-5, atol=1e-6), got, alone)
     assert info["final_loss"][r] == pytest.approx(float(loss), rel=1e-5)
   # The same job twice trains to the same bits (the models of a stack do not
-  # interact): the study trains such duplicates once. Last: skipped off CPU.
+  # interact): the study trains such duplicates once. Last: skipped off CPU
+  # but on a GPU under XLA's deterministic ops (conftest.assert_same_bits).
   assert_same_bits(jax.tree.map(lambda x: x[0], trained),
                    jax.tree.map(lambda x: x[2], trained))
 

@@ -109,10 +109,13 @@ def cells(tasks: Sequence[str], models: Sequence[str]) -> list[Cell]:
 # _SECONDS_PER_POSITION_AND_PARAMETER a position of the longest sequence and
 # a parameter of the blocks; and _SECONDS_PER_ORACLE_SUBSET a subset of
 # heads for the exhaustive oracle (14 s at 12 heads in that grid; 155-250 s
-# at 16 heads alone on 2 cores). Fitted to the grid of 2026-11-27 (two
-# processes sharing 2 cores, 3 seeds, the default study options): its eight
-# cells took 338-934 s and are guessed at 322-1,111 s, each within 23% (the
-# longest, spell-deep64, 19% over).
+# at 16 heads alone on 2 cores). Fitted to the grid of 2026-11-27 06:53 UTC
+# (two processes sharing 2 cores, 3 seeds, the default study options): its
+# eight cells took 338-934 s and are guessed at 322-1,111 s, each within 23%
+# in sample (four distinct configs: reverse, sort and histogram look alike
+# to the guess). On the next grid (08:11) the guesses ran from 3% under to
+# 53% over its cells, and its order still finished 1.3 min after the best
+# split of those cells between two processes (38.4 against 37.1 min).
 _SECONDS_PER_STEP_AND_LAYER = 0.020
 _SECONDS_PER_POSITION_AND_PARAMETER = 1.6e-4
 _SECONDS_PER_ORACLE_SUBSET = 3.5e-3
@@ -122,9 +125,13 @@ def expected_seconds(cell: Cell, options: StudyOptions,
                      overrides: Sequence[str] = ()) -> float:
   """A rough guess of the cell's seconds on 2 cores, from its config alone.
 
-  Only the order of the cells depends on it (:func:`schedule`): a guess
-  that is off by a third still puts the long cells first. ``0.0`` for a
-  cell whose config cannot be built (it fails when it runs, and is marked).
+  ``overrides`` are the grid's config overrides (``--overrides``), applied
+  as the cell's run applies them. Of the study's options only
+  ``num_seeds`` and ``oracle_max_heads`` count: the costly extras
+  (``--retrain``, ``--gates``, ``--speed``) are not in the guess. Only the
+  order of the cells depends on it (:func:`schedule`): a guess that is off
+  by a third still puts the long cells first. ``0.0`` for a cell whose
+  config cannot be built (it fails when it runs, and is marked).
   """
   from configs import default  # pylint: disable=import-outside-toplevel
   try:
