@@ -161,10 +161,12 @@ def schedule(grid_cells: Sequence[Cell], options: StudyOptions,
   With several processes sharing a grid, each takes the next cell free in
   this order, so the longest cells start first and the short ones fill in
   at the end (the longest-processing-time rule), instead of a long cell
-  starting last while the other processes sit idle: in the 2026-11-27 grid,
-  run task by task, the longest cell (`spell-deep64`, 934 s) ran last and
-  one of two processes sat idle for its last 11 minutes (47.6 min in all);
-  the measured cells in this order make 43 min. Ties keep the given order.
+  starting last while the other processes sit idle: in the grid of
+  2026-11-27 06:53 UTC, run task by task, the longest cell (`spell-deep64`,
+  934 s) ran last and one of two processes sat idle for its last 11 minutes
+  (47.6 min in all); its cell times in this order work out at 43 min, and
+  the next grid, run in this order, took 38.4 min. Ties keep the given
+  order.
   """
   guess = {cell: expected_seconds(cell, options, overrides)
            for cell in grid_cells}
