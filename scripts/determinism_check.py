@@ -14,9 +14,12 @@ parameter and optimizer-state leaf is bitwise equal to the first run's, and
 otherwise how many leaves differ and the largest absolute difference. Exit
 code 0 either way: this measures, it does not judge.
 
-All three runs share one process, so they share its compiled programs (and,
-on a GPU, XLA's autotuning choices): a resume in a new process, which
-compiles again, is not what this measures.
+Those three runs share one process, so they share its compiled programs
+(and, on a GPU, XLA's autotuning choices). A fourth, "resumed in a new
+process", resumes the first run's middle checkpoint with ``train.py`` in a
+subprocess (same device, same environment, no compilation cache), which
+compiles and autotunes its programs again: it is what a run killed and
+started again does. Only its parameters are compared (``load_checkpoint``).
 
 On XLA:CPU both are bitwise equal (the suite checks it:
 ``tests/conftest.py``'s ``assert_same_bits``). XLA promises no bitwise-equal
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from typing import Any, Sequence
@@ -46,6 +50,10 @@ _DROPOUT = flags.DEFINE_float("dropout", 0.1, "Dropout and attention "
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "TFDS data directory "
                                 "(default: the config's).")
 _OUT = flags.DEFINE_string("out", None, "Also write the result as JSON here.")
+_NEW_PROCESS = flags.DEFINE_bool(
+    "new_process", True, "Also resume in a new process (train.py, no "
+    "compilation cache) and compare its parameters.")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def compare(a: Any, b: Any) -> dict[str, Any]:
@@ -63,6 +71,30 @@ def compare(a: Any, b: Any) -> dict[str, Any]:
                                                     - y.astype(np.float64)))))
   return {"bitwise_equal": differing == 0, "leaves": len(leaves_a),
           "leaves_differing": differing, "max_abs_difference": largest}
+
+
+def _resume_in_a_new_process(root: str, steps: int, overrides: Sequence[str],
+                             first: Any) -> dict[str, Any]:
+  """The first run's middle checkpoint resumed by ``train.py`` in a
+  subprocess without a compilation cache; its final parameters against the
+  first run's."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  from mha import checkpoint  # pylint: disable=import-outside-toplevel
+  workdir = os.path.join(root, "new_process")
+  shutil.copytree(os.path.join(root, "first"), workdir)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", str(steps)))
+  config_arg = ",".join([*overrides, "compilation_cache_dir="])
+  result = subprocess.run(
+      [sys.executable, os.path.join(_ROOT, "train.py"), f"--workdir={workdir}",
+       f"--config={os.path.join(_ROOT, 'configs', 'default.py')}:"
+       f"{config_arg}"], capture_output=True, text=True, check=False)
+  if result.returncode:
+    raise RuntimeError(f"train.py failed to resume {workdir}:\n"
+                       f"{result.stderr[-2000:]}")
+  loaded = checkpoint.load_checkpoint(workdir)
+  if loaded.step != steps:
+    raise RuntimeError(f"train.py ended at step {loaded.step}, not {steps}")
+  return compare(loaded.params, first.params)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -98,17 +130,20 @@ def main(argv: Sequence[str]) -> None:
     shutil.copytree(os.path.join(root, "first"), resumed_dir)
     shutil.rmtree(os.path.join(resumed_dir, "checkpoints", str(steps)))
     resumed = train.train_and_evaluate(config, resumed_dir)
+    legs = {"second_run": compare(second, first),
+            "resumed_run": compare(resumed, first)}
+    if _NEW_PROCESS.value:
+      legs["resumed_in_a_new_process"] = _resume_in_a_new_process(
+          root, steps, overrides, first)
     result = {"backend": jax.default_backend(),
               "device": jax.devices()[0].device_kind,
               "jax": jax.__version__,
               "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "steps": steps, "dropout": rate,
-              "second_run": compare(second, first),
-              "resumed_run": compare(resumed, first),
-              "seconds": round(time.perf_counter() - t0, 1)}
+              **legs, "seconds": round(time.perf_counter() - t0, 1)}
   finally:
     shutil.rmtree(root, ignore_errors=True)
-  for name in ("second_run", "resumed_run"):
+  for name in legs:
     r = result[name]
     verdict = ("bitwise equal" if r["bitwise_equal"] else
                f"{r['leaves_differing']} of {r['leaves']} leaves differ, "

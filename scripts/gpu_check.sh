@@ -76,11 +76,11 @@ print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__versi
       grep -E "^(FAILED|ERROR) |^=+ .*(passed|failed)" "$out/tests.log" | tail -40 | sed 's/^/  /' | tee -a "$summary"
       ;;
     determinism)
-      timed determinism 120 python3 scripts/determinism_check.py \
+      timed determinism 180 python3 scripts/determinism_check.py \
         --out "$out/determinism.json"
       grep -E "^backend|vs the first" "$out/determinism.log" | sed 's/^/  /' | tee -a "$summary"
       XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_deterministic_ops=true" \
-        timed determinism_ops 120 python3 scripts/determinism_check.py \
+        timed determinism_ops 180 python3 scripts/determinism_check.py \
         --out "$out/determinism_ops.json"
       grep -E "^backend|vs the first" "$out/determinism_ops.log" | sed 's/^/  /' | tee -a "$summary"
       ;;
