@@ -139,10 +139,10 @@ def test_accelerator_section_compares_the_same_function():
     assert diffs["weights_torch"] < 1e-2
   # The device's own rule: XLA on a CPU; cuDNN for these bfloat16 heads on
   # an H100 (2026-11-27, where this test expected "xla" and failed).
-  expected = attention_kernels.select_implementation(
-      attention_kernels.device_facts(), dtype=jnp.bfloat16, head_dim=8,
-      value_head_dim=8, q_len=8, kv_len=8, mask_form="lengths")
   facts = attention_kernels.device_facts()
+  expected = attention_kernels.select_implementation(
+      facts, dtype=jnp.bfloat16, head_dim=8, value_head_dim=8, q_len=8,
+      kv_len=8, mask_form="lengths")
   if facts.platform != "cuda" or facts.cudnn_version is None:
     assert expected == "xla"
   elif facts.compute_capability in ("9.0", "10.0"):  # Hopper, Blackwell

@@ -133,24 +133,25 @@ def expected_seconds(cell: Cell, options: StudyOptions,
   by a third still puts the long cells first. ``0.0`` for a cell whose
   config cannot be built (it fails when it runs, and is marked).
   """
-  from configs import default  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from configs import default
+  from mha import build
+  # pylint: enable=import-outside-toplevel
   try:
     config = default.get_config(cell.config_arg(overrides))
+    model = build.model_config(config)
   except Exception:  # pylint: disable=broad-except
     return 0.0
-  model = config.model
-  heads = (list(model.num_heads) if isinstance(model.num_heads, (list, tuple))
-           else [model.num_heads] * model.num_layers)
-  head_dim = model.head_dim or model.d_model // max(1, max(heads))
-  width = sum(heads) * head_dim  # Query, key, value and output of all heads.
+  heads = sum(model.heads_per_layer)
+  width = heads * model.resolved_head_dim  # All heads' queries (keys, ...).
   parameters = (4 * model.d_model * width
                 + 2 * model.num_layers * model.d_model * model.mlp_dim)
   per_seed = (_SECONDS_PER_STEP_AND_LAYER * config.num_train_steps
               * model.num_layers
               + _SECONDS_PER_POSITION_AND_PARAMETER * config.data.max_len
               * parameters)
-  if sum(heads) <= options.oracle_max_heads:
-    per_seed += _SECONDS_PER_ORACLE_SUBSET * 2.0 ** sum(heads)
+  if heads <= options.oracle_max_heads:
+    per_seed += _SECONDS_PER_ORACLE_SUBSET * 2.0 ** heads
   return options.num_seeds * per_seed
 
 
