@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import statistics
 import sys
 import time
@@ -60,6 +61,7 @@ from mha.benchmarking import (LayerShape, environment, header_lines,
                               time_interleaved, write_results)
 from mha.pruning import core as pruning
 from mha.pruning import oracle
+from mha.pruning import speed
 
 _QUICK = flags.DEFINE_bool(
     "quick", False, "Tiny shapes, few repeats and XLA optimizations off: a "
@@ -243,10 +245,10 @@ def forward_flops(shape: Shape) -> int:
 
 
 def _xla_flops(compiled) -> float | None:
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):  # older JAX: one dict per computation
-    cost = cost[0] if cost else None
-  return None if not cost or "flops" not in cost else float(cost["flops"])
+  """XLA's FLOP count of ``compiled``; None where it counts none, or leaves
+  out the matrix products (``speed.compiled_costs``)."""
+  flops = speed.compiled_flops(compiled)
+  return None if math.isnan(flops) else flops
 
 
 def flop_rate(shape: Shape, matmul_sizes: Sequence[int],

@@ -207,6 +207,12 @@ def tiny_run(tmp_path_factory, data_dir) -> TinyRun:
   return TinyRun(config=config, workdir=workdir, state=state)
 
 
+def gpu_deterministic_ops() -> bool:
+  """Whether this process runs on a GPU under ``GPU_DETERMINISTIC_OPS``."""
+  return (jax.default_backend() == "gpu" and GPU_DETERMINISTIC_OPS
+          in os.environ.get("XLA_FLAGS", "").split())
+
+
 def assert_same_bits(a: Any, b: Any, *, subprocess_trained: bool = False
                      ) -> None:
   """Two runs' trees (parameters, optimizer states), leaf by leaf, bitwise.
@@ -226,8 +232,7 @@ def assert_same_bits(a: Any, b: Any, *, subprocess_trained: bool = False
     if subprocess_trained:
       pytest.skip("a run trained in a subprocess (on the CPU) against one "
                   f"in this process (on the {backend}): not bitwise")
-    if (backend != "gpu" or GPU_DETERMINISTIC_OPS
-        not in os.environ.get("XLA_FLAGS", "").split()):
+    if not gpu_deterministic_ops():
       pytest.skip("bitwise-equal training runs are checked on CPU, and on a "
                   "GPU under XLA's deterministic ops")
   import numpy as np  # pylint: disable=import-outside-toplevel

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from configs import default
+
+from conftest import gpu_deterministic_ops
 from mha import build
 from mha import config_validation
 from mha import data
@@ -209,14 +211,18 @@ def test_model_dtype_key_trains_in_bfloat16():
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(1, 5, (4, config.data.max_len)),
                        jnp.int32)
+  with pytest.raises(config_validation.ConfigError,
+                     match="model.dtype='float16' is not one of float32, "
+                           "bfloat16"):
+    config_validation.validate_config(
+        default.get_config("tiny,model.dtype=float16"))
+  if gpu_deterministic_ops():
+    pytest.skip("bfloat16 training fails under XLA's deterministic GPU ops "
+                "(an H100, JAX 0.11.2: IndexError raw_hash_map<>::at at the "
+                "first step; docs/training.md)")
   step = jax.jit(lambda s, b: train.train_step(
       s, b, jax.random.key(1), model=model,
       schedule=build.learning_rate_schedule(config)))
   state, metrics = step(state, {"inputs": tokens, "targets": tokens})
   assert np.isfinite(metrics["loss_sum"]) and np.isfinite(metrics["grad_norm"])
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(state.params))
-  with pytest.raises(config_validation.ConfigError,
-                     match="model.dtype='float16' is not one of float32, "
-                           "bfloat16"):
-    config_validation.validate_config(
-        default.get_config("tiny,model.dtype=float16"))

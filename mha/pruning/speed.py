@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -67,17 +68,35 @@ def compile_prediction(model: Transformer, params: Params,
   return predict.lower(params, inputs).compile()
 
 
+def gpu_products_uncounted() -> bool:
+  """Whether XLA's cost analysis leaves out this process's GPU matrix
+  products: on a GPU under ``--xla_gpu_deterministic_ops`` (in
+  ``XLA_FLAGS``) it sends them to cuBLAS calls that report no FLOPs (an
+  H100 with JAX 0.11.2: a ``jnp.exp(a) @ a`` reported -1 FLOPs, an
+  attention layer 4% of its products'; docs/training.md)."""
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  return jax.default_backend() == "gpu" and any(
+      flag in ("--xla_gpu_deterministic_ops", "--xla_gpu_deterministic_ops=true")
+      for flag in flags)
+
+
 def compiled_costs(compiled: Any) -> dict[str, float]:
   """XLA's static cost analysis of a compiled program: ``flops``,
   ``bytes_accessed`` (every operand and result of every HLO op, summed) and
   ``transcendentals`` (exp, log, tanh, ... evaluations); NaN where the
-  backend reports none."""
+  backend reports none, a negative count (XLA's "unknown"), or, for
+  ``flops``, where it leaves out the matrix products
+  (:func:`gpu_products_uncounted`)."""
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # Older jax: one dict per program.
     cost = cost[0] if cost else {}
   cost = cost or {}
-  return {name: float(cost.get(key, float("nan")))
-          for key, name in COST_KEYS.items()}
+  costs = {name: float(cost.get(key, float("nan")))
+           for key, name in COST_KEYS.items()}
+  if gpu_products_uncounted():
+    costs["flops"] = float("nan")
+  return {name: value if value >= 0 else float("nan")
+          for name, value in costs.items()}
 
 
 def compiled_flops(compiled: Any) -> float:
@@ -488,6 +507,7 @@ __all__ = [
     "compile_prediction",
     "compiled_costs",
     "compiled_flops",
+    "gpu_products_uncounted",
     "median_interval",
     "rotation",
     "is_tight",
