@@ -465,6 +465,20 @@ def _check_rerendered_report(out):
   with open(path, "rb") as f:
     assert f.read() == written
   assert os.stat(figure).st_mtime_ns == before
+  # A results.json with a part missing: one line, and the report there is
+  # left as it was (it used to be emptied before the render failed).
+  with open(os.path.join(out, "results.json"), encoding="utf-8") as f:
+    results = json.load(f)
+  del results["seeds"][0]["curves"]
+  damaged = os.path.join(os.path.dirname(out), "damaged")
+  os.makedirs(damaged)
+  with open(os.path.join(damaged, "results.json"), "w", encoding="utf-8") as f:
+    json.dump(results, f)
+  shutil.copy(path, os.path.join(damaged, "report.md"))
+  assert report_lib.main([damaged, "--noplots"]) == 2
+  with open(os.path.join(damaged, "report.md"), "rb") as f:
+    assert f.read() == written
+  assert sorted(os.listdir(damaged)) == ["report.md", "results.json"]
 
 
 def test_report_of_a_folder_without_results_exits_2(tmp_path, capsys):
@@ -472,6 +486,13 @@ def test_report_of_a_folder_without_results_exits_2(tmp_path, capsys):
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "results.json" in err[0], err
   assert os.listdir(tmp_path) == []
+  # A benchmark grid's results.json is not a study's.
+  (tmp_path / "results.json").write_text(
+      json.dumps({"cells": {}, "leaderboard": []}), encoding="utf-8")
+  assert report_lib.main([str(tmp_path)]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "is not a pruning study's results" in err[0], err
+  assert os.listdir(tmp_path) == ["results.json"]
 
 
 def _check_extensions_contract(results, out):

@@ -108,6 +108,12 @@ def test_fisher_mean_of_spearman():
   assert out["p"] < stats.fisher_mean(same[:1])["p"]
   nan = stats.fisher_mean([{"rho": float("nan"), "p": float("nan"), "n": 8}])
   assert np.isnan(nan["rho"])
+  # NaN comes back from results.json as None (a 2-head model's seeds: a
+  # constant side); the report re-rendered from it crashed on float(None).
+  from_json = stats.fisher_mean([{"rho": None, "p": None, "n": 2}, same[0]])
+  assert np.isnan(from_json["per_seed"][0])
+  assert np.isnan(from_json["per_seed_p"][0])
+  assert from_json["rho"] == pytest.approx(0.5)
 
 
 def test_fisher_mean_with_a_perfect_seed():

@@ -248,12 +248,15 @@ def fisher_mean(results: Sequence[Mapping[str, float]]) -> dict[str, float]:
   ``sqrt(1.06 / (n - 3))`` per seed, the Fieller et al. approximation for
   Spearman's rho; rough for few heads) and a 95% interval. A per-seed rho
   of +-1 counts as half an adjacent swap short of it."""
+  # NaN rhos and p-values (a constant side) come back from results.json as
+  # None; NumPy reads those as NaN.
   rhos = np.asarray([r["rho"] for r in results], np.float64)
   ns = np.asarray([r["n"] for r in results], np.float64)
   keep = np.isfinite(rhos) & (ns > 3)
   out = {"rho": float("nan"), "p": float("nan"), "ci": [float("nan")] * 2,
          "per_seed": [float(r) for r in rhos],
-         "per_seed_p": [float(r["p"]) for r in results]}
+         "per_seed_p": [float(p) for p in np.asarray(
+             [r["p"] for r in results], np.float64)]}
   if not keep.any():
     return out
   # A perfect rank agreement has an infinite z, which would decide the mean

@@ -156,6 +156,10 @@ def _speed_plot(results: Mapping[str, Any], out_dir: str) -> str:
       f"({results['jax']['backend']})")
 
 
+# The top-level keys of every study's results.json (outputs.write_outputs).
+STUDY_KEYS = ("workdir", "task", "options", "seeds", "aggregate", "timings")
+
+
 def write(results: Mapping[str, Any], out_dir: str, *,
           figures: bool = True) -> list[str]:
   """Writes the plots and ``report.md`` to ``out_dir``; returns the paths.
@@ -164,11 +168,15 @@ def write(results: Mapping[str, Any], out_dir: str, *,
   figures' lines; with ``figures=False``, ``report.md`` alone, its figures'
   lines kept (the figures already written stay as they are)."""
   plots = results["options"].get("plots", True)
+  # The text first: a report that fails to render leaves the old one as it
+  # was, and a reader never finds half of one.
+  text = "\n".join(line for line in report_lines(results)
+                   if plots or not md.is_image(line))
   paths = _write_plots(results, out_dir) if plots and figures else []
   report = os.path.join(out_dir, "report.md")
-  with open(report, "w", encoding="utf-8") as f:
-    f.write("\n".join(line for line in report_lines(results)
-                      if plots or not md.is_image(line)))
+  with open(report + ".tmp", "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(report + ".tmp", report)
   return paths + [report]
 
 
@@ -999,8 +1007,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"report: error: cannot read {path}: "
           f"{getattr(e, 'strerror', None) or e}", file=sys.stderr)
     return 2
-  for written in write(results, args.dir, figures=not args.noplots):
-    print(written)
+  missing = [key for key in STUDY_KEYS if key not in results] if isinstance(
+      results, dict) else list(STUDY_KEYS)
+  if missing:
+    print(f"report: error: {path} is not a pruning study's results (it has "
+          f"no {', '.join(missing)}); nothing written", file=sys.stderr)
+    return 2
+  try:
+    written = write(results, args.dir, figures=not args.noplots)
+  except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+    print(f"report: error: {path} is incomplete or from another version "
+          f"({type(e).__name__}: {e}); report.md left as it was",
+          file=sys.stderr)
+    return 2
+  for path in written:
+    print(path)
   return 0
 
 
