@@ -76,21 +76,31 @@ def _checked_cells(overrides: list[str]) -> list[grid.Cell]:
   if not _TASKS.value or not _MODELS.value:
     cli.fail(_PROG, "give at least one task and one model")
   cells = grid.cells(_TASKS.value, _MODELS.value)
+  seen = {}
   for cell in cells:
     try:
-      problems = config_validation.config_problems(
-          default.get_config(cell.config_arg(overrides)))
+      config = default.get_config(cell.config_arg(overrides))
+      problems = config_validation.config_problems(config)
     except Exception as e:  # pylint: disable=broad-except
       cli.fail(_PROG, f"cell {cell.name}: {cli.one_line(e)}")
     if problems:
       cli.fail(_PROG, f"cell {cell.name}: {problems[0]}")
+    # An override that names a task or a model variant (sort, task=sort,
+    # deep ...) would give every cell of that axis the same config.
+    same = seen.setdefault(config.to_json(), cell)
+    if same != cell:
+      cli.fail(_PROG, f"--overrides {','.join(overrides)} make cells "
+                      f"{same.name} and {cell.name} the same config: the "
+                      "grid's tasks and models come from --tasks and "
+                      "--models only")
   return cells
 
 
 def main(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
-  root = os.path.abspath(os.path.expanduser(_WORKDIR.value))
+  root = os.path.abspath(os.path.expanduser(
+      cli.nonempty_path(_PROG, _WORKDIR.value)))
   if os.path.exists(root) and not os.path.isdir(root):
     cli.fail(_PROG, f"--workdir {root} exists and is not a directory")
   try:

@@ -164,6 +164,11 @@ def test_a_grid_with_other_settings_is_refused(tmp_path):
     (["--tasks=nope"], "--tasks: unknown task 'nope'"),
     (["--models=nope"], "cell reverse-nope: unknown config variant 'nope'"),
     (["--num_seeds=0"], "--num_seeds must be >= 1"),
+    (["--workdir="], "--workdir is empty"),
+    # An override that names a task would make every cell that task.
+    (["--tasks=reverse,sort", "--models=tiny", "--overrides=task=sort"],
+     "--overrides task=sort make cells reverse-tiny and sort-tiny the same "
+     "config"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message,
                                           subprocess_env):
@@ -178,7 +183,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message,
 
 
 @pytest.mark.parametrize("case", ["table_only_without_a_grid",
-                                  "a_file_where_a_cell_goes"])
+                                  "a_file_where_a_cell_goes",
+                                  "a_pruning_studys_folder"])
 def test_an_unwritable_grid_is_one_line_and_exit_2(tmp_path, case,
                                                     subprocess_env):
   root = tmp_path / "grid"
@@ -186,11 +192,15 @@ def test_an_unwritable_grid_is_one_line_and_exit_2(tmp_path, case,
   if case == "table_only_without_a_grid":  # e.g. a typo in --workdir
     args.append("--table_only")
     message = f"--workdir {root} holds no grid (grid.json is missing)"
-  else:
+  elif case == "a_file_where_a_cell_goes":
     root.mkdir()
     (root / "reverse-tiny").write_text("not a folder")
     message = (f"cell reverse-tiny: {root / 'reverse-tiny'} is a file, not "
                "a folder")
+  else:  # the grid's results.json would replace the study's
+    root.mkdir()
+    (root / "results.json").write_text('{"workdir": "runs/x"}')
+    message = f"{root} holds a results.json but no grid (grid.json)"
   before = sorted(p.name for p in root.iterdir()) if root.exists() else None
   p = _script(f"--workdir={root}", *args, env=subprocess_env)
   _, err = p.communicate()
@@ -200,6 +210,22 @@ def test_an_unwritable_grid_is_one_line_and_exit_2(tmp_path, case,
   assert lines[0].startswith(f"pruning_benchmark.py: error: {message}")
   after = sorted(p.name for p in root.iterdir()) if root.exists() else None
   assert after == before  # nothing written, nothing created
+
+
+def test_a_folder_that_holds_a_study_or_a_run_is_not_a_grid(tmp_path):
+  cells = grid.cells(["reverse"], ["tiny"])
+  study = tmp_path / "study"
+  study.mkdir()
+  (study / "results.json").write_text('{"workdir": "runs/x"}')
+  run = tmp_path / "run"
+  (run / "checkpoints").mkdir(parents=True)
+  for root, message in ((study, "holds a results.json but no grid"),
+                        (run, "is a training run's workdir")):
+    with pytest.raises(grid.GridMismatchError, match=message):
+      grid.run_grid(str(root), cells, StudyOptions(num_seeds=1),
+                    log=lambda m: None, run_cell=lambda *a: None)
+    assert not (root / grid.GRID_FILE).exists()
+  assert (study / "results.json").read_text() == '{"workdir": "runs/x"}'
 
 
 def test_an_option_added_after_the_grid_started_reads_as_its_default(

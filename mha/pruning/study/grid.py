@@ -214,9 +214,12 @@ def grid_settings(options: StudyOptions,
 
 def check_grid(root: str, settings: Mapping[str, Any]) -> None:
   """Raises :class:`GridMismatchError` when ``root`` holds a grid started
-  with other settings; writes nothing."""
+  with other settings, or holds no grid but what a grid would overwrite or
+  mix with (a ``results.json``, a training run's checkpoints); writes
+  nothing."""
   recorded = _read_json(os.path.join(root, GRID_FILE))
   if recorded is None:
+    _check_not_another_folder(root)
     return
   # An option added to the study after the grid started reads as its
   # default there (which is what the grid's cells ran with).
@@ -238,6 +241,20 @@ def check_grid(root: str, settings: Mapping[str, Any]) -> None:
       raise GridMismatchError(
           f"{root} holds a grid with other {what}; use another folder or "
           "the grid's settings")
+
+
+def _check_not_another_folder(root: str) -> None:
+  """Raises :class:`GridMismatchError` when ``root``, which holds no grid,
+  holds what the grid would overwrite or mix with: a study's (or any)
+  ``results.json``, or a training run (its checkpoints)."""
+  if os.path.lexists(os.path.join(root, "results.json")):
+    raise GridMismatchError(
+        f"{root} holds a results.json but no grid ({GRID_FILE}), e.g. a "
+        "pruning study's; the grid would overwrite it: use another folder")
+  if os.path.isdir(os.path.join(root, "checkpoints")):
+    raise GridMismatchError(
+        f"{root} is a training run's workdir (it holds checkpoints/), not a "
+        "grid's: use another folder")
 
 
 def cell_status(root: str, cell: Cell) -> str:
