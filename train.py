@@ -64,6 +64,20 @@ _PROCESS_ID = flags.DEFINE_integer(
 flags.mark_flags_as_required(["workdir"])
 
 
+def _host_and_port(address: str | None) -> bool:
+  """Whether ``address`` is None or ``host:port`` with a port of 1-65535
+  (jax.distributed raised an IndexError on one without a port)."""
+  if address is None:
+    return True
+  host, _, port = address.rpartition(":")
+  return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
+
+
+flags.register_validator(
+    "coordinator_address", _host_and_port,
+    message="must be host:port (e.g. 10.0.0.1:1234)")
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
   """Parses the flags and loads the config; a mistake in them is reported as
   one line on stderr with exit code 2 (no traceback, no usage text)."""

@@ -95,10 +95,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.data.max_digits = 4
   config.data.data_dir = "~/tensorflow_datasets"  # Where TFDS prepares data.
 
-  for part in filter(None, (arg or "").split(",")):
+  for part in filter(None, _split_variants(arg or "")):
     _apply_variant(config, part.strip())
   config.lock()
   return config
+
+
+def _split_variants(arg: str) -> list[str]:
+  """``arg`` split at its commas, except those inside brackets: a list value
+  (``model.num_heads=[4,2]``) stays one part."""
+  parts, depth, start = [], 0, 0
+  for i, char in enumerate(arg):
+    depth += {"[": 1, "]": -1}.get(char, 0)
+    if char == "," and depth == 0:
+      parts.append(arg[start:i])
+      start = i + 1
+  return parts + [arg[start:]]
 
 
 def _apply_variant(config: ml_collections.ConfigDict, part: str) -> None:
@@ -160,14 +172,25 @@ def _apply_variant(config: ml_collections.ConfigDict, part: str) -> None:
     *parents, name = key.strip().split(".")
     target = config
     for parent in parents:
+      if not isinstance(target.get(parent), ml_collections.ConfigDict):
+        raise KeyError(f"unknown config key {key.strip()!r} in {part!r}")
       target = target[parent]
     if name not in target:
       raise KeyError(f"unknown config key {key.strip()!r} in {part!r}")
+    if isinstance(target[name], ml_collections.ConfigDict):
+      raise ValueError(f"config key {key.strip()!r} is a group of keys: set "
+                       f"one of its fields ({key.strip()}.<field>=...)")
     kind = target.get_type(name)  # Also of a placeholder (None) field.
     try:
       parsed = ast.literal_eval(value.strip())
     except (ValueError, SyntaxError):
       parsed = value.strip()
+    if key.strip() == "model.num_heads" and isinstance(parsed, list):
+      # A count per layer (a pruned model's shape); the config checks
+      # (mha.config_validation) check its length and counts.
+      with target.ignore_type():
+        target[name] = parsed
+      return
     try:
       target[name] = kind(parsed)
     except (TypeError, ValueError) as e:

@@ -287,6 +287,13 @@ def test_command_line_mistakes_are_one_line_and_exit_code_2(tmp_path,
       (_command("train.py"), "--workdir"),
       (_command("eval.py", f"--workdir={workdir}", "--step=last"),
        "flag --step=last"),
+      (_command("train.py", f"--workdir={workdir}",
+                f"--config={CONFIG_FILE}:tiny,foo.bar=1"),
+       "unknown config key 'foo.bar'"),
+      # jax.distributed raised an IndexError on an address without a port.
+      (_command("train.py", f"--workdir={workdir}", "--num_processes=1",
+                "--process_id=0", "--coordinator_address=notahost"),
+       "--coordinator_address=notahost: must be host:port"),
   ]
   procs = [subprocess.Popen(command, env=subprocess_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=cwd)

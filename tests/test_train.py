@@ -244,6 +244,24 @@ def test_config_variants():
     _get_config("huge")
   with pytest.raises(AttributeError):  # locked: no new fields
     _get_config().new_field = 1
+  with pytest.raises(KeyError, match="unknown config key 'foo.bar'"):
+    _get_config("tiny,foo.bar=1")
+  with pytest.raises(ValueError, match="'model' is a group of keys"):
+    _get_config("tiny,model=1")
+
+
+def test_per_layer_heads_from_the_config_argument():
+  # A list keeps its commas (one variant); it trains as a pruned model's
+  # config would (tests/test_pruned_models.py trains those).
+  config = _get_config("tiny,model.num_heads=[2,1],model.head_dim=8,seed=3")
+  assert config.model.num_heads == [2, 1] and config.seed == 3
+  assert config_validation.config_problems(config) == []
+  assert build.model_config(config).heads_per_layer == (2, 1)
+  assert config_validation.config_problems(
+      _get_config("tiny,model.num_heads=[2,1]")) == [
+          "model.num_heads=[2, 1] is per layer: it needs model.head_dim"]
+  with pytest.raises(ValueError, match="must be of type int"):
+    _get_config("tiny,model.num_heads=[2,x],model.head_dim=8")
 
 
 def test_eval_script_prints_json_and_writes_heatmaps(tiny_run, tmp_path,
