@@ -1020,8 +1020,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"({type(e).__name__}: {e}); report.md left as it was",
           file=sys.stderr)
     return 2
-  for path in written:
-    print(path)
+  for written_path in written:
+    print(written_path)
   return 0
 
 
