@@ -185,6 +185,24 @@ def test_saving_again_replaces_the_previous_pruned_model(tiny_run, source,
   assert sorted(os.listdir(tmp_path)) == ["pruned"]  # no staging left over
 
 
+def test_a_pruned_model_trained_in_place_is_not_replaced(tiny_run, source,
+                                                          tmp_path):
+  # Fine-tuned where it was saved (train.py --workdir on the pruned model):
+  # its later checkpoints and metrics are not save_pruned's to delete.
+  out = tmp_path / "pruned"
+  export.save_pruned(source, [(0, 0)], out, source=tiny_run.workdir)
+  step = export.read_provenance(out)["source_step"]
+  (out / "checkpoints" / str(step + 10)).mkdir()
+  (out / "metrics.jsonl").write_text("{}\n")
+  before = _tree(out)
+  with pytest.raises(config_validation.ConfigError,
+                     match=f"trained or changed since it was saved "
+                           rf"\(metrics.jsonl, checkpoints/{step + 10}\)"):
+    export.save_pruned(source, [(1, 1)], out, source=tiny_run.workdir)
+  assert _tree(out) == before
+  assert export.read_provenance(out)["removed"] == [[0, 0]]
+
+
 def test_a_head_that_does_not_exist_writes_nothing(tiny_run, source,
                                                    tmp_path):
   with pytest.raises(ValueError, match=r"head \(0, 7\) does not exist"):

@@ -241,7 +241,9 @@ def check_output_dir(out: str | os.PathLike,
   Refused: an empty value, a file (or a file in the way of the path), a
   folder that cannot be written, a folder inside a run's checkpoints, the
   source workdir or a folder holding it, the current directory or a folder
-  holding it (``out`` is replaced whole), anything else that is not empty.
+  holding it (``out`` is replaced whole), a pruned model trained in place
+  since it was saved (a run's lock or metrics, later checkpoints), anything
+  else that is not empty.
   Writes nothing.
   """
   flag = "--save_pruned"
@@ -274,6 +276,27 @@ def check_output_dir(out: str | os.PathLike,
     raise config_validation.ConfigError(
         f"{flag} {out} holds a pruned model of another workdir "
         f"({provenance.get('source_workdir')}); refusing to overwrite it")
+  # Replaced only as it was saved (eval.py's eval/ aside, which it makes
+  # again): a model trained in place since (its lock, metrics, later
+  # checkpoints) is someone's work, and a run may be writing there now.
+  extra = sorted(set(os.listdir(out)) - set(_REPLACEABLE))
+  checkpoints = os.path.join(out, "checkpoints")
+  later = sorted((name for name in os.listdir(checkpoints)
+                  if name != str(provenance.get("source_step"))),
+                 key=lambda name: (len(name), name)) if os.path.isdir(
+                     checkpoints) else []
+  if later:
+    extra.append(f"checkpoints/{', '.join(later)}")
+  if extra:
+    raise config_validation.ConfigError(
+        f"{flag} {out} holds a pruned model trained or changed since it was "
+        f"saved ({', '.join(extra)}); refusing to replace it: name another "
+        "folder, or delete it first")
+
+
+# What may be in a pruned model's folder that save_pruned replaces: what it
+# writes, and eval.py's outputs.
+_REPLACEABLE = ("checkpoints", "config.json", PROVENANCE_FILE, "eval")
 
 
 # --------------------------------------------------------------------------
