@@ -145,12 +145,32 @@ def header_lines(results: Mapping[str, Any]) -> list[str]:
   return lines
 
 
-def output_path(out: str) -> str:
-  """``out`` expanded and made absolute; ValueError when it is a directory."""
+def output_path(out: str, example: str = "benchmark.json") -> str:
+  """``out`` expanded and made absolute, checked before any work.
+
+  Raises:
+    ValueError: ``out`` is empty or a directory, ends in ``.md`` or ``.png``
+      (the table and plot go beside the JSON, under the same name with
+      those: one would replace the JSON), or its folder cannot be made or
+      written (a file in the way, no permission).
+  """
+  if not out or not out.strip():
+    raise ValueError(f"--out is empty; give a file path such as {example}")
   path = os.path.abspath(os.path.expanduser(out))
   if os.path.isdir(path):
     raise ValueError(f"--out {path} is a directory; give a file path such as "
-                     f"{os.path.join(path, 'benchmark.json')}")
+                     f"{os.path.join(path, example)}")
+  suffix = os.path.splitext(path)[1].lower()
+  if suffix in (".md", ".png"):
+    raise ValueError(f"--out {path} ends in {suffix}, the name of the table or "
+                     "plot written beside the results: give a .json path")
+  existing = os.path.dirname(path)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise ValueError(f"--out {path}: {existing} is a file, not a folder")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ValueError(f"--out {path}: {existing} is not writable")
   return path
 
 
@@ -163,7 +183,9 @@ def checked_workdirs_and_out(prog: str, workdirs: Sequence[str] | None,
   if not workdirs:
     cli.fail(prog, "give at least one --workdir")
   for workdir in workdirs:
-    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    checkpoints = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(checkpoints) or not any(
+        name.isdigit() for name in os.listdir(checkpoints)):
       cli.fail(prog, f"--workdir {workdir} holds no checkpoints")
   try:
     return output_path(out)

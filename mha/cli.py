@@ -187,6 +187,28 @@ def numbers(name: str, values: Sequence[str], kind: type) -> tuple:
                      ) from None
 
 
+def checked_config(prog: str, arg: str | None, flag: str = "config") -> Any:
+  """``configs/default.py``'s ``get_config(arg)``, validated
+  (:func:`mha.config_validation.config_problems`); a mistake is one line
+  naming ``--flag`` and exit code 2 (:func:`fail`)."""
+  # pylint: disable=import-outside-toplevel
+  from configs import default
+  from mha import config_validation
+  # pylint: enable=import-outside-toplevel
+  if arg and ".py" in arg:
+    fail(prog, f"--{flag}={arg}: give get_config's argument (the part after "
+               f"the colon, e.g. {arg.rpartition(':')[2] or 'tiny'!r}), not "
+               "a config file")
+  try:
+    config = default.get_config(arg or None)
+  except Exception as e:  # pylint: disable=broad-except  (a config can raise anything)
+    fail(prog, f"--{flag}={arg}: {one_line(e)}")
+  problems = config_validation.config_problems(config)
+  if problems:
+    fail(prog, f"--{flag}={arg}: {problems[0]}")
+  return config
+
+
 def nonempty_path(prog: str, path: str | None, flag: str = "workdir") -> str:
   """``path``, the value of ``--flag``; fails (exit 2) if it is empty: an
   empty path would be the current directory."""

@@ -20,6 +20,7 @@ import sys
 from absl import app
 from absl import flags
 
+from mha import benchmarking
 from mha import cli
 
 _QUICK = flags.DEFINE_bool(
@@ -78,10 +79,10 @@ def command() -> list[str]:
 
 def main(argv: list[str]) -> None:
   del argv
-  out = os.path.abspath(os.path.expanduser(_OUT.value))
-  if os.path.isdir(out):
-    cli.fail(_PROG, f"--out {out} is a directory; give a file path such as "
-             f"{os.path.join(out, 'benchmark.json')}")
+  try:
+    benchmarking.output_path(_OUT.value)
+  except ValueError as e:
+    cli.fail(_PROG, e)
   script, *args = command()
   sys.stdout.flush()
   sys.stderr.flush()

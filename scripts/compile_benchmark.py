@@ -33,7 +33,6 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
-from configs import default
 from mha import build
 from mha import cli
 from mha import data
@@ -124,7 +123,7 @@ def measure(config, rounds: int, steps: int) -> dict[str, dict[str, float]]:
 
 def main(argv: list[str]) -> None:
   del argv
-  config = default.get_config(_CONFIG_ARG.value)
+  config = cli.checked_config(_PROG, _CONFIG_ARG.value, "config_arg")
   config.unlock()
   config.compilation_cache_dir = ""
   results = measure(config, _ROUNDS.value, _STEPS.value)

@@ -40,6 +40,7 @@ from typing import Any, Sequence
 from absl import app
 from absl import flags
 
+from mha import benchmarking
 from mha import cli
 
 _PROG = "determinism_check.py"
@@ -104,8 +105,16 @@ def main(argv: Sequence[str]) -> None:
     cli.fail(_PROG, f"--steps must be an even number >= 2, got {_STEPS.value}")
   if not 0.0 <= _DROPOUT.value < 1.0:
     cli.fail(_PROG, f"--dropout must be in [0, 1), got {_DROPOUT.value}")
-  if _OUT.value and not os.path.isdir(os.path.dirname(_OUT.value) or "."):
-    cli.fail(_PROG, f"--out {_OUT.value}: its folder does not exist")
+  if _OUT.value is not None:
+    try:
+      benchmarking.output_path(_OUT.value, "determinism.json")
+    except ValueError as e:
+      cli.fail(_PROG, e)
+  if _DATA_DIR.value is not None:
+    data_dir = os.path.expanduser(cli.nonempty_path(_PROG, _DATA_DIR.value,
+                                                    "data_dir"))
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+      cli.fail(_PROG, f"--data_dir {data_dir} is a file, not a folder")
   import jax  # pylint: disable=import-outside-toplevel
   from configs import default  # pylint: disable=import-outside-toplevel
   from mha import train  # pylint: disable=import-outside-toplevel
@@ -115,9 +124,9 @@ def main(argv: Sequence[str]) -> None:
                f"checkpoint_every_steps={steps // 2}",
                f"model.dropout_rate={rate}",
                f"model.attention_dropout_rate={rate}"]
-  if _DATA_DIR.value:
-    overrides.append(f"data.data_dir={_DATA_DIR.value}")
   config = default.get_config(",".join(overrides))
+  if _DATA_DIR.value:  # Not an override: a path may hold a comma.
+    config.data.data_dir = _DATA_DIR.value
   print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), "
         f"jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
         flush=True)
@@ -150,7 +159,9 @@ def main(argv: Sequence[str]) -> None:
                f"largest by {r['max_abs_difference']:.3g}")
     print(f"{name.replace('_', ' ')} vs the first: {verdict}", flush=True)
   if _OUT.value:
-    with open(_OUT.value, "w", encoding="utf-8") as f:
+    out = os.path.abspath(os.path.expanduser(_OUT.value))
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
       json.dump(result, f, indent=2)
 
 

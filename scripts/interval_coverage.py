@@ -40,6 +40,7 @@ from absl import app
 from absl import flags
 import numpy as np
 
+from mha import benchmarking
 from mha import cli
 
 _PROG = "interval_coverage.py"
@@ -63,7 +64,7 @@ def _define_flags() -> None:
                        "(the study's --num_bootstrap).", lower_bound=100)
   flags.DEFINE_integer("pilot", 2000, "Draws that measure the example "
                        "standard deviation.", lower_bound=100)
-  flags.DEFINE_integer("seed", 0, "Random seed.")
+  flags.DEFINE_integer("seed", 0, "Random seed.", lower_bound=0)
   flags.DEFINE_string("out", "runs/benchmarks/interval_coverage.json",
                       "Results file (JSON); the table (.md) and the plot "
                       "(.png) go beside it.")
@@ -202,10 +203,10 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
 def main(argv: Sequence[str]) -> None:
   del argv
   args = flags.FLAGS
-  out = os.path.abspath(os.path.expanduser(args.out))
-  if os.path.isdir(out):
-    cli.fail(_PROG, f"--out {out} is a directory; give a file path such as "
-                    f"{os.path.join(out, 'interval_coverage.json')}")
+  try:
+    out = benchmarking.output_path(args.out, "interval_coverage.json")
+  except ValueError as e:
+    cli.fail(_PROG, e)
   rng = np.random.default_rng(args.seed)
   start = time.perf_counter()
   sd = example_sd(args.examples, args.pilot, rng)

@@ -44,7 +44,8 @@ _PROG = "oracle_benchmark.py"
 _WORKDIRS = flags.DEFINE_multi_string(
     "workdir", None, "A trained run's workdir (repeat the flag for several).")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds (a process per method "
-                               "and round); the figures are medians.")
+                               "and round); the figures are medians.",
+                               lower_bound=1)
 _BASELINE = flags.DEFINE_boolean(
     "baseline", True, "Also time the per-example table (the peer).")
 _OUT = flags.DEFINE_string("out", "runs/benchmarks/oracle.json",

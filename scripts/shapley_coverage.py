@@ -48,7 +48,7 @@ def _define_flags() -> None:
                        lower_bound=2)
   flags.DEFINE_integer(
       "examples", None, "Use the first N validation examples (default: "
-      "all).", lower_bound=1)
+      "all; at least 2, for a variance).", lower_bound=2)
   flags.DEFINE_string("out", "runs/benchmarks/shapley_coverage.json",
                       "Results file (JSON); the table goes beside it (.md).")
 

@@ -171,6 +171,7 @@ def measure(windows: int, calls: int, retrain_models: int,
 def main(argv: list[str]) -> None:
   del argv
   variants = VARIANTS if _AB.value == "derivatives" else OPTION_VARIANTS
+  cli.checked_config(_PROG, _CONFIG_ARG.value)  # a mistake: one line, exit 2
   results = measure(_WINDOWS.value, _CALLS.value, _RETRAIN.value, variants,
                     _CONFIG_ARG.value)
   if _JSON.value:

@@ -176,12 +176,54 @@ def test_pruning_benchmarks_refuse_bad_input_in_one_line(script, args, message,
   assert os.listdir(tmp_path) == []  # nothing written
 
 
+def test_output_paths_are_checked_before_any_work(tmp_path, monkeypatch):
+  # Every benchmark's --out (benchmarking.output_path): the JSON goes there,
+  # the table (.md) and plot (.png) beside it under the same name.
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "afile").write_text("")
+  assert benchmarking.output_path("r/x.json") == str(tmp_path / "r" / "x.json")
+  for out, message in [
+      ("", "--out is empty"), (str(tmp_path), "is a directory"),
+      ("x.md", "ends in .md"), ("x.PNG", "ends in .png"),
+      ("afile/x.json", f"{tmp_path / 'afile'} is a file, not a folder")]:
+    with pytest.raises(ValueError, match=message):
+      benchmarking.output_path(out)
+  assert sorted(os.listdir(tmp_path)) == ["afile"]
+  # A workdir whose checkpoints folder is empty holds no checkpoints.
+  (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+  with pytest.raises(SystemExit) as exit_:
+    benchmarking.checked_workdirs_and_out("prog", [str(tmp_path / "run")],
+                                          "x.json")
+  assert exit_.value.code == 2
+
+
+def test_a_config_argument_mistake_is_one_line_and_exit_2(tmp_path,
+                                                         subprocess_env):
+  script = os.path.join(ROOT, "scripts", "compile_benchmark.py")
+  for arg, message in [
+      ("tny", "--config_arg=tny: unknown config variant 'tny'"),
+      ("configs/default.py:tiny", "give get_config's argument (the part "
+                                  "after the colon, e.g. 'tiny')"),
+      ("tiny,batch_size=0", "batch_size=0 must be >= 1")]:
+    result = subprocess.run([sys.executable, script, f"--config_arg={arg}"],
+                            cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, check=False, env=subprocess_env)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("compile_benchmark.py: error: ")
+    assert message in lines[0], lines[0]
+  assert os.listdir(tmp_path) == []
+
+
 def test_determinism_check_refuses_bad_input_in_one_line(tmp_path):
   script = os.path.join(ROOT, "scripts", "determinism_check.py")
   for args, message in [
       (("--steps=3",), "--steps must be an even number >= 2, got 3"),
       (("--dropout=1",), "--dropout must be in [0, 1), got 1.0"),
-      (("--out=/nowhere/r.json",), "--out /nowhere/r.json: its folder"),
+      (("--out=/dev/null/r.json",),
+       "--out /dev/null/r.json: /dev/null is a file, not a folder"),
+      (("--out=r.md",), "ends in .md"),
+      (("--data_dir=/dev/null",), "--data_dir /dev/null is a file"),
       (("--no_such_flag",), "no_such_flag"),
       (("extra",), "unexpected arguments: extra")]:
     result = subprocess.run([sys.executable, script, *args], cwd=tmp_path,
