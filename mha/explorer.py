@@ -311,8 +311,8 @@ def show(source: str | os.PathLike | Transformer, params: Any = None,
          study: Mapping[str, Any] | None = None,
          meta: Mapping[str, Any] | None = None,
          height: int = 900) -> Explorer:
-  """The explorer, for a notebook cell: ``show("runs/reverse")`` or
-  ``show(model, params, split)``.
+  """The explorer, for a notebook cell: ``show("runs/reverse")``,
+  ``show("runs/reverse", "validation")`` or ``show(model, params, split)``.
 
   With a workdir, the page ``eval.py --workdir W --split S --step N --html``
   writes (``split`` names the split, ``step`` defaults to the newest): its
@@ -338,10 +338,17 @@ def show(source: str | os.PathLike | Transformer, params: Any = None,
                                num_examples=num_examples, roles=roles,
                                study=study, meta=meta)
     return Explorer(render(payload), height)
+  if isinstance(source, (str, os.PathLike)) and isinstance(params, str):
+    if split != "test":
+      raise ValueError(f"show({os.fspath(source)!r}, {params!r}, ...): the "
+                       "split is given twice")
+    params, split = None, params  # show(workdir, "validation")
   if not isinstance(source, (str, os.PathLike)) or params is not None or \
       not isinstance(split, str):
-    raise ValueError("show takes a workdir and a split's name, or a model, "
-                     f"its params and a Split; got {type(source).__name__}")
+    raise ValueError(
+        "show takes a workdir and a split's name, or a model, its params "
+        f"and a Split; got ({type(source).__name__}, "
+        f"{type(params).__name__}, {type(split).__name__})")
   from mha import build  # Deferred: checkpoints pull in orbax.
   from mha import checkpoint
   workdir = os.fspath(source)

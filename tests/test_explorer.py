@@ -412,6 +412,16 @@ def test_show_a_workdir(page, page_arguments, tmp_path, monkeypatch):
     explorer.show(model)
   with pytest.raises(ValueError, match="a workdir and a split's name"):
     explorer.show(42)
+  # The docs' second form: the split's name second (it used to be taken
+  # for the parameters and refused).
+  other = explorer.show("runs/reverse", "validation", step=10, num_examples=3)
+  start = other.page.index('id="payload">') + len('id="payload">')
+  payload = json.loads(other.page[start:other.page.index("</script>", start)])
+  assert (payload["meta"]["split"], payload["meta"]["step"]) == (
+      "validation", 10)
+  assert len(payload["examples"]) == 3
+  with pytest.raises(ValueError, match="the split is given twice"):
+    explorer.show("runs/reverse", "validation", split="test2")
 
 
 def test_payload_matches_the_model(page, tiny_run):
