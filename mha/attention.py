@@ -702,13 +702,17 @@ def _attend_heads(query: Array, key: Array, value: Array, mask: Array | None,
                   ) -> tuple[Array, Array | None]:
   """``(context, weights or None)`` of projected heads: the unfused path
   (:func:`dot_product_attention`) when the weights are wanted (unless
-  ``weights_from_lse``), dropout is on, or the precision or einsums are set;
-  else the fused one, whose float32 weights get Flax's dtype."""
+  ``weights_from_lse``), dropout is on, the precision or einsums are set, or
+  ``force_fp32_for_softmax`` asks for float32 weights times values below
+  float32 (the fused kernels multiply weights of the values' dtype); else the
+  fused one, whose float32 weights get Flax's dtype."""
   shape = query.shape[:-3] + (query.shape[-2], query.shape[-3],
                               key.shape[-3])  # [..., H, Lq, Lk]
   dropout = not deterministic and dropout_rate > 0.0
+  low_precision = jnp.result_type(query, key, value) != jnp.float32
   unfused = (dropout or precision is not None or qk_einsum is not None
-             or (want_weights and not weights_from_lse))
+             or (want_weights and not weights_from_lse)
+             or (force_fp32_for_softmax and low_precision))
   if unfused:
     return dot_product_attention(
         query, key, value, mask=_lengths_or_mask(mask, kv_lengths, shape),

@@ -334,6 +334,15 @@ def test_mixed_precision_weights_dtype_as_flax(force_fp32):
   # few bfloat16 ulps.
   np.testing.assert_allclose(np.asarray(out, np.float32),
                              np.asarray(flax_out, np.float32), atol=3e-2)
+  # Without the weights, the same output: with force_fp32 the float32
+  # weights still multiply the values (the fused kernels' weights would be
+  # bfloat16, one ulp off); without it, on CPU the fused path is the same
+  # math (a GPU's cuDNN kernel is not).
+  fused_out, none = ours.apply(params, x, return_weights=False)
+  assert none is None
+  if force_fp32 or jax.default_backend() == "cpu":
+    np.testing.assert_array_equal(np.asarray(fused_out, np.float32),
+                                  np.asarray(out, np.float32))
 
 
 def test_einsum_and_dot_general_factories_are_used():
