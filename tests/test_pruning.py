@@ -153,6 +153,14 @@ def test_vmapped_masks_equal_the_loop_and_jit_vmap_pass_through():
                                      batch_size=8)
   for key in vmapped:
     np.testing.assert_allclose(vmapped[key], loop[key], rtol=1e-5, atol=1e-6)
+  # No masks (an empty selection): empty results under the same keys.
+  for per_example in (False, True):
+    full = pruning.evaluate_masks(model, params, split, masks[:1],
+                                  per_example=per_example)
+    empty = pruning.evaluate_masks(model, params, split, masks[:0],
+                                   per_example=per_example)
+    assert set(empty) == set(full)
+    assert all(v.shape == (0,) + full[k].shape[1:] for k, v in empty.items())
 
   # Stacked parameters of two "seeds", one vmapped call.
   _, params_b = _init(seed=1)
