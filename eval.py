@@ -75,15 +75,15 @@ def _check_examples(num_examples: int | None) -> None:
              f"examples of the {_SPLIT.value} split")
 
 
-def _write_explorer(ckpt, split, workdir: str, roles, result) -> None:
+def _write_explorer(ckpt, split, workdir: str, roles, result,
+                    study) -> None:
   """Writes ``workdir/eval/attention.html``."""
   from mha import explorer
 
   path = explorer.write_explorer(
       ckpt.model, ckpt.params, split,
       os.path.join(workdir, "eval", "attention.html"),
-      num_examples=_EXAMPLES.value, roles=roles,
-      study=explorer.load_study(workdir),
+      num_examples=_EXAMPLES.value, roles=roles, study=study,
       meta=explorer.run_meta(workdir, ckpt.config.task, ckpt.step,
                              _SPLIT.value, result))
   print(f"Wrote the attention explorer to {path}", file=sys.stderr)
@@ -108,6 +108,13 @@ def main(argv):
   config = ckpt.config
   _check_examples(config.data.num_train_examples if _SPLIT.value == "train"
                   else config.data.num_eval_examples)
+  study = None
+  if _HTML.value:  # The study the page shows, read before any work.
+    from mha import explorer
+    try:
+      study = explorer.load_study(workdir)
+    except ValueError as e:
+      cli.fail("eval.py", e)
   out_dir = cli.writable_dir("eval.py", os.path.join(workdir, "eval"))
   compilation_cache.configure(config.compilation_cache_dir, "eval.py")
   try:
@@ -118,7 +125,7 @@ def main(argv):
   metrics = evaluate.evaluate(ckpt.model, ckpt.params, split,
                               config.eval_batch_size)
   try:
-    _write_outputs(ckpt, split, workdir, out_dir, metrics)
+    _write_outputs(ckpt, split, workdir, out_dir, metrics, study)
   except OSError as e:  # The disk filled up meanwhile, say: exit code 1.
     from mha import write_failures
     print(f"eval.py: error: {write_failures.os_error_reason(e)}, while writing "
@@ -128,7 +135,7 @@ def main(argv):
 
 
 def _write_outputs(ckpt, split, workdir: str, out_dir: str,
-                   metrics) -> None:
+                   metrics, study) -> None:
   """Writes the heatmaps, the head roles, the explorer (``--html``) and the
   metrics to ``out_dir`` (``workdir/eval``), and prints the final line of
   JSON."""
@@ -145,7 +152,7 @@ def _write_outputs(ckpt, split, workdir: str, out_dir: str,
   result = {"step": ckpt.step, "split": _SPLIT.value, **metrics,
             "head_roles": head_roles.to_json(roles)}
   if _HTML.value:
-    _write_explorer(ckpt, split, workdir, roles, result)
+    _write_explorer(ckpt, split, workdir, roles, result, study)
   with open(os.path.join(out_dir, f"metrics_{_SPLIT.value}_step{ckpt.step}"
                          ".json"), "w", encoding="utf-8") as f:
     json.dump(result, f, indent=2)

@@ -127,22 +127,33 @@ def _grid(value: Any) -> list[list[float | None]]:
 
 def load_study(workdir: str) -> dict[str, Any] | None:
   """The per-head numbers of the pruning study in ``workdir`` (its first
-  seed, the workdir's model), or None without ``pruning/results.json``."""
+  seed, the workdir's model), or None without ``pruning/results.json``.
+
+  Raises:
+    ValueError: that file does not read as a study's results (truncated,
+      or a part missing).
+  """
   path = os.path.join(workdir, STUDY_RESULTS)
   if not os.path.isfile(path):
     return None
-  with open(path, encoding="utf-8") as f:
-    results = json.load(f)
-  seed = results["seeds"][0]
-  importance = {label: _grid(seed["importance"][key])
-                for key, label in IMPORTANCE_MEASURES.items()
-                if key in seed["importance"]}
-  single = seed.get("single_head_ablation", {})
-  ablation = {label: _grid(single[key])
-              for key, label in ABLATION_MEASURES.items() if key in single}
-  return {"step": int(seed["step"]), "seed": int(seed["seed"]),
-          "importance_split": results["splits"]["importance"],
-          "importance": importance, "ablation": ablation}
+  try:
+    with open(path, encoding="utf-8") as f:
+      results = json.load(f)
+    seed = results["seeds"][0]
+    importance = {label: _grid(seed["importance"][key])
+                  for key, label in IMPORTANCE_MEASURES.items()
+                  if key in seed["importance"]}
+    single = seed.get("single_head_ablation", {})
+    ablation = {label: _grid(single[key])
+                for key, label in ABLATION_MEASURES.items() if key in single}
+    return {"step": int(seed["step"]), "seed": int(seed["seed"]),
+            "importance_split": results["splits"]["importance"],
+            "importance": importance, "ablation": ablation}
+  except (OSError, ValueError, KeyError, IndexError, TypeError,
+          AttributeError) as e:
+    raise ValueError(f"{path} does not read as a pruning study's results "
+                     f"({type(e).__name__}: {e}); move it aside or run the "
+                     "study again") from None
 
 
 def _example(index: int, split: data.Split, predictions: np.ndarray,

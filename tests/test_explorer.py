@@ -487,7 +487,17 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
   workdir = copy_workdir(tiny_run.workdir, tmp_path / "run")
   empty = tmp_path / "empty"
   empty.mkdir()
+  # A study cut short (a truncated results.json): read before any work.
+  studied = copy_workdir(tiny_run.workdir, tmp_path / "studied")
+  os.makedirs(os.path.join(studied, "pruning"))
+  with open(os.path.join(studied, "pruning", "results.json"), "w",
+            encoding="utf-8") as f:
+    f.write('{"seeds": [')
   cases = (
+      ([f"--workdir={studied}", "--html"],
+       f"eval.py: error: {studied}/pruning/results.json does not read as a "
+       "pruning study's results (JSONDecodeError: Expecting value: line 1 "
+       "column 12 (char 11)); move it aside or run the study again"),
       ([f"--workdir={workdir}", "--html", "--examples=0"],
        "eval.py: error: --examples must be at least 1, got 0"),
       ([f"--workdir={workdir}", "--html", "--examples=65"],
@@ -509,3 +519,4 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
     assert stderr.strip().splitlines() == [message]
   assert not os.path.exists(os.path.join(workdir, "eval"))
   assert os.listdir(empty) == []
+  assert not os.path.exists(os.path.join(studied, "eval"))
