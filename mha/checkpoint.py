@@ -198,6 +198,8 @@ def _damaged(manager: ocp.CheckpointManager, step: int,
              error: Exception) -> DamagedCheckpointError:
   _drop_closed_loop_reports()
   first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+  # TensorStore appends the repr of a bound method, not its details.
+  first_line = first_line.split(" See full TensorStore details")[0].strip()
   return DamagedCheckpointError(
       f"checkpoint {step_path(manager, step)} is damaged: "
       f"{type(error).__name__}: {first_line[:300]}")

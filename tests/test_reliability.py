@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import jax
 import ml_collections
@@ -590,6 +591,22 @@ def test_load_checkpoint_and_eval_skip_or_name_a_damaged_checkpoint(
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1, result.stderr
   assert lines[0].startswith(f"eval.py: error: checkpoint {newest} is damaged")
+
+
+def test_a_damaged_checkpoints_message_keeps_only_what_reads():
+  # TensorStore's errors end with the repr of a bound method (seen with a
+  # truncated file), which the one line leaves out.
+  manager = types.SimpleNamespace(directory="/runs/r/checkpoints")
+  error = ValueError(
+      'DATA_LOSS: Error reading "state/d/1": unexpected end of data [source '
+      'locations=\'tensorstore/x.cc:1\'] See full TensorStore details: '
+      '<bound method pybind11_detail_function_record_v1.spec of '
+      'TensorStore({...})>\nmore')
+  message = str(ckpt_lib._damaged(manager, 20, error))  # pylint: disable=protected-access
+  assert message == (
+      "checkpoint /runs/r/checkpoints/20 is damaged: ValueError: DATA_LOSS: "
+      'Error reading "state/d/1": unexpected end of data [source '
+      "locations='tensorstore/x.cc:1']")
 
 
 def test_an_unverified_checkpoint_never_deletes_an_intact_one(tmp_path):
