@@ -110,6 +110,10 @@ def main(argv):
                   else config.data.num_eval_examples)
   study = None
   if _HTML.value:  # The study the page shows, read before any work.
+    page = os.path.join(workdir, "eval", "attention.html")
+    if os.path.isdir(page):
+      cli.fail("eval.py", f"{page} is a folder, where --html writes the "
+               "explorer page: move it aside")
     from mha import explorer
     try:
       study = explorer.load_study(workdir)

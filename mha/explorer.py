@@ -38,6 +38,8 @@ styles run apart from the notebook's:
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
 import functools
 import html
 import importlib.resources
@@ -231,11 +233,20 @@ def render(payload: Mapping[str, Any]) -> str:
 
 
 def _write_text(text: str, path: str) -> str:
-  """Writes ``text`` to ``path`` (atomically: a temporary file renamed)."""
+  """Writes ``text`` to ``path`` (atomically: a temporary file renamed; no
+  temporary file is left behind when that fails)."""
+  if os.path.isdir(path):
+    raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    f.write(text)
-  os.replace(path + ".tmp", path)
+  temporary = path + ".tmp"
+  try:
+    with open(temporary, "w", encoding="utf-8") as f:
+      f.write(text)
+    os.replace(temporary, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(temporary)
+    raise
   return path
 
 

@@ -493,7 +493,13 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
   with open(os.path.join(studied, "pruning", "results.json"), "w",
             encoding="utf-8") as f:
     f.write('{"seeds": [')
+  # A folder where the page goes.
+  blocked = copy_workdir(tiny_run.workdir, tmp_path / "blocked")
+  os.makedirs(os.path.join(blocked, "eval", "attention.html"))
   cases = (
+      ([f"--workdir={blocked}", "--html"],
+       f"eval.py: error: {blocked}/eval/attention.html is a folder, where "
+       "--html writes the explorer page: move it aside"),
       ([f"--workdir={studied}", "--html"],
        f"eval.py: error: {studied}/pruning/results.json does not read as a "
        "pruning study's results (JSONDecodeError: Expecting value: line 1 "
@@ -520,3 +526,7 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
   assert not os.path.exists(os.path.join(workdir, "eval"))
   assert os.listdir(empty) == []
   assert not os.path.exists(os.path.join(studied, "eval"))
+  assert os.listdir(os.path.join(blocked, "eval")) == ["attention.html"]
+  with pytest.raises(IsADirectoryError):  # the library's own check
+    explorer.write_page({}, os.path.join(blocked, "eval", "attention.html"))
+  assert os.listdir(os.path.join(blocked, "eval")) == ["attention.html"]
