@@ -294,10 +294,17 @@ def resume_conflicts(saved: Mapping[str, Any],
   for key in sorted(old.keys() | new.keys()):
     a = old.get(key, defaults.get(key, missing))
     b = new.get(key, defaults.get(key, missing))
+    if key == "init_from" and isinstance(a, str) and isinstance(b, str):
+      # The same folder however it is written (relative, ~, a link).
+      a, b = _real_path(a), _real_path(b)
     if key not in RESUMABLE_KEYS and _comparable(a) != _comparable(b):
       show = lambda v: "<absent>" if v is missing else repr(v)
       conflicts.append(f"{key} (saved {show(a)}, now {show(b)})")
   return conflicts
+
+
+def _real_path(path: str) -> str:
+  return os.path.realpath(os.path.expanduser(path))
 
 
 def _comparable(value: Any) -> Any:

@@ -29,6 +29,7 @@ import time
 
 from absl import app
 from absl import flags
+from absl import logging
 import numpy as np
 
 from mha import benchmarking
@@ -117,6 +118,7 @@ def coverage(workdir: str, repeats: int, pairs: int,
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
   args = flags.FLAGS
   out = benchmarking.checked_workdirs_and_out(_PROG, args.workdir, args.out)
   rows = []

@@ -150,6 +150,14 @@ def test_per_layer_heads_and_configs_saved_before_head_dim():
   assert config_validation.resume_conflicts(
       saved, default.get_config("tiny,model.head_dim=4")) == [
           "model.head_dim (saved None, now 4)"]
+  # init_from names the same folder however it is written.
+  here = os.getcwd()
+  saved = default.get_config(f"tiny,init_from={here}/pruned").to_dict()
+  assert config_validation.resume_conflicts(
+      saved, default.get_config("tiny,init_from=pruned")) == []
+  assert config_validation.resume_conflicts(
+      saved, default.get_config("tiny,init_from=other")) == [
+          f"init_from (saved '{here}/pruned', now '{here}/other')"]
 
 
 @pytest.mark.parametrize("override, message", [
