@@ -162,6 +162,11 @@ def test_output_dir_rules(tiny_run, tmp_path):
     export.check_output_dir(other, workdir)
   (other / export.PROVENANCE_FILE).write_text(
       json.dumps({"source_workdir": workdir}))
+  # A pruned model of it, with a file of someone's beside it: kept.
+  with pytest.raises(ValueError, match=r"changed since it was saved "
+                                       r"\(notes.txt\)"):
+    export.check_output_dir(other, workdir)
+  (other / "notes.txt").unlink()
   export.check_output_dir(other, workdir)  # a pruned model of it: replace
 
 
