@@ -142,7 +142,12 @@ def parse_flags(argv: list[str], prog: str) -> list[str]:
   try:
     rest = flags.FLAGS(argv)
   except flags.Error as e:
-    fail(prog, e)
+    message = one_line(e)
+    if "--config.model.num_heads=[" in message:  # A flag takes one count.
+      message += ("; a count per layer goes in the config argument: "
+                  "--config configs/default.py:model.num_heads=[4,2],"
+                  "model.head_dim=8")
+    fail(prog, message)
   if len(rest) > 1:
     fail(prog, f"unexpected arguments: {' '.join(rest[1:])}")
   return rest

@@ -171,6 +171,10 @@ def _range_problems(values: Mapping[str, Any]) -> list[str]:
                if value(key) < 1]
   problems += [f"{key}={value(key)} must be >= 0" for key in _AT_LEAST_ZERO
                if value(key) < 0]
+  # jax.random.key takes 32 bits here: 2**32 would be seed 0 again (and
+  # 2**63 an OverflowError).
+  if value("seed") >= 2 ** 32:
+    problems.append(f"seed={value('seed')} must be < 2**32 = {2 ** 32}")
   for key in ("learning_rate", "grad_clip_norm"):
     if not (math.isfinite(value(key)) and value(key) > 0):
       problems.append(f"{key}={value(key)} must be a positive number")

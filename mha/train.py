@@ -377,11 +377,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       raise FloatingPointError(
           f"{e}; stopped without saving it (newest checkpoint: "
           f"{_describe_latest(checkpoints)})") from e
-    run.evaluate(state.params, "test", int(state.step))
+    final = int(state.step)
+    if (restored is not None and restored[0] >= config.num_train_steps
+        and _has_test_metrics(workdir, final)):
+      # A finished run again: no second row of the same test metrics.
+      run.log(f"Nothing to train: the run is at step {final} (num_train_steps"
+              f"={config.num_train_steps}); its test metrics are in "
+              f"{os.path.join(workdir, 'metrics.jsonl')}")
+    else:
+      run.evaluate(state.params, "test", final)
     checkpoints.verify()
     compiles = compilation_cache.counts() - compiles_at_start
     run.log(f"Compiled in this run: {compiles}")
   return state
+
+
+def _has_test_metrics(workdir: str, step: int) -> bool:
+  """Whether ``workdir/metrics.jsonl`` holds the test metrics of ``step``."""
+  try:
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+  except (OSError, ValueError):
+    return False
+  return any(row.get("step") == step and "test/loss" in row for row in rows)
 
 
 def _fresh_state(config: ml_collections.ConfigDict, model: Transformer

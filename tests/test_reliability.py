@@ -179,6 +179,8 @@ def test_per_layer_heads_and_configs_saved_before_head_dim():
     # numpy's batch order takes no negative seed (a run trained, wrote its
     # checkpoints and then crashed on it).
     ("seed=-1", "seed=-1 must be >= 0"),
+    # jax.random.key(2**32) is key(0): a seed sweep would repeat its inits.
+    ("seed=4294967296", "seed=4294967296 must be < 2**32 = 4294967296"),
 ])
 def test_bad_config_values_are_named(override, message):
   with pytest.raises(config_validation.ConfigError) as error:
@@ -299,6 +301,10 @@ def test_command_line_mistakes_are_one_line_and_exit_code_2(tmp_path,
       (_command("train.py", f"--workdir={workdir}",
                 f"--config={CONFIG_FILE}:tiny,foo.bar=1"),
        "unknown config key 'foo.bar'"),
+      (_command("train.py", f"--workdir={workdir}",
+                "--config.model.num_heads=[2,1]"),
+       "a count per layer goes in the config argument: --config "
+       "configs/default.py:model.num_heads=[4,2],model.head_dim=8"),
       # jax.distributed raised an IndexError on an address without a port.
       (_command("train.py", f"--workdir={workdir}", "--num_processes=1",
                 "--process_id=0", "--coordinator_address=notahost"),

@@ -144,7 +144,8 @@ def _forget_new_keys(workdir):
       json.dump(saved, f)
 
 
-def test_second_call_resumes_and_continues(tiny_run, tmp_path, data_dir):
+def test_second_call_resumes_and_continues(tiny_run, tmp_path, data_dir,
+                                           capsys):
   # A copy of the finished run, as saved before model.head_dim and
   # data.max_digits existed, is loaded and continued for 10 more steps with
   # today's config.
@@ -170,6 +171,14 @@ def test_second_call_resumes_and_continues(tiny_run, tmp_path, data_dir):
   steps = [r["step"] for r in _read_jsonl(resumed_dir) if "loss" in r]
   assert steps == [5, 10, 15, 20, 25, 30]  # 5..20 from the first call
   assert "30" in os.listdir(os.path.join(resumed_dir, "checkpoints"))
+  # The finished run again: nothing to train, no second row of the same
+  # test metrics (a killed run's missing test row would be written).
+  rows = _read_jsonl(resumed_dir)
+  again = train.train_and_evaluate(longer, resumed_dir)
+  assert int(again.step) == 30
+  assert _read_jsonl(resumed_dir) == rows
+  assert capsys.readouterr().out.splitlines()[-2].startswith(
+      "Nothing to train: the run is at step 30 (num_train_steps=30)")
 
 
 def test_resume_with_dropout_equals_an_uninterrupted_run(tiny_run, tmp_path,
