@@ -37,7 +37,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """Returns the locked config; ``arg`` selects variants (see module doc)."""
   config = ml_collections.ConfigDict()
   config.task = "reverse"  # One of: reverse, sort, histogram, spell.
-  config.seed = 0  # Seeds parameter init, dropout and the batch order.
+  config.seed = 0  # Seeds init, dropout and the batch order; < 2**32.
   config.batch_size = 128  # Global training batch, split across the devices.
   # Batch size of evaluation (the last one padded; at most a split's size;
   # rounded up to a multiple of the devices).
