@@ -176,6 +176,34 @@ def test_vmapped_masks_equal_the_loop_and_jit_vmap_pass_through():
                                rtol=1e-5)
 
 
+def test_real_valued_masks_are_evaluated_not_rounded_to_a_subset():
+  # Kwon et al.'s tuned masks (values like 1.26) beside 0/1 ones: with the
+  # oracle's table of every subset at hand, the 0/1 masks are looked up and
+  # the others evaluated as they are (they were rounded to their subset, so
+  # the tuned curve equalled the untuned one).
+  from mha.pruning import oracle  # pylint: disable=import-outside-toplevel
+  from mha.pruning.study import analysis  # pylint: disable=import-outside-toplevel
+  model, params = _init()
+  rng = np.random.default_rng(3)
+  inputs = _tokens(rng, 12)
+  split = data.Split(inputs, (inputs * 3) % CONFIG.vocab_size)
+  options = study.StudyOptions(num_seeds=1, batch_size=16)
+  table = oracle.evaluate_subsets(model, params, split, per_example=True,
+                                  batch_size=16)
+  full = pruning.full_head_mask(CONFIG)
+  tuned = full.copy()
+  tuned[0, 0], tuned[1, 2] = 1.26, 0.0
+  masks = np.stack([full, tuned, pruning.leave_one_out_masks(CONFIG)[1]])
+  got = analysis._per_example(model, params, split, masks, table, options)  # pylint: disable=protected-access
+  want = core.evaluate_masks(model, params, split, masks, batch_size=16,
+                             per_example=True)
+  for key in want:
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5)
+  assert not np.allclose(got["loss_sum"][1],
+                         table["loss_sum"][oracle.subset_index(CONFIG,
+                                                               tuned)])
+
+
 def test_attention_statistics_of_uniform_heads():
   model, params = _init()
   params = jax.tree.map(np.array, params)

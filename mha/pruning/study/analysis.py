@@ -157,12 +157,24 @@ def _per_example(model: Transformer, params: Params, split: data.Split,
     table = oracle.evaluate_subsets(model, params, split, per_example=True,
                                     batch_size=options.batch_size,
                                     ablation=ablation)
-  if table is not None:
-    ids = oracle.subset_index(config, masks)
-    return {k: np.asarray(v)[ids] for k, v in table.items()}
-  return core.evaluate_masks(model, params, split, masks,
-                             batch_size=options.batch_size,
-                             per_example=True, ablation=ablation)
+  if table is None:
+    return core.evaluate_masks(model, params, split, masks,
+                               batch_size=options.batch_size,
+                               per_example=True, ablation=ablation)
+  # The table holds the 0/1 masks only: a real-valued one (Kwon et al.'s
+  # tuned masks) is evaluated as it is, not rounded to its subset.
+  masks = np.asarray(masks, np.float32)
+  binary = np.all((masks == 0) | (masks == 1), axis=(-2, -1))
+  ids = oracle.subset_index(config, masks)
+  out = {k: np.asarray(v)[ids] for k, v in table.items()}
+  if not binary.all():
+    real = core.evaluate_masks(model, params, split, masks[~binary],
+                               batch_size=options.batch_size,
+                               per_example=True, ablation=ablation)
+    for k in out:
+      out[k] = out[k].astype(np.result_type(out[k], real[k]))
+      out[k][~binary] = real[k]
+  return out
 
 
 def _oracle_entries(config: TransformerConfig, plan: Plan, variant: str,
