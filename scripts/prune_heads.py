@@ -81,7 +81,9 @@ _PRUNE_FRACTION = flags.DEFINE_float(
     "removed, the least important first in --order.")
 _ORDER = flags.DEFINE_string(
     "order", None, "With --prune_fraction: an ordering of the study (not "
-    "random), or oracle (the best subset on validation, as in the study).")
+    "random), or oracle (the best subset on validation with the heads "
+    "removed, as the saved model has them: zero ablation, whatever "
+    "--ablation says).")
 
 
 def _options() -> StudyOptions:
