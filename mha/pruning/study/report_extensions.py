@@ -262,7 +262,11 @@ def _retraining_section(results: Mapping[str, Any]) -> list[str]:
       "accuracy, means over seeds with 95% intervals (random: the mean of "
       "its subsets). Cost: "
       f"{np.mean(r['train_seconds_per_seed']):.1f} s of training per seed "
-      "(the models of one step count in one vmapped program).", ""]
+      "(the models of one step count in one vmapped program)."
+      + ("" if results.get("ablation", "zero") == "zero" else
+         " The models are pruned (their heads removed, as zero ablation), "
+         f"so \"before\" is not the study's {results['ablation']} "
+         "ablation; the subsets are the study's."), ""]
   lines += _arms_lines(r)
   lines += [md.image(results, "retraining", RETRAINING_PNG), ""]
   fair = "arms" in r
@@ -330,16 +334,20 @@ def _mean_ablation_section(results: Mapping[str, Any]) -> list[str]:
           for k, label in labels.items()
           if k in m["curve_summary"] and k in
           results["aggregate"]["curve_summary"]]
+  # The study's own ablation is the baseline (zero unless --ablation said
+  # otherwise); results.json keeps its "mean_minus_zero" keys for it.
+  base = results.get("ablation", "zero")
   return [
       "## Mean ablation", "",
-      f"The same curves with mean ablation instead of zero ablation: "
-      f"{m['ablation']}; the oracle is chosen again on validation under "
-      "mean ablation. A "
+      f"The same curves with mean ablation instead of the study's {base} "
+      f"ablation: {m['ablation']}; the oracle is chosen again on validation "
+      "under mean ablation. A "
       "mean-ablated model is still an ordinary smaller model "
       "(`mean_ablation.prune_mean_ablated`).", "",
       md.image(results, "mean ablation", MEAN_ABLATION_PNG), ""] + md.table(
-      ["curve", "AUC, mean ablation", "AUC, zero ablation",
-       "mean − zero (paired)", "prunable heads (val.), mean ablation"], rows)
+      ["curve", "AUC, mean ablation", f"AUC, {base} ablation",
+       f"mean − {base} (paired)", "prunable heads (val.), mean ablation"],
+      rows)
 
 
 __all__ = ["MEAN_ABLATION_PNG", "RETRAINING_PNG", "gate_points",
