@@ -311,3 +311,25 @@ def test_interval_coverage_script_refuses_bad_flags_in_one_line(tmp_path):
   assert lines[0].startswith("interval_coverage.py: error: ")
   assert "seeds" in lines[0]
   assert os.listdir(tmp_path) == []
+
+
+def test_intervals_stay_where_the_statistic_can_be():
+  # Two seeds, one prunable head in one and none in the other: the seed-level
+  # t term (1 degree of freedom) reaches below 0 heads and above an accuracy
+  # of 1; the intervals are cut to the statistic's range, the values kept.
+  rng = np.random.default_rng(0)
+  weights = stats.seed_t_weights(2, 200, rng)
+  per_seed = [{("all", "oracle", "prunable_heads_token_accuracy"):
+               np.full(201, float(k)),
+               ("all", "oracle", "auc_token_accuracy"): np.full(201, 0.99 - k),
+               ("all", "oracle", "auc_token_accuracy_minus_random"):
+               np.full(201, 0.5 - k)} for k in (0, 1)]
+  entry = summary.aggregate_statistics(per_seed, weights)["all"][
+      "curve_summary"]["oracle"]
+  low, high = entry["prunable_heads_token_accuracy_ci"]
+  assert low == 0.0 and high > 1.0
+  assert entry["prunable_heads_token_accuracy"] == 0.5
+  low, high = entry["auc_token_accuracy_ci"]
+  assert low == 0.0 and high == 1.0  # -0.01 and 0.99 spread over t(1)
+  low, high = entry["auc_token_accuracy_minus_random_ci"]
+  assert low < -1.0  # a difference may be negative: not cut

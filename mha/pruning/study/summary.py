@@ -266,7 +266,7 @@ def _nest(values: Mapping[Key, tuple[Any, Any]]) -> dict[str, Any]:
 
 def seed_summary(statistics: Mapping[Key, np.ndarray]) -> dict[str, Any]:
   """One seed's statistics as JSON-able nested dicts (value, interval)."""
-  return _nest({k: (v[0], stats.interval(v[1:]))
+  return _nest({k: (v[0], _within_range(k[2], stats.interval(v[1:])))
                 for k, v in statistics.items()})
 
 
@@ -295,7 +295,8 @@ def aggregate_statistics(per_seed: Sequence[Mapping[Key, np.ndarray]],
       continue
     stacked = np.stack([s[key] for s in per_seed])  # [S, 1 + R, ...]
     replicates[key] = stats.seed_t_replicates(stacked, seed_weights)
-    values[key] = (stacked[:, 0].mean(0), stats.interval(replicates[key]))
+    values[key] = (stacked[:, 0].mean(0),
+                   _within_range(key[2], stats.interval(replicates[key])))
   out = _nest(values)
   _simultaneous(out, values, replicates)
   for (variant, name, stat) in values:
@@ -304,6 +305,24 @@ def aggregate_statistics(per_seed: Sequence[Mapping[Key, np.ndarray]],
       entry[f"{stat}_per_seed"] = [float(s[(variant, name, stat)][0])
                                    for s in per_seed]
   return out
+
+
+# Statistics whose value cannot leave [0, 1] (accuracies and their AUCs
+# over fractions in [0, 1]) or go below 0 (a count of heads): the seed-level
+# t term of few seeds can reach past that, and the interval is cut to it
+# (the true value lies inside, so the coverage is kept).
+_PROPORTIONS = frozenset(
+    f"{kind}{metric}" for metric in CURVE_METRICS
+    for kind in ("auc_", "curve_", "validation_curve_"))
+
+
+def _within_range(stat: str, ci: np.ndarray) -> np.ndarray:
+  """``ci`` cut to the range ``stat`` can take (see ``_PROPORTIONS``)."""
+  if stat in _PROPORTIONS:
+    return np.clip(ci, 0.0, 1.0)
+  if stat.startswith("prunable_heads_") and "_minus_" not in stat:
+    return np.maximum(ci, 0.0)
+  return ci
 
 
 #: The families of simultaneous intervals: every curve's AUC minus the
