@@ -263,3 +263,18 @@ def test_compiled_costs_read_a_negative_count_as_unknown():
   costs = speed.compiled_costs(Compiled())
   assert math.isnan(costs["flops"]) and math.isnan(costs["transcendentals"])
   assert costs["bytes_accessed"] == 511.0
+
+
+def test_a_cell_is_tight_only_with_its_full_coverage():
+  # One round is the "interval" [x, x]: width 0, coverage 0. The adaptive
+  # rule stopped there (the report then called it a 95% interval).
+  assert not speed.is_tight([1.15], target_width=0.1)
+  assert not speed.is_tight([1.15] * 5, target_width=0.1)  # 93.8% < 95%
+  assert speed.is_tight([1.15] * 6, target_width=0.1)
+  from mha.pruning.study import report  # pylint: disable=import-outside-toplevel
+  assert report._speed_interval_text({"confidence": 0.95, "coverage": 0.0}) == (  # pylint: disable=protected-access
+      "interval, over too few rounds for 95%: it covers the median speed-up "
+      "with probability 0% only")
+  assert report._speed_interval_text(  # pylint: disable=protected-access
+      {"confidence": 0.95, "coverage": 0.979}) == "95% interval"
+

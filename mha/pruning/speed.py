@@ -203,10 +203,13 @@ def _calls_for(fn: Callable, params: Params, inputs: Array,
 
 
 def is_tight(ratios: Sequence[float], target_width: float) -> bool:
-  """Whether the median interval of ``ratios`` is at most ``target_width``
-  of their median wide (the adaptive protocol's stopping rule)."""
-  median, low, high, _ = median_interval(ratios)
-  return bool(high - low <= target_width * abs(median))
+  """Whether the median interval of ``ratios`` has its full coverage
+  (``CONFIDENCE``: at least 6 rounds at 95%) and is at most
+  ``target_width`` of their median wide (the adaptive protocol's stopping
+  rule)."""
+  median, low, high, coverage = median_interval(ratios)
+  return bool(coverage >= CONFIDENCE
+              and high - low <= target_width * abs(median))
 
 
 def run_rounds(window: Callable[[int], float], num_models: int, *,

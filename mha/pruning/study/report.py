@@ -937,6 +937,16 @@ def _rounds_text(results: Mapping[str, Any]) -> str:
           "cells met that)")
 
 
+def _speed_interval_text(timing: Mapping[str, Any]) -> str:
+  """"95% interval", or, where too few rounds ran for that, the coverage
+  the interval has."""
+  confidence, coverage = timing.get("confidence", 0.95), timing.get("coverage")
+  if coverage is None or coverage >= confidence:
+    return f"{confidence:.0%} interval"
+  return (f"interval, over too few rounds for {confidence:.0%}: it covers the "
+          f"median speed-up with probability {coverage:.0%} only")
+
+
 def _speed_section(results: Mapping[str, Any]) -> list[str]:
   sp, labels = results["speed"], _labels(results)
   sizes = [str(b) for b in sp["batch_sizes"]]
@@ -947,8 +957,7 @@ def _speed_section(results: Mapping[str, Any]) -> list[str]:
       f"of seed {results['seeds'][0]['seed']}, sliced out of the parameters "
       "with `prune_heads`. Examples/s of the jitted prediction, the median "
       f"over {_rounds_text(results)}, on {results['jax']['backend']}; the "
-      "speed-up with its "
-      f"{timing.get('confidence', 0.95):.0%} interval"
+      "speed-up with its " + _speed_interval_text(timing)
       + (f" ({timing['interval']})" if "interval" in timing else "") +
       ". FLOPs, bytes accessed and transcendentals from XLA's cost analysis "
       f"of the compiled program (ratios to the unpruned model at batch "
