@@ -127,6 +127,10 @@ def test_fisher_mean_with_a_perfect_seed():
   assert mixed["rho"] == pytest.approx(np.tanh(z))
   assert stats.fisher_mean([dict(perfect, rho=-1.0)])["rho"] == pytest.approx(
       -(1 - 6 / 504))
+  # With ties a rho below 1 can lie above that bound (4 heads: 0.9); it is
+  # kept as it is (it was cut to 0.9).
+  assert stats.fisher_mean([{"rho": 0.95, "p": 0.05, "n": 4}])["rho"] == (
+      pytest.approx(0.95))
 
 
 def test_seed_statistics_of_a_known_curve():

@@ -262,10 +262,12 @@ def fisher_mean(results: Sequence[Mapping[str, float]]) -> dict[str, float]:
   # A perfect rank agreement has an infinite z, which would decide the mean
   # alone (and a cap like 0.9999 would pick its value). Count it as half an
   # adjacent swap short of perfect: 1 - 6 / (n (n^2 - 1)), halfway between 1
-  # and the largest rho below 1 that n items can have.
+  # and the largest rho below 1 that n items without ties can have. Only
+  # +-1 is moved: with ties a rho below 1 may lie above that bound.
   n = ns[keep]
   bound = 1.0 - 6.0 / (n * (n * n - 1.0))
-  z = np.arctanh(np.clip(rhos[keep], -bound, bound))
+  rho = rhos[keep]
+  z = np.arctanh(np.where(np.abs(rho) >= 1.0, np.sign(rho) * bound, rho))
   se = np.sqrt(1.0 / np.sum((ns[keep] - 3) / 1.06))
   mean = float(np.mean(z))
   half = _scipy_stats().norm.ppf(0.5 + LEVEL / 2) * se
