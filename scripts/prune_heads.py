@@ -258,7 +258,7 @@ def _print_summary(results, out: str, seconds: float,
       print(f"  {e['fraction']:.0%} heads pruned: {rates} "
             f"(FLOP ratio {list(e['flop_ratio'].values())[-1]:.2f})")
   _print_extensions(results)
-  print(f"First seed incl. speed table: "
+  print(f"First seed{' incl. speed table' if results.get('speed') else ''}: "
         f"{results['timings']['first_seed_with_speed_s']:.1f} s; total "
         f"{seconds:.1f} s")
   print(study_outputs.written(out, options), flush=True)
