@@ -312,8 +312,11 @@ def aggregate_statistics(per_seed: Sequence[Mapping[Key, np.ndarray]],
 # t term of few seeds can reach past that, and the interval is cut to it
 # (the true value lies inside, so the coverage is kept).
 _PROPORTIONS = frozenset(
-    f"{kind}{metric}" for metric in CURVE_METRICS
-    for kind in ("auc_", "curve_", "validation_curve_"))
+    [f"{kind}{metric}" for metric in CURVE_METRICS
+     for kind in ("auc_", "curve_", "validation_curve_")]
+    + [f"test_{metric}_at_prunable{half}" for metric in CURVE_METRICS
+       for half in ("", "_half_split")]
+    + [f"half_split_holds_{metric}" for metric in CURVE_METRICS])
 
 
 def _within_range(stat: str, ci: np.ndarray) -> np.ndarray:
