@@ -187,8 +187,15 @@ def checked_workdirs_and_out(prog: str, workdirs: Sequence[str] | None,
     if not os.path.isdir(checkpoints) or not any(
         name.isdigit() for name in os.listdir(checkpoints)):
       cli.fail(prog, f"--workdir {workdir} holds no checkpoints")
+  return checked_output_path(prog, out)
+
+
+def checked_output_path(prog: str, out: str,
+                        example: str = "benchmark.json") -> str:
+  """:func:`output_path`, a mistake in it one line and exit 2
+  (:func:`mha.cli.fail`)."""
   try:
-    return output_path(out)
+    return output_path(out, example)
   except ValueError as e:
     cli.fail(prog, e)
 
@@ -208,4 +215,5 @@ def write_results(out: str, results: Mapping[str, Any], table: str,
 
 __all__ = ["Timer", "LayerShape", "time_interleaved", "median_ms",
            "max_relative_diff", "load_average", "environment", "header_lines",
-           "output_path", "checked_workdirs_and_out", "write_results"]
+           "output_path", "checked_output_path", "checked_workdirs_and_out",
+           "write_results"]

@@ -79,10 +79,7 @@ def command() -> list[str]:
 
 def main(argv: list[str]) -> None:
   del argv
-  try:
-    benchmarking.output_path(_OUT.value)
-  except ValueError as e:
-    cli.fail(_PROG, e)
+  benchmarking.checked_output_path(_PROG, _OUT.value)
   script, *args = command()
   sys.stdout.flush()
   sys.stderr.flush()

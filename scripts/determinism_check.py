@@ -74,6 +74,15 @@ def compare(a: Any, b: Any) -> dict[str, Any]:
           "leaves_differing": differing, "max_abs_difference": largest}
 
 
+def _first_run_at_its_middle(root: str, name: str, steps: int) -> str:
+  """A copy of the first run, ``root/name``, without its last checkpoint:
+  a resume starts from the middle one."""
+  workdir = os.path.join(root, name)
+  shutil.copytree(os.path.join(root, "first"), workdir)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", str(steps)))
+  return workdir
+
+
 def _resume_in_a_new_process(root: str, steps: int, overrides: Sequence[str],
                              first: Any) -> dict[str, Any]:
   """The first run's middle checkpoint resumed by ``train.py`` in a
@@ -81,9 +90,7 @@ def _resume_in_a_new_process(root: str, steps: int, overrides: Sequence[str],
   first run's."""
   import subprocess  # pylint: disable=import-outside-toplevel
   from mha import checkpoint  # pylint: disable=import-outside-toplevel
-  workdir = os.path.join(root, "new_process")
-  shutil.copytree(os.path.join(root, "first"), workdir)
-  shutil.rmtree(os.path.join(workdir, "checkpoints", str(steps)))
+  workdir = _first_run_at_its_middle(root, "new_process", steps)
   config_arg = ",".join([*overrides, "compilation_cache_dir="])
   result = subprocess.run(
       [sys.executable, os.path.join(_ROOT, "train.py"), f"--workdir={workdir}",
@@ -105,11 +112,8 @@ def main(argv: Sequence[str]) -> None:
     cli.fail(_PROG, f"--steps must be an even number >= 2, got {_STEPS.value}")
   if not 0.0 <= _DROPOUT.value < 1.0:
     cli.fail(_PROG, f"--dropout must be in [0, 1), got {_DROPOUT.value}")
-  if _OUT.value is not None:
-    try:
-      benchmarking.output_path(_OUT.value, "determinism.json")
-    except ValueError as e:
-      cli.fail(_PROG, e)
+  out = (None if _OUT.value is None else benchmarking.checked_output_path(
+      _PROG, _OUT.value, "determinism.json"))
   if _DATA_DIR.value is not None:
     data_dir = os.path.expanduser(cli.nonempty_path(_PROG, _DATA_DIR.value,
                                                     "data_dir"))
@@ -135,10 +139,8 @@ def main(argv: Sequence[str]) -> None:
     t0 = time.perf_counter()
     first = train.train_and_evaluate(config, os.path.join(root, "first"))
     second = train.train_and_evaluate(config, os.path.join(root, "second"))
-    resumed_dir = os.path.join(root, "resumed")
-    shutil.copytree(os.path.join(root, "first"), resumed_dir)
-    shutil.rmtree(os.path.join(resumed_dir, "checkpoints", str(steps)))
-    resumed = train.train_and_evaluate(config, resumed_dir)
+    resumed = train.train_and_evaluate(
+        config, _first_run_at_its_middle(root, "resumed", steps))
     legs = {"second_run": compare(second, first),
             "resumed_run": compare(resumed, first)}
     if _NEW_PROCESS.value:
@@ -158,8 +160,7 @@ def main(argv: Sequence[str]) -> None:
                f"{r['leaves_differing']} of {r['leaves']} leaves differ, "
                f"largest by {r['max_abs_difference']:.3g}")
     print(f"{name.replace('_', ' ')} vs the first: {verdict}", flush=True)
-  if _OUT.value:
-    out = os.path.abspath(os.path.expanduser(_OUT.value))
+  if out:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
       json.dump(result, f, indent=2)

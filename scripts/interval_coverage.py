@@ -203,10 +203,8 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
 def main(argv: Sequence[str]) -> None:
   del argv
   args = flags.FLAGS
-  try:
-    out = benchmarking.output_path(args.out, "interval_coverage.json")
-  except ValueError as e:
-    cli.fail(_PROG, e)
+  out = benchmarking.checked_output_path(_PROG, args.out,
+                                         "interval_coverage.json")
   rng = np.random.default_rng(args.seed)
   start = time.perf_counter()
   sd = example_sd(args.examples, args.pilot, rng)
