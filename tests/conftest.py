@@ -10,7 +10,9 @@ Session-scoped, built once per test run:
   it first (``copy_workdir``).
 * ``subprocess_env``: the environment for ``train.py`` & co. run as
   subprocesses: CPU only, XLA's quick compilation as in-process, and the
-  session's persistent compilation cache.
+  session's persistent compilation cache. ``run`` and ``start`` run them
+  as children forked from a process that has already imported JAX & co.
+  (``tests/preloaded.py``) where nothing the test sees changes.
 
 The session's persistent compilation cache (``_jit_cache``, one folder shared
 by both pytest-xdist workers and every subprocess, new each run) compiles each
@@ -27,7 +29,7 @@ import os
 import re
 import shutil
 import subprocess
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 # XLA:CPU flags of every test process, set before JAX starts its backend;
 # ``subprocess_env`` copies them to the entry points run as subprocesses, so
@@ -100,6 +102,8 @@ if jax.default_backend() == "gpu":
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+import preloaded  # noqa: E402  (tests/, beside this file)
+
 # Python's cyclic garbage collector tuned as the entry points tune it (what
 # was imported so far frozen, collections 100x rarer; mha/collector.py has
 # the figures): the test processes trace and compile hundreds of programs.
@@ -138,12 +142,76 @@ def _jit_cache(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def subprocess_env(_jit_cache) -> dict[str, str]:
-  """Environment of the entry points run as subprocesses."""
-  return dict(os.environ, JAX_PLATFORMS="cpu",
-              JAX_DISABLE_MOST_OPTIMIZATIONS="1",
-              JAX_COMPILATION_CACHE_DIR=_jit_cache,
-              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  """Environment of the entry points run as subprocesses; also starts this
+  test process's preloaded server (``run``) with it."""
+  global _SERVER
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             JAX_DISABLE_MOST_OPTIMIZATIONS="1",
+             JAX_COMPILATION_CACHE_DIR=_jit_cache,
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  _SERVER = preloaded.Server(ROOT, env)
+  yield env
+  server, _SERVER = _SERVER, None
+  server.close()
+
+
+# This test process's server of preloaded entry points (tests/preloaded.py),
+# while ``subprocess_env`` is set up.
+_SERVER: preloaded.Server | None = None
+
+
+def run(args: Sequence[str], *, env: Mapping[str, str],
+        cwd: str | os.PathLike | None = None, timeout: float | None = None,
+        input: str | None = None, check: bool = False  # pylint: disable=redefined-builtin
+        ) -> subprocess.CompletedProcess:
+  """``subprocess.run(args, env=env, cwd=cwd, timeout=timeout, input=input,
+  capture_output=True, text=True, check=check)``, as a child of the
+  preloaded server where that changes nothing the test sees
+  (``preloaded.Server.serves``), else as a real subprocess."""
+  if _SERVER is not None and _SERVER.serves(args, env):
+    result = _SERVER.start(args, env=env, cwd=cwd, input=input).wait(timeout)
+    if check:
+      result.check_returncode()
+    return result
+  return subprocess.run(list(args), env=env, cwd=cwd, timeout=timeout,
+                        input=input, capture_output=True, text=True,
+                        check=check)
+
+
+class _Popen:
+  """A real subprocess with ``preloaded.Child``'s ``wait``."""
+
+  def __init__(self, args: Sequence[str], env: Mapping[str, str],
+               cwd: str | os.PathLike | None):
+    self.args = list(args)
+    self._process = subprocess.Popen(self.args, env=env, cwd=cwd,
+                                     stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+    self.pid = self._process.pid
+
+  def kill(self) -> None:
+    self._process.kill()
+
+  def wait(self, timeout: float | None = None
+           ) -> subprocess.CompletedProcess:
+    try:
+      out, err = self._process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      self._process.kill()
+      self._process.communicate()
+      raise
+    return subprocess.CompletedProcess(self.args, self._process.returncode,
+                                       out, err)
+
+
+def start(args: Sequence[str], *, env: Mapping[str, str],
+          cwd: str | os.PathLike | None = None) -> preloaded.Child | _Popen:
+  """``args`` started as ``run`` would run them, without waiting: several
+  at once. ``.wait(timeout)`` gives their ``subprocess.CompletedProcess``."""
+  if _SERVER is not None and _SERVER.serves(args, env):
+    return _SERVER.start(args, env=env, cwd=cwd)
+  return _Popen(args, env, cwd)
 
 
 @pytest.fixture
@@ -317,11 +385,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _cpu_seconds() -> tuple[float, float]:
+  """This process's CPU seconds and its children's (those of the preloaded
+  server included)."""
   import resource  # pylint: disable=import-outside-toplevel
   own = resource.getrusage(resource.RUSAGE_SELF)
   children = resource.getrusage(resource.RUSAGE_CHILDREN)
   return (own.ru_utime + own.ru_stime,
-          children.ru_utime + children.ru_stime)
+          children.ru_utime + children.ru_stime + (_SERVER.cpu_s if _SERVER
+                                                   else 0.0))
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist starts its workers

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import run
+
 from mha import attention_kernels
 from mha import benchmarking
 
@@ -28,8 +30,7 @@ def _run(env, *args, cwd=ROOT):
   # The entry points' environment (CPU, as in CI): on a machine with a GPU,
   # ``--gpu`` would otherwise run the whole accelerator benchmark, and the
   # quick run's float32 comparisons would see XLA's TF32 matmuls.
-  return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, env=env,
-                        capture_output=True, text=True, timeout=300)
+  return run([sys.executable, SCRIPT, *args], cwd=cwd, env=env, timeout=300)
 
 
 def test_quick_run_prints_and_writes_the_tables(tmp_path, subprocess_env):
@@ -205,9 +206,8 @@ def test_a_config_argument_mistake_is_one_line_and_exit_2(tmp_path,
       ("configs/default.py:tiny", "give get_config's argument (the part "
                                   "after the colon, e.g. 'tiny')"),
       ("tiny,batch_size=0", "batch_size=0 must be >= 1")]:
-    result = subprocess.run([sys.executable, script, f"--config_arg={arg}"],
-                            cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120, check=False, env=subprocess_env)
+    result = run([sys.executable, script, f"--config_arg={arg}"],
+                 cwd=tmp_path, timeout=120, env=subprocess_env)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("compile_benchmark.py: error: ")
@@ -237,11 +237,10 @@ def test_determinism_check_refuses_bad_input_in_one_line(tmp_path):
 
 
 def test_compile_benchmark_reports_the_three_programs(subprocess_env):
-  result = subprocess.run(
+  result = run(
       [sys.executable, os.path.join(ROOT, "scripts", "compile_benchmark.py"),
        "--config_arg=tiny", "--rounds=1", "--steps=3", "--json"],
-      cwd=ROOT, env=subprocess_env, capture_output=True, text=True,
-      timeout=300, check=False)
+      cwd=ROOT, env=subprocess_env, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   report = json.loads(result.stdout.strip().splitlines()[-1])
   assert set(report) == {"initial state", "train step", "evaluation"}

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import ROOT, copy_workdir
+from conftest import ROOT, copy_workdir, start
 from mha import build
 from mha import checkpoint
 from mha import data
@@ -515,13 +515,12 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
        f"eval.py: error: no checkpoints in {empty} ({empty}/checkpoints "
        "does not exist)"),
   )
-  procs = [subprocess.Popen(
-      [sys.executable, os.path.join(ROOT, "eval.py"), *args],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-      env=subprocess_env) for args, _ in cases]
+  procs = [start([sys.executable, os.path.join(ROOT, "eval.py"), *args],
+                 env=subprocess_env) for args, _ in cases]
   for proc, (_, message) in zip(procs, cases):
-    _, stderr = proc.communicate()
-    assert proc.returncode == 2, stderr
+    result = proc.wait()
+    stderr = result.stderr
+    assert result.returncode == 2, stderr
     assert stderr.strip().splitlines() == [message]
   assert not os.path.exists(os.path.join(workdir, "eval"))
   assert os.listdir(empty) == []

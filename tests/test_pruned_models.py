@@ -8,13 +8,14 @@ import json
 import math
 import os
 import stat
-import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from conftest import run
 
 import mha
 from mha import build
@@ -495,9 +496,8 @@ def test_check_request_refuses_what_is_not_its_pruned_model(tiny_run,
 
 
 def _run(env, program, *args, timeout=300):
-  return subprocess.run([sys.executable, program, *args], capture_output=True,
-                        text=True, timeout=timeout, env=env, cwd=ROOT,
-                        check=False)
+  return run([sys.executable, program, *args], timeout=timeout, env=env,
+             cwd=ROOT)
 
 
 def test_script_saves_a_pruned_model_and_eval_reads_it(tiny_run, source,
@@ -569,10 +569,10 @@ def test_script_bad_input_is_one_line_exit_2_nothing_written(
   cwd = tmp_path / "cwd"  # empty
   cwd.mkdir()
   before, cwd_before = _listing(tiny_run.workdir), os.stat(cwd)
-  result = subprocess.run(
+  result = run(
       [sys.executable, SCRIPT, f"--workdir={tiny_run.workdir}",
-       *[a.format(out=out) for a in args]], capture_output=True, text=True,
-      timeout=300, env=subprocess_env, cwd=cwd, check=False)
+       *[a.format(out=out) for a in args]],
+      timeout=300, env=subprocess_env, cwd=cwd)
   assert result.returncode == 2, result.stderr[-2000:]
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and message in lines[0], result.stderr

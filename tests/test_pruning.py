@@ -5,7 +5,6 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
 import sys
 import types
 
@@ -29,7 +28,7 @@ from mha.pruning.study import report as report_lib
 from mha.pruning.study import seeds as study_seeds
 from mha.model import Transformer, TransformerConfig
 
-from conftest import copy_workdir, tiny_config
+from conftest import copy_workdir, run, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "prune_heads.py")
@@ -342,8 +341,7 @@ def tiny_workdir(tiny_run):
 
 
 def _run_script(*args, env, timeout=300):
-  return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True,
-                        text=True, timeout=timeout, env=env, check=False)
+  return run([sys.executable, SCRIPT, *args], timeout=timeout, env=env)
 
 
 def _check_seed_contract(seed, num_heads):

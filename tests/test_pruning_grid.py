@@ -7,10 +7,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from conftest import start
 
 from mha import workdir_lock
 from mha.pruning.study import StudyOptions
@@ -20,10 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "pruning_benchmark.py")
 
 
-def _script(*args: str, env: dict[str, str]) -> subprocess.Popen:
-  return subprocess.Popen([sys.executable, SCRIPT, *args], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
+def _script(*args: str, env: dict[str, str]):
+  return start([sys.executable, SCRIPT, *args], env=env)
 
 
 def _args(root, data_dir) -> list[str]:
@@ -40,9 +39,9 @@ def test_an_interrupted_grid_resumes_and_two_processes_share_it(
     tmp_path, data_dir, subprocess_env):
   root = tmp_path / "grid"
   # Stopped after one cell, as if interrupted between cells.
-  first = _script(*_args(root, data_dir), "--max_cells=1", env=subprocess_env)
-  out, err = first.communicate()
-  assert first.returncode == 0, err[-2000:]
+  first = _script(*_args(root, data_dir), "--max_cells=1",
+                  env=subprocess_env).wait()
+  assert first.returncode == 0, first.stderr[-2000:]
   assert grid.cell_status(str(root), grid.Cell("reverse", "tiny")) == "done"
   assert grid.cell_status(str(root), grid.Cell("sort", "tiny")) == "pending"
   table = json.loads((root / "results.json").read_text())
@@ -53,10 +52,10 @@ def test_an_interrupted_grid_resumes_and_two_processes_share_it(
   # other finds it held (or done) and skips it.
   both = [_script(*_args(root, data_dir), env=subprocess_env)
           for _ in range(2)]
-  outputs = [p.communicate() for p in both]
-  for p, (_, err) in zip(both, outputs):
-    assert p.returncode == 0, err[-2000:]
-  started = "".join(o for o, _ in outputs)
+  results = [p.wait() for p in both]
+  for result in results:
+    assert result.returncode == 0, result.stderr[-2000:]
+  started = "".join(r.stdout for r in results)
   # No finished cell is redone; each other cell ran exactly once.
   assert done_file.stat().st_mtime_ns == before
   assert "reverse-tiny: training and study" not in started
@@ -79,11 +78,10 @@ def test_an_interrupted_grid_resumes_and_two_processes_share_it(
   assert "![" not in (cell_out / "report.md").read_text()
   assert not list(cell_out.glob("*.png"))
   # A second run finds everything done and only rewrites the table.
-  again = _script(*_args(root, data_dir), env=subprocess_env)
-  out, err = again.communicate()
-  assert again.returncode == 0, err[-2000:]
-  assert "training and study" not in out
-  assert "2 already done" in out
+  again = _script(*_args(root, data_dir), env=subprocess_env).wait()
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert "training and study" not in again.stdout
+  assert "2 already done" in again.stdout
 
 
 def test_a_failed_cell_is_marked_and_the_grid_goes_on_a_held_one_skipped(
@@ -173,9 +171,9 @@ def test_a_grid_with_other_settings_is_refused(tmp_path):
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message,
                                           subprocess_env):
   root = tmp_path / "grid"
-  p = _script(f"--workdir={root}", *args, env=subprocess_env)
-  out, err = p.communicate()
-  assert p.returncode == 2
+  result = _script(f"--workdir={root}", *args, env=subprocess_env).wait()
+  err = result.stderr
+  assert result.returncode == 2
   assert err.strip().splitlines() == [f"pruning_benchmark.py: error: "
                                       f"{err.split('error: ', 1)[1].strip()}"]
   assert message in err
@@ -202,9 +200,9 @@ def test_an_unwritable_grid_is_one_line_and_exit_2(tmp_path, case,
     (root / "results.json").write_text('{"workdir": "runs/x"}')
     message = f"{root} holds a results.json but no grid (grid.json)"
   before = sorted(p.name for p in root.iterdir()) if root.exists() else None
-  p = _script(f"--workdir={root}", *args, env=subprocess_env)
-  _, err = p.communicate()
-  assert p.returncode == 2, err[-2000:]
+  result = _script(f"--workdir={root}", *args, env=subprocess_env).wait()
+  err = result.stderr
+  assert result.returncode == 2, err[-2000:]
   lines = err.strip().splitlines()
   assert len(lines) == 1, err[-2000:]
   assert lines[0].startswith(f"pruning_benchmark.py: error: {message}")

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from configs import default
-from conftest import assert_same_bits, copy_workdir, tiny_config
+from conftest import assert_same_bits, copy_workdir, run, tiny_config
 import mha
 from mha import checkpoint as ckpt_lib
 from mha import cli
@@ -468,8 +468,7 @@ def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(
   _kill_9_when(proc, lambda: _newest(workdir) < STEPS)
 
   # 4. Resume to the end.
-  result = subprocess.run(command, env=subprocess_env, capture_output=True,
-                          text=True)
+  result = run(command, env=subprocess_env)
   assert result.returncode == 0, result.stderr
   assert "Resumed from checkpoint" in result.stdout
   _assert_quiet(result.stderr)
@@ -598,9 +597,9 @@ def test_load_checkpoint_and_eval_skip_or_name_a_damaged_checkpoint(
   assert f"checkpoint {newest} is damaged" in capfd.readouterr().err
   with pytest.raises(ckpt_lib.DamagedCheckpointError, match=newest):
     mha.load_checkpoint(copy, step=STEPS)
-  result = subprocess.run(
+  result = run(
       _command("eval.py", f"--workdir={copy}", f"--step={STEPS}"),
-      env=subprocess_env, capture_output=True, text=True)
+      env=subprocess_env)
   assert result.returncode == 2
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1, result.stderr
@@ -647,11 +646,11 @@ def test_non_finite_loss_stops_naming_the_step_without_saving_it(
   # lr 1e30 (after one warmup step at lr 0): the parameters blow up at step
   # 2 and the loss of step 3 is NaN; step 3 is also the last (final save).
   workdir = str(tmp_path / "run")
-  result = subprocess.run(
+  result = run(
       _train_command(data_dir, workdir, "learning_rate=1e30",
                      "grad_clip_norm=1e30", "warmup_steps=1",
                      "num_train_steps=3", "checkpoint_every_steps=1"),
-      env=subprocess_env, capture_output=True, text=True)
+      env=subprocess_env)
   assert result.returncode == 1, result.stderr
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("train.py: error: non-finite training metrics at "
@@ -700,8 +699,7 @@ def test_a_second_run_is_refused_and_the_first_ends_as_if_alone(
     # Readers keep working: the newest complete checkpoint, never the one
     # being written.
     assert mha.load_checkpoint(workdir).step == _newest(workdir)
-    second = subprocess.run(command, env=subprocess_env, capture_output=True,
-                            text=True)
+    second = run(command, env=subprocess_env)
     assert second.returncode == 2, second.stderr
     assert _last_line(second.stderr).startswith(
         f"train.py: error: {workdir} is in use by another run (pid "
@@ -745,10 +743,10 @@ def test_prune_heads_locks_its_output_folder(reference, tmp_path,
   _, workdir, _ = reference
   out = tmp_path / "out"
   with workdir_lock.WorkdirLock(out):
-    result = subprocess.run(
+    result = run(
         _command("scripts/prune_heads.py", f"--workdir={workdir}",
                  f"--out={out}", "--num_seeds=1", "--nospeed"),
-        env=subprocess_env, capture_output=True, text=True)
+        env=subprocess_env)
   assert result.returncode == 2, result.stderr
   assert _last_line(result.stderr).startswith(
       f"prune_heads.py: error: {out} is in use by another run (pid "
@@ -806,8 +804,7 @@ def test_full_disk_stops_in_one_line_and_the_rerun_resumes(
   disk, grow = small_disk
   workdir = str(disk / "run")
   command = _train_command(data_dir, workdir)
-  result = subprocess.run(command, env=subprocess_env, capture_output=True,
-                          text=True)
+  result = run(command, env=subprocess_env)
   assert result.returncode == 1, result.stderr
   # Orbax's files differ in size from run to run, so which save fills the
   # disk varies (the third, usually); whichever it is, the line names it and

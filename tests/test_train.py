@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
 import sys
 import time
 
@@ -18,7 +17,7 @@ from ml_collections import config_flags
 
 from configs import default
 
-from conftest import assert_same_bits, copy_workdir, tiny_config
+from conftest import assert_same_bits, copy_workdir, run, start, tiny_config
 import mha
 from mha import build
 from mha import config_validation
@@ -276,10 +275,10 @@ def test_per_layer_heads_from_the_config_argument():
 def test_eval_script_prints_json_and_writes_heatmaps(tiny_run, tmp_path,
                                                      subprocess_env):
   workdir = copy_workdir(tiny_run.workdir, tmp_path / "run")  # eval/ goes in
-  result = subprocess.run(
+  result = run(
       [sys.executable, os.path.join(ROOT, "eval.py"), f"--workdir={workdir}",
        "--split=validation", "--num_examples=2", "--html", "--examples=3"],
-      capture_output=True, text=True, check=True, env=subprocess_env)
+      check=True, env=subprocess_env)
   last = json.loads(result.stdout.strip().splitlines()[-1])
   assert last["step"] == 20 and last["split"] == "validation"
   # The validation metrics training logged at step 20, with the same
@@ -337,13 +336,12 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
       ([f"--workdir={no_data}"],
        f"data_dir {tmp_path}/a_file/tfds cannot be used"),
   )
-  procs = [subprocess.Popen(
-      [sys.executable, os.path.join(ROOT, "eval.py")] + args,
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-      env=subprocess_env) for args, _ in cases]
+  procs = [start([sys.executable, os.path.join(ROOT, "eval.py")] + args,
+                 env=subprocess_env) for args, _ in cases]
   for proc, (_, message) in zip(procs, cases):
-    _, stderr = proc.communicate()
-    assert proc.returncode == 2, stderr
+    result = proc.wait()
+    stderr = result.stderr
+    assert result.returncode == 2, stderr
     assert stderr.strip().splitlines() == [
         f"eval.py: error: {stderr.strip()[len('eval.py: error: '):]}"]
     assert message in stderr
