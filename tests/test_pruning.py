@@ -482,6 +482,25 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
       assert f.read(8) == b"\x89PNG\r\n\x1a\n", png
   _check_extensions_contract(results, out)
   _check_rerendered_report(out)
+  _check_a_study_without_plots_over_one_with_them(out)
+
+
+def _check_a_study_without_plots_over_one_with_them(out):
+  """A study written with ``--noplots`` where one with plots was removes
+  that one's figures (they showed other results), and nothing else."""
+  again = os.path.join(os.path.dirname(out), "again")
+  shutil.copytree(out, again)
+  with open(os.path.join(again, "results.json"), encoding="utf-8") as f:
+    results = json.load(f)
+  figures = report_lib.figure_files(results)
+  assert len(figures) >= 7 and all(
+      os.path.exists(os.path.join(again, name)) for name in figures)
+  others = sorted(set(os.listdir(again)) - set(figures))
+  study_outputs.write_outputs(
+      dict(results, options=dict(results["options"], plots=False)), again)
+  assert sorted(os.listdir(again)) == others
+  assert report_lib.figure_files(
+      dict(results, options=dict(results["options"], plots=False))) == []
 
 
 def _check_rerendered_report(out):

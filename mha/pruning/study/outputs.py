@@ -48,12 +48,30 @@ def _write_examples(seed: Mapping[str, Any], out_dir: str) -> str:
   return path
 
 
+def _old_figures(out_dir: str) -> list[str]:
+  """The figure files the report of the study already in ``out_dir`` shows
+  (from its ``results.json``); none if there is none or it does not read."""
+  from mha.pruning.study import report  # Deferred: matplotlib.
+  try:
+    with open(os.path.join(out_dir, "results.json"), encoding="utf-8") as f:
+      return [os.path.join(out_dir, name)
+              for name in report.figure_files(json.load(f))]
+  except Exception:  # pylint: disable=broad-except
+    return []  # No study there, or one whose report no longer renders.
+
+
 def write_outputs(results: Mapping[str, Any], out_dir: str) -> list[str]:
   """Writes ``results.json``, each seed's ``examples_seed<s>.npz`` (when
-  the results hold them), the plots and ``report.md``; returns the paths."""
+  the results hold them), the plots and ``report.md``; returns the paths.
+
+  A study written over an earlier one in ``out_dir`` removes the earlier
+  report's figures that its own report does not show (``--noplots``, another
+  ``--plot_format``, a figure of an option now off), so that no figure left
+  there shows other results than ``results.json``'s."""
   from mha.pruning.study import report  # Deferred: matplotlib.
 
   os.makedirs(out_dir, exist_ok=True)
+  old_figures = _old_figures(out_dir)
   written = [_write_examples(s, out_dir) for s in results["seeds"]
              if "examples" in s]
   results = dict(results, seeds=[{k: v for k, v in s.items()
@@ -65,7 +83,13 @@ def write_outputs(results: Mapping[str, Any], out_dir: str) -> list[str]:
     f.write(text)
   os.replace(path + ".tmp", path)
   # The report reads what was written, as a re-render from the file does.
-  return written + [path] + report.write(json.loads(text), out_dir)
+  paths = written + [path] + report.write(json.loads(text), out_dir)
+  for stale in set(old_figures) - set(paths):
+    try:
+      os.unlink(stale)
+    except FileNotFoundError:
+      pass
+  return paths
 
 
 def written(out_dir: str, options: StudyOptions) -> str:

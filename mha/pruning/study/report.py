@@ -180,6 +180,15 @@ def write(results: Mapping[str, Any], out_dir: str, *,
   return paths + [report]
 
 
+def figure_files(results: Mapping[str, Any]) -> list[str]:
+  """The file names of the figures ``report.md`` shows for ``results`` (none
+  with the study's ``plots`` option off), in the order it shows them."""
+  if not results["options"].get("plots", True):
+    return []
+  return [line[line.rindex("(") + 1:-1] for line in report_lines(results)
+          if md.is_image(line)]
+
+
 def _write_plots(results: Mapping[str, Any], out_dir: str) -> list[str]:
   """Every figure of the report; returns their paths."""
   seeds, agg = results["seeds"], results["aggregate"]
