@@ -65,13 +65,11 @@ class MetricWriter:
     with self._writing(self._jsonl_path):
       # Unbuffered: each line is written whole, or taken back.
       self._jsonl = open(self._jsonl_path, "ab", buffering=0)
+    # The event file is made with the first event: a run that writes
+    # nothing (a finished run started again) leaves no empty one behind.
     self._events = None
-    summary, event_pb2, record_writer = _tensorboardx_parts()
+    summary, event_pb2, self._record_writer = _tensorboardx_parts()
     self._summary, self._event_pb2 = summary, event_pb2
-    with self._writing(self._events_path):
-      self._events = record_writer(self._events_path)
-    self._write_event(event_pb2.Event(wall_time=time.time(),
-                                      file_version="brain.Event:2"))
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     """Writes one step's scalars to both sinks."""
@@ -100,6 +98,11 @@ class MetricWriter:
 
   def _write_event(self, *events: Any) -> None:
     with self._writing(self._events_path):
+      if self._events is None:
+        self._events = self._record_writer(self._events_path)
+        events = (self._event_pb2.Event(wall_time=time.time(),
+                                        file_version="brain.Event:2"),
+                  *events)
       for event in events:
         self._events.write(event.SerializeToString())
       self._events.flush()

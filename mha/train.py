@@ -516,13 +516,21 @@ def _checked_workdir(config: ml_collections.ConfigDict,
 
 
 def _write_run_header(run: _Run, state: TrainState) -> None:
-  """``config.json`` (process 0); at step 0 also the config as TensorBoard
-  text and a line saying what trains where."""
+  """``config.json`` (process 0, unless it holds this config already); at
+  step 0 also the config as TensorBoard text and a line saying what trains
+  where."""
   config = run.config
   if sharding_lib.is_main_process():
-    with open(os.path.join(run.workdir, "config.json"), "w",
-              encoding="utf-8") as f:
-      f.write(ckpt_lib.config_to_json(config) + "\n")
+    path, text = (os.path.join(run.workdir, "config.json"),
+                  ckpt_lib.config_to_json(config) + "\n")
+    try:
+      with open(path, encoding="utf-8") as f:
+        unchanged = f.read() == text
+    except OSError:
+      unchanged = False
+    if not unchanged:  # A resumed run leaves an unchanged config as it was.
+      with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
   if int(state.step) == 0:
     run.writer.write_text(0, "config", f"```\n{config}\n```")
     num_params = sum(p.size for p in jax.tree.leaves(state.params))

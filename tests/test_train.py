@@ -173,9 +173,14 @@ def test_second_call_resumes_and_continues(tiny_run, tmp_path, data_dir,
   # The finished run again: nothing to train, no second row of the same
   # test metrics (a killed run's missing test row would be written).
   rows = _read_jsonl(resumed_dir)
+  listing = {name: os.stat(os.path.join(resumed_dir, name)).st_mtime_ns
+             for name in os.listdir(resumed_dir) if name != "run.lock"}
   again = train.train_and_evaluate(longer, resumed_dir)
   assert int(again.step) == 30
   assert _read_jsonl(resumed_dir) == rows
+  # Nothing else written either: no empty event file, config.json as it was.
+  assert {name: os.stat(os.path.join(resumed_dir, name)).st_mtime_ns
+          for name in os.listdir(resumed_dir) if name != "run.lock"} == listing
   assert capsys.readouterr().out.splitlines()[-2].startswith(
       "Nothing to train: the run is at step 30 (num_train_steps=30)")
 
