@@ -587,6 +587,7 @@ def _check_extensions_contract(results, out):
                   "## Retraining after pruning",
                   "## Mean ablation", "## Searches for the best subset"):
     assert section in report
+  assert "and, tuned, refits the kept heads' mask values" in report
   for png in ("curves_mean_ablation.png", "retraining.png"):
     assert os.path.getsize(os.path.join(out, png)) > 10_000
 
@@ -617,6 +618,9 @@ def test_a_study_under_resample_ablation(tiny_run, tmp_path):
     report = f.read()
   assert "## Attribution patching against actual patching" in report
   assert "(`--ablation resample`)" in report
+  # Kwon et al.'s search is described without the tuning it skipped.
+  assert "rearranges each layer's removals" in report
+  assert "refits the kept heads' mask values" not in report
   _check_the_study_is_not_mixed_with_another(tiny_run, out, options,
                                              tmp_path)
   # Every head removed, on test: each replaced by its context on the

@@ -584,10 +584,12 @@ def _searches_section(results: Mapping[str, Any]) -> list[str]:
       + (" Kwon et al.'s retraining-free search evaluates no subset: it "
          "removes the heads of least Fisher information of the head mask "
          "(per-example gradients squared), rearranges each layer's removals "
-         "to minimise the layer's block of the Fisher matrix, and, tuned, "
-         "refits the kept heads' mask values by least squares to the "
-         "unpruned model's attention outputs, layer by layer. Its seconds "
-         "exclude the Fisher information (the ordering 'Fisher')."
+         "to minimise the layer's block of the Fisher matrix"
+         + (", and, tuned, refits the kept heads' mask values by least "
+            "squares to the unpruned model's attention outputs, layer by "
+            "layer" if "kwon_tuned" in names else "")
+         + ". Its seconds exclude the Fisher information (the ordering "
+         "'Fisher')."
          if "kwon" in names else "")
       + (" The exact-K gates evaluate no subset either: one gate vector per "
          "number of heads removed, trained on the train split, removes its "
