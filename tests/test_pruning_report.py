@@ -98,3 +98,14 @@ def test_family_claims_use_the_simultaneous_intervals():
   close = next(l for l in lines if "oracle's AUC" in l)
   assert "good -0.020 [-0.040, +0.005]" in close
   assert "simultaneous interval of the AUC gap contains 0" in close
+
+
+def test_an_undefined_spearman_correlation_is_explained():
+  def results(rho):
+    return {"options": {"plots": False}, "aggregate": {"spearman": {
+        "gradient_vs_leave_one_out": {"rho": rho, "ci": [rho, rho], "p": 0.5,
+                                      "per_seed": [rho]}}}}
+  note = "n/a: undefined, where one side scores every head the same"
+  lines = "\n".join(report._spearman_section(results(None)))
+  assert "| n/a [n/a, n/a] |" in lines and note in lines
+  assert note not in "\n".join(report._spearman_section(results(0.5)))

@@ -690,7 +690,10 @@ def _spearman_section(results: Mapping[str, Any]) -> list[str]:
       "Spearman correlations of per-head scores, averaged over seeds through "
       "Fisher's z, with a 95% interval and the p-value of no correlation "
       "(normal approximation, rough with this few heads).", "",
-  ] + md.table(["pair", "Spearman ρ [95% CI]", "p", "per seed"], rows) + [
+  ] + md.table(["pair", "Spearman ρ [95% CI]", "p", "per seed"], rows) + (
+      ["n/a: undefined, where one side scores every head the same (a "
+       "constant has no ranking) or too few heads are left to correlate.",
+       ""] if any("n/a" in cell for row in rows for cell in row) else []) + [
       md.image(results, "gradient vs leave-one-out",
                "scatter_gradient_vs_leave_one_out.png"),
       ""]
