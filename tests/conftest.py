@@ -169,7 +169,7 @@ def run(args: Sequence[str], *, env: Mapping[str, str],
   capture_output=True, text=True, check=check)``, as a child of the
   preloaded server where that changes nothing the test sees
   (``preloaded.Server.serves``), else as a real subprocess."""
-  if _SERVER is not None and _SERVER.serves(args, env):
+  if _SERVER is not None and _SERVER.serves(args, env, cwd):
     result = _SERVER.start(args, env=env, cwd=cwd, input=input).wait(timeout)
     if check:
       result.check_returncode()
@@ -209,7 +209,7 @@ def start(args: Sequence[str], *, env: Mapping[str, str],
           cwd: str | os.PathLike | None = None) -> preloaded.Child | _Popen:
   """``args`` started as ``run`` would run them, without waiting: several
   at once. ``.wait(timeout)`` gives their ``subprocess.CompletedProcess``."""
-  if _SERVER is not None and _SERVER.serves(args, env):
+  if _SERVER is not None and _SERVER.serves(args, env, cwd):
     return _SERVER.start(args, env=env, cwd=cwd)
   return _Popen(args, env, cwd)
 
