@@ -175,11 +175,14 @@ def output_path(out: str, example: str = "benchmark.json") -> str:
 
 
 def checked_workdirs_and_out(prog: str, workdirs: Sequence[str] | None,
-                             out: str) -> str:
+                             out: str, example: str = "benchmark.json",
+                             *, load: bool = False) -> str:
   """The checks of a benchmark over trained runs, before any work: at least
-  one workdir, each holding checkpoints, and ``out`` not a directory. A
-  mistake is one line and exit 2 (:func:`mha.cli.fail`). Returns ``out``
-  made absolute (:func:`output_path`)."""
+  one workdir, each holding checkpoints (with ``load``, one that loads: not
+  every one damaged), and ``out`` not a directory (``example``: the file
+  name a message suggests). A mistake is one line and exit 2
+  (:func:`mha.cli.fail`). Returns ``out`` made absolute
+  (:func:`output_path`)."""
   if not workdirs:
     cli.fail(prog, "give at least one --workdir")
   for workdir in workdirs:
@@ -187,7 +190,17 @@ def checked_workdirs_and_out(prog: str, workdirs: Sequence[str] | None,
     if not os.path.isdir(checkpoints) or not any(
         name.isdigit() for name in os.listdir(checkpoints)):
       cli.fail(prog, f"--workdir {workdir} holds no checkpoints")
-  return checked_output_path(prog, out)
+  out = checked_output_path(prog, out, example)
+  if load:
+    from mha import checkpoint  # pylint: disable=import-outside-toplevel
+    from mha import config_validation  # pylint: disable=import-outside-toplevel
+    for workdir in workdirs:
+      try:
+        checkpoint.load_checkpoint(workdir)
+      except (checkpoint.DamagedCheckpointError,
+              config_validation.ConfigError) as e:
+        cli.fail(prog, f"--workdir {workdir}: {e}")
+  return out
 
 
 def checked_output_path(prog: str, out: str,

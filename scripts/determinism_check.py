@@ -84,7 +84,7 @@ def _first_run_at_its_middle(root: str, name: str, steps: int) -> str:
 
 
 def _resume_in_a_new_process(root: str, steps: int, overrides: Sequence[str],
-                             first: Any) -> dict[str, Any]:
+                             data_dir: str, first: Any) -> dict[str, Any]:
   """The first run's middle checkpoint resumed by ``train.py`` in a
   subprocess without a compilation cache; its final parameters against the
   first run's."""
@@ -95,7 +95,8 @@ def _resume_in_a_new_process(root: str, steps: int, overrides: Sequence[str],
   result = subprocess.run(
       [sys.executable, os.path.join(_ROOT, "train.py"), f"--workdir={workdir}",
        f"--config={os.path.join(_ROOT, 'configs', 'default.py')}:"
-       f"{config_arg}"], capture_output=True, text=True, check=False)
+       f"{config_arg}", f"--config.data.data_dir={data_dir}"],
+      capture_output=True, text=True, check=False)
   if result.returncode:
     raise RuntimeError(f"train.py failed to resume {workdir}:\n"
                        f"{result.stderr[-2000:]}")
@@ -145,7 +146,7 @@ def main(argv: Sequence[str]) -> None:
             "resumed_run": compare(resumed, first)}
     if _NEW_PROCESS.value:
       legs["resumed_in_a_new_process"] = _resume_in_a_new_process(
-          root, steps, overrides, first)
+          root, steps, overrides, config.data.data_dir, first)
     result = {"backend": jax.default_backend(),
               "device": jax.devices()[0].device_kind,
               "jax": jax.__version__,

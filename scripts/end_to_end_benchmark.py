@@ -283,16 +283,25 @@ def format_end_to_end(results: Mapping[str, Any]) -> str:
 def main(argv: list[str]) -> None:
   del argv
   try:
-    out = output_path(_OUT.value)
+    out = output_path(_OUT.value, "end_to_end.json")
   except ValueError as e:
     cli.fail(_PROG, e)
+  if _DATA_DIR.value is not None:
+    data_dir = os.path.expanduser(cli.nonempty_path(_PROG, _DATA_DIR.value,
+                                                    "data_dir"))
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+      cli.fail(_PROG, f"--data_dir {data_dir} is a file, not a folder")
   logging.set_verbosity(logging.WARNING)
   log = lambda message: print(message, file=sys.stderr, flush=True)
   rounds = _ROUNDS.value or (1 if _QUICK.value else 3)
   results = {"environment": environment(), "load_average_start":
              load_average(), "plan_name": "quick" if _QUICK.value else "full"}
-  results["end_to_end"] = end_to_end("tiny" if _QUICK.value else "", rounds,
-                                     _DATA_DIR.value, _PEER.value, log)
+  try:
+    results["end_to_end"] = end_to_end(
+        "tiny" if _QUICK.value else "", rounds, _DATA_DIR.value, _PEER.value,
+        log)
+  except data.DataDirError as e:  # One that cannot be used: before any run.
+    cli.fail(_PROG, e)
   results["load_average_end"] = load_average()
   write_results(out, results, format_end_to_end(results), log)
 

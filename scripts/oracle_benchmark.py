@@ -111,7 +111,7 @@ def main(argv):
     print(json.dumps(_one(method, workdir)))
     return
   out = benchmarking.checked_workdirs_and_out(_PROG, _WORKDIRS.value,
-                                             _OUT.value)
+                                             _OUT.value, "oracle.json", load=True)
   methods = METHODS if _BASELINE.value else METHODS[:1]
   runs: list[dict] = []
   for workdir in _WORKDIRS.value:

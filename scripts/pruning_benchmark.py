@@ -65,6 +65,30 @@ flags.FLAGS.set_default("num_seeds", 3)
 flags.FLAGS.set_default("speed", False)
 
 
+# What a cell's name (task-model) stands for: its task and its model's shape.
+_CELL_KEYS = ("task", "model.num_layers", "model.num_heads", "model.d_model",
+              "model.mlp_dim", "model.head_dim")
+
+
+def _field(config, key: str):
+  for part in key.split("."):
+    config = config[part]
+  return config
+
+
+def _cells_in(root: str) -> list[grid.Cell]:
+  """The cells whose folders ``root`` holds, task by task."""
+  from configs import default  # pylint: disable=import-outside-toplevel
+  found = []
+  for name in sorted(os.listdir(root)):
+    task, _, model = name.partition("-")
+    if (task in default.TASKS and model
+        and os.path.isdir(os.path.join(root, name))):
+      found.append(grid.Cell(task, model))
+  order = {t: i for i, t in enumerate(default.TASKS)}
+  return sorted(found, key=lambda c: (order[c.task], c.model))
+
+
 def _checked_cells(overrides: list[str]) -> list[grid.Cell]:
   """Every cell, each config built once to catch a mistake early."""
   from configs import default  # pylint: disable=import-outside-toplevel
@@ -76,23 +100,24 @@ def _checked_cells(overrides: list[str]) -> list[grid.Cell]:
   if not _TASKS.value or not _MODELS.value:
     cli.fail(_PROG, "give at least one task and one model")
   cells = grid.cells(_TASKS.value, _MODELS.value)
-  seen = {}
   for cell in cells:
     try:
       config = default.get_config(cell.config_arg(overrides))
       problems = config_validation.config_problems(config)
+      named = default.get_config(cell.config_arg(()))
     except Exception as e:  # pylint: disable=broad-except
       cli.fail(_PROG, f"cell {cell.name}: {cli.one_line(e)}")
     if problems:
       cli.fail(_PROG, f"cell {cell.name}: {problems[0]}")
-    # An override that names a task or a model variant (sort, task=sort,
-    # deep ...) would give every cell of that axis the same config.
-    same = seen.setdefault(config.to_json(), cell)
-    if same != cell:
-      cli.fail(_PROG, f"--overrides {','.join(overrides)} make cells "
-                      f"{same.name} and {cell.name} the same config: the "
-                      "grid's tasks and models come from --tasks and "
-                      "--models only")
+    # The cell's name says its task and model: an override may not change
+    # them (its results would be filed under another cell's name).
+    for key in _CELL_KEYS:
+      have, want = _field(config, key), _field(named, key)
+      if have != want:
+        cli.fail(_PROG, f"--overrides {','.join(overrides)} change cell "
+                        f"{cell.name}'s {key} ({want!r} -> {have!r}): the "
+                        "grid's tasks and models come from --tasks and "
+                        "--models only")
   return cells
 
 
@@ -109,12 +134,17 @@ def main(argv: list[str]) -> None:
     cli.fail(_PROG, e)
   overrides = [o.strip() for o in _OVERRIDES.value if o.strip()]
   cells = _checked_cells(overrides)
-  try:
-    grid.check_grid(root, grid.grid_settings(options, overrides))
-  except grid.GridMismatchError as e:
-    cli.fail(_PROG, e)
+  table_of_a_grid = _TABLE_ONLY.value and os.path.isfile(
+      os.path.join(root, grid.GRID_FILE))
+  if not table_of_a_grid:  # The table alone needs no settings of a study.
+    try:
+      grid.check_grid(root, grid.grid_settings(options, overrides))
+    except grid.GridMismatchError as e:
+      cli.fail(_PROG, e)
   _check_writable(root, cells)
   if _TABLE_ONLY.value:
+    if not (flags.FLAGS["tasks"].present or flags.FLAGS["models"].present):
+      cells = _cells_in(root)  # The grid's own cells, whatever they are.
     grid.write_table(root, cells)
     return
   # What the cells run (JAX, Flax, orbax, TFDS), imported once the command

@@ -120,7 +120,8 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
   args = flags.FLAGS
-  out = benchmarking.checked_workdirs_and_out(_PROG, args.workdir, args.out)
+  out = benchmarking.checked_workdirs_and_out(_PROG, args.workdir, args.out,
+                                             "shapley_coverage.json", load=True)
   rows = []
   for workdir in args.workdir:
     result = coverage(workdir, args.repeats, args.pairs, args.examples)

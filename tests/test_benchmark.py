@@ -177,6 +177,41 @@ def test_pruning_benchmarks_refuse_bad_input_in_one_line(script, args, message,
   assert os.listdir(tmp_path) == []  # nothing written
 
 
+@pytest.mark.parametrize("script", ["oracle_benchmark.py",
+                                    "shapley_coverage.py"])
+def test_pruning_benchmarks_refuse_a_run_whose_checkpoints_are_all_damaged(
+    script, tmp_path, subprocess_env):
+  broken = tmp_path / "broken"
+  (broken / "checkpoints" / "5").mkdir(parents=True)  # emptied by a crash
+  out = tmp_path / "out" / "b.json"
+  result = run([sys.executable, os.path.join(ROOT, "scripts", script),
+                f"--workdir={broken}", f"--out={out}"], cwd=tmp_path,
+               env=subprocess_env, timeout=120)
+  # The warnings of the damaged checkpoints (as eval.py prints them), then
+  # one line of error; no traceback.
+  lines = result.stderr.strip().splitlines()
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
+  assert lines[-1].startswith(f"{script}: error: --workdir {broken}: ")
+  assert "damaged" in lines[-1]
+  assert not out.parent.exists()
+
+
+def test_end_to_end_benchmark_refuses_a_data_dir_that_is_a_file(
+    tmp_path, subprocess_env):
+  (tmp_path / "afile").write_text("kept")
+  result = run([sys.executable,
+                os.path.join(ROOT, "scripts", "end_to_end_benchmark.py"),
+                "--quick", "--nopeer", f"--data_dir={tmp_path / 'afile'}",
+                f"--out={tmp_path / 'e.json'}"], cwd=tmp_path,
+               env=subprocess_env, timeout=120)
+  lines = result.stderr.strip().splitlines()
+  assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+  assert lines[0] == (f"end_to_end_benchmark.py: error: --data_dir "
+                      f"{tmp_path / 'afile'} is a file, not a folder")
+  assert sorted(os.listdir(tmp_path)) == ["afile"]
+
+
 def test_output_paths_are_checked_before_any_work(tmp_path, monkeypatch):
   # Every benchmark's --out (benchmarking.output_path): the JSON goes there,
   # the table (.md) and plot (.png) beside it under the same name.

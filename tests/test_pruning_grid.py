@@ -82,6 +82,12 @@ def test_an_interrupted_grid_resumes_and_two_processes_share_it(
   assert again.returncode == 0, again.stderr[-2000:]
   assert "training and study" not in again.stdout
   assert "2 already done" in again.stdout
+  # The table alone, without the grid's flags: of the cells it holds.
+  (root / "leaderboard.md").unlink()
+  table = _script(f"--workdir={root}", "--table_only",
+                  env=subprocess_env).wait()
+  assert table.returncode == 0, table.stderr[-2000:]
+  assert "2 of 2 cells finished" in (root / "leaderboard.md").read_text()
 
 
 def test_a_failed_cell_is_marked_and_the_grid_goes_on_a_held_one_skipped(
@@ -163,10 +169,15 @@ def test_a_grid_with_other_settings_is_refused(tmp_path):
     (["--models=nope"], "cell reverse-nope: unknown config variant 'nope'"),
     (["--num_seeds=0"], "--num_seeds must be >= 1"),
     (["--workdir="], "--workdir is empty"),
-    # An override that names a task would make every cell that task.
-    (["--tasks=reverse,sort", "--models=tiny", "--overrides=task=sort"],
-     "--overrides task=sort make cells reverse-tiny and sort-tiny the same "
-     "config"),
+    # An override that changes a cell's task or model: its results would be
+    # filed under another cell's name (also with one task and one model).
+    (["--tasks=reverse", "--models=tiny", "--overrides=task=sort"],
+     "--overrides task=sort change cell reverse-tiny's task ('reverse' -> "
+     "'sort')"),
+    (["--tasks=reverse", "--models=tiny", "--overrides=sort"],
+     "change cell reverse-tiny's task"),
+    (["--tasks=reverse", "--models=tiny,deep", "--overrides=model.num_heads=4"],
+     "change cell reverse-tiny's model.num_heads (2 -> 4)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message,
                                           subprocess_env):
