@@ -477,6 +477,9 @@ def main(argv: list[str], flag: Mapping[str, flags.FlagHolder]) -> None:
     jax.config.update("jax_disable_most_optimizations", True)
   plan = (SEEDS if flag["vmapped_seeds"].value else
           QUICK if flag["quick"].value else GPU)
+  if plan is SEEDS and flag["quick"].value:  # QUICK's seeds rows alone.
+    plan = dataclasses.replace(
+        QUICK, shapes=(), dtypes=(), repeats=0)
   if flag["repeats"].value is not None:
     plan = dataclasses.replace(plan, repeats=flag["repeats"].value)
   log = lambda message: print(message, file=sys.stderr, flush=True)
@@ -487,7 +490,7 @@ def main(argv: list[str], flag: Mapping[str, flags.FlagHolder]) -> None:
   results["accelerator"] = run(plan, time_interleaved, log)
   results["load_average_end"] = load_average()
   lines = header_lines(results)
-  if plan is SEEDS:
+  if not plan.shapes:  # The vmapped-seeds rows alone.
     lines[1] = (f"Train steps/s: medians of {plan.seeds_windows} windows of "
                 f"about {plan.seeds_window_s:g} s.")
   lines += format_tables(results["accelerator"])

@@ -77,8 +77,26 @@ def command() -> list[str]:
           *passed("repeats")]
 
 
+def _check_combination() -> None:
+  """Flags of one job given with another's: one line and exit 2 (the job's
+  script would drop them)."""
+  given = lambda *names: [f"--{n}" for n in names if flags.FLAGS[n].present]
+  if _END_TO_END.value:
+    other = given("gpu", "vmapped_seeds", "repeats")
+    if other:
+      cli.fail(_PROG, f"--end_to_end does not take {', '.join(other)}")
+  else:
+    other = given("end_to_end_rounds", "peer", "data_dir")
+    if other:
+      cli.fail(_PROG, f"{', '.join(other)}: only with --end_to_end")
+  if _GPU.value and _VMAPPED_SEEDS.value:
+    cli.fail(_PROG, "give --gpu (every accelerator row) or --vmapped_seeds "
+                    "(those rows alone), not both")
+
+
 def main(argv: list[str]) -> None:
   del argv
+  _check_combination()
   benchmarking.checked_output_path(_PROG, _OUT.value)
   script, *args = command()
   sys.stdout.flush()

@@ -251,7 +251,9 @@ def format_end_to_end(results: Mapping[str, Any]) -> str:
       f"rounds, seconds from process start. Trained = the first validation "
       f"with exact match >= {EXACT_MATCH_GOAL}. Ms a step: the median of the "
       f"progress windows between evaluations (their time left out, as in "
-      f"train.py's steps/s), the first window (start-up) aside.", "",
+      f"train.py's steps/s), the first window (start-up) aside.", *(
+          ["Quick run (the tiny config, one round): a smoke test, not a "
+           "measurement."] if results["plan_name"] == "quick" else []), "",
       "| process | to end of first step | to trained | to exit | ms a step "
       "| each run (to trained; floor: to exit) |",
       "| --- | ---: | ---: | ---: | ---: | --- |"]

@@ -212,6 +212,25 @@ def test_end_to_end_benchmark_refuses_a_data_dir_that_is_a_file(
   assert sorted(os.listdir(tmp_path)) == ["afile"]
 
 
+def test_benchmark_refuses_flags_of_another_job(tmp_path):
+  script = os.path.join(ROOT, "scripts", "benchmark.py")
+  for args, message in [
+      (("--end_to_end", "--gpu"), "--end_to_end does not take --gpu"),
+      (("--end_to_end", "--repeats=3"), "--end_to_end does not take --repeats"),
+      (("--gpu", "--vmapped_seeds"), "not both"),
+      (("--nopeer",), "--peer: only with --end_to_end"),
+      (("--end_to_end_rounds=2",),
+       "--end_to_end_rounds: only with --end_to_end")]:
+    result = subprocess.run([sys.executable, script, *args], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120,
+                            check=False)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0] == f"benchmark.py: error: {message}" or (
+        message in lines[0]), lines[0]
+  assert os.listdir(tmp_path) == []
+
+
 def test_output_paths_are_checked_before_any_work(tmp_path, monkeypatch):
   # Every benchmark's --out (benchmarking.output_path): the JSON goes there,
   # the table (.md) and plot (.png) beside it under the same name.

@@ -260,6 +260,8 @@ def test_end_to_end_benchmark_quick(tmp_path, data_dir, subprocess_env):
     assert 0 < run["first_step_s"] < run["exit_s"]
     assert run["step_ms"] > 0  # the progress windows' ms a step
   assert ("| train.py, warm (same config again) |" in result.stdout)
+  assert "Quick run (the tiny config, one round): a smoke test" in (
+      result.stdout)
   assert results["summary"]["ratios"]["warm_first_step_over_floor"] > 0
   assert "peer" not in runs
 
