@@ -97,14 +97,20 @@ def evaluate(model: Transformer, params: Params, split: data.Split,
   Args:
     model, params: the model; ``params`` replicated or split on ``mesh``
       (or on no particular device).
-    split: the examples.
-    batch_size: examples per batch, rounded up to a multiple of the devices.
+    split: the examples (at least one).
+    batch_size: examples per batch (at most the split's size), rounded up to
+      a multiple of the devices.
     mesh: the devices, batches split along its data axis; by default every
       device (``mha.sharding.make_mesh()``).
     compiled: ``eval_step`` compiled for these batches and ``params``
       (``(params, batch) -> sums``, e.g. ``eval_step.lower(model, params,
       batch).compile()``); by default ``eval_step`` itself.
+
+  Raises:
+    ValueError: an empty split (its metrics are undefined).
   """
+  if not len(split):
+    raise ValueError("evaluate: the split holds no examples")
   mesh = sharding_lib.make_mesh() if mesh is None else mesh
   totals: dict[str, float] = {}
   for batch in sharding_lib.eval_batches(split, batch_size, mesh):

@@ -240,7 +240,8 @@ class Transformer(nn.Module):
 
   config: TransformerConfig
 
-  def setup(self):
+  def setup(self) -> None:
+    """The embeddings, one :class:`EncoderBlock` per layer and the read-out."""
     cfg = self.config
     self.token_embed = nn.Embed(
         cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype,
@@ -301,7 +302,14 @@ class Transformer(nn.Module):
         attention tuple holds None.
 
     Returns:
-      ``(logits, attention)``.
+      ``(logits, attention)``: logits ``[..., L, vocab_size]`` and one
+      attention-weights array ``[..., H_l, L, L]`` per layer (None with
+      ``return_weights=False``).
+
+    Raises:
+      ValueError: tokens that are not integers or longer than ``max_len``,
+        or a ``head_mask`` whose shape (or per-layer counts) does not match
+        the model's heads.
     """
     cfg = self.config
     if not jnp.issubdtype(tokens.dtype, jnp.integer):

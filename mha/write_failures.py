@@ -152,6 +152,7 @@ class DropReportedFailures(logging.Filter):
   one line); every other record passes."""
 
   def filter(self, record: logging.LogRecord) -> bool:
+    """False (dropped) for a record of a failure already reported."""
     orbax = f"{os.sep}orbax{os.sep}"
     # asyncio's "Task exception was never retrieved" (or a gathering
     # future's), logged when one of orbax's write tasks is collected (at the

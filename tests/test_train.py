@@ -88,6 +88,10 @@ def test_train_writes_metrics_checkpoints_and_events(tiny_run):
   # does the program a run compiles for it.
   assert evaluate.evaluate(build.make_model(config), state.params,
                            splits["test"], 10**8) == expected
+  with pytest.raises(ValueError, match="the split holds no examples"):
+    evaluate.evaluate(build.make_model(config), state.params,
+                      data.Split(splits["test"].inputs[:0],
+                                 splits["test"].targets[:0]), 64)
   huge = tiny_config(config.data.data_dir, "eval_batch_size=100000000")
   mesh = sharding.make_mesh()
   _, (_, _, batch) = train.eval_step_program(

@@ -211,6 +211,10 @@ def gradient_importance(model: Transformer, params: Params, split: data.Split,
   Returns:
     ``[L, H]`` (``[n, L, H]`` with ``per_example``), NaN where a head does
     not exist.
+
+  Raises:
+    ValueError: ``per_example`` and ``normalize`` together (a per-example
+      value has no layer norm to divide by that its mean would keep).
   """
   config = model.config
   mask = jnp.asarray(full_head_mask(config) if head_mask is None else head_mask)

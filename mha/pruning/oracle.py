@@ -556,11 +556,17 @@ def evaluate_subsets(model: Transformer, params: Params, split: data.Split, *,
       ``2**N`` subsets x examples would exceed :data:`ROWS_PER_CALL`, or
       :data:`TABLE_ROWS_PER_CALL` with ``per_example``).
     per_example: return per-example sums instead of metrics.
+    bias_shifts: ``[L, H, D]``, mean ablation
+      (:func:`mha.pruning.mean_ablation.bias_shifts`) instead of zero
+      ablation; None for none.
+    ablation: what a removed head outputs (:mod:`mha.pruning.ablation`,
+      built for ``split``); zero when None.
 
   Returns:
     ``loss``, ``token_accuracy``, ``exact_match``: ``[2**N]`` (streamed,
     :func:`subset_totals`). With ``per_example`` (every layer run as the
-    model runs it; ``[2**N, n]`` per metric: small ``N`` only): the :func:`eval_lib.example_metric_sums` of every example,
+    model runs it; ``[2**N, n]`` per metric: small ``N`` only): the
+    :func:`mha.evaluate.example_metric_sums` of every example,
     ``loss_sum``, ``correct``, ``exact``, ``tokens``, ``sequences``, each
     ``[2**N, n]``; :func:`mha.evaluate.summarize` of their sums over the
     examples (any resample of them) gives the metrics.

@@ -274,7 +274,9 @@ def run(workdir: str, out_dir: str, options: StudyOptions,
   ``step``; or ``checkpoint``, what :func:`check_inputs` returned for
   them); writes ``results.json``, ``report.md``, the plots and each
   seed's per-example results (``examples_seed<s>.npz``) to ``out_dir`` and
-  returns the results.
+  returns the results (the plots only with ``options.plots``; the returned
+  results also hold each seed's per-example arrays, ``seeds[i]["examples"]``,
+  which ``results.json`` leaves to the ``.npz`` files).
 
   Raises:
     FileNotFoundError: no checkpoint (of ``step``) in ``workdir``.
@@ -282,6 +284,8 @@ def run(workdir: str, out_dir: str, options: StudyOptions,
       head to remove that does not exist, a step the other seeds will not
       have, or a seed directory trained with another config (without
       ``retrain_seeds``): :func:`check_inputs`.
+    WriteFailure, TrainingInterrupted, FloatingPointError: from training the
+      study's other seeds (:func:`mha.train.train_and_evaluate`).
   """
   start = time.perf_counter()
   first = check_inputs(workdir, out_dir, options, step, checkpoint)

@@ -91,6 +91,7 @@ class Cell:
 
   @property
   def name(self) -> str:
+    """``task-model``: the cell's folder in the grid."""
     return f"{self.task}-{self.model}"
 
   def config_arg(self, overrides: Sequence[str]) -> str:

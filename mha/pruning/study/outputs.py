@@ -20,6 +20,8 @@ from mha.pruning.study.options import StudyOptions
 
 
 def jsonable(value: Any) -> Any:
+  """``value`` as JSON can hold it: arrays as lists, NumPy scalars as Python
+  ones, mapping keys as strings, non-finite floats as None."""
   if isinstance(value, Mapping):
     return {str(k): jsonable(v) for k, v in value.items()}
   if isinstance(value, (list, tuple)):
