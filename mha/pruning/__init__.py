@@ -24,6 +24,14 @@ study (:mod:`mha.pruning.study`) that composes them:
 * :mod:`mha.pruning.kwon`: retraining-free pruning after Kwon et al. (2022):
   Fisher mask search, rearrangement, mask tuning.
 
+What runs on the model (masked logits, metric sums, head-mask gradients,
+ablations, gates, ``prune_heads``) is pure JAX: ``jit``, ``grad`` and
+``vmap`` (over head masks, over stacked parameters) pass through it. The
+drivers that loop over a split's batches, the searches over subsets and
+the small post-processing of their results (normalising, ordering,
+Möbius transforms, Shapley values of a subset table) are NumPy on the
+host, in float64 where the statistics need it, and say so.
+
 So ``from mha import pruning; pruning.prune_heads(...)`` works. The names
 are imported on first use (PEP 562, as :mod:`mha` does), so that the study's
 command line answers ``--help`` or a mistyped flag without importing JAX:

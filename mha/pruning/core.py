@@ -183,7 +183,8 @@ _attention_statistics = jax.jit(attention_statistics, static_argnames="model")
 
 
 def normalize_per_layer(importance: np.ndarray) -> np.ndarray:
-  """Divides each layer's importances by their L2 norm (Michel et al.)."""
+  """Divides each layer's importances by their L2 norm (Michel et al.).
+  NumPy on the host (NaN-aware): not for ``jit``."""
   norm = np.sqrt(np.nansum(np.square(importance), axis=-1, keepdims=True))
   return importance / np.where(norm > 0, norm, 1.0)
 
@@ -318,7 +319,7 @@ def evaluate_masks_loop(model: Transformer, params: Params, split: data.Split,
 
 def heads_to_array(config: TransformerConfig, values: np.ndarray) -> np.ndarray:
   """Puts one value per existing head into an ``[L, H]`` array (NaN
-  elsewhere)."""
+  elsewhere). NumPy on the host: not for ``jit``."""
   exists = existing_heads(config)
   out = np.full(exists.shape, np.nan)
   out[exists] = values
@@ -401,7 +402,8 @@ def attention_confidence(model: Transformer, params: Params,
 
 def order_from_importance(importance: np.ndarray) -> np.ndarray:
   """Flat indices of the existing (non-NaN) heads, least important first
-  (ties broken by index, so the order is deterministic)."""
+  (ties broken by index, so the order is deterministic). NumPy on the host,
+  in float64: not for ``jit``."""
   flat = np.asarray(importance, np.float64).reshape(-1)
   heads = np.flatnonzero(~np.isnan(flat))
   return heads[np.argsort(flat[heads], kind="stable")]

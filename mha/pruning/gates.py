@@ -238,7 +238,8 @@ def kept_mask(log_alpha: np.ndarray, config: TransformerConfig, *,
               no_layer_emptied: bool = False) -> np.ndarray:
   """The 0/1 head mask ``[L, H]`` of one strength's gates: the heads whose
   test-time gate is above 0; with ``no_layer_emptied``, a layer left with
-  none keeps its head of largest ``log_alpha``."""
+  none keeps its head of largest ``log_alpha``. NumPy on the host: not for
+  ``jit``."""
   exists = head_masks.existing_heads(config)
   values = np.where(exists, np.nan_to_num(log_alpha, nan=-np.inf), -np.inf)
   mask = (np.asarray(deterministic(jnp.asarray(np.where(

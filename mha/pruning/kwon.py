@@ -21,7 +21,9 @@ For attention heads:
    attention output on the pruned model's own input reproduces the unpruned
    model's on its input, over every valid position. Removed heads stay 0.
 
-Each step is a pure function of arrays, or a jitted pass over a split:
+Each step is a pure function of arrays (the search and
+:func:`fisher_importance` in NumPy on the host, in float64), or a jitted
+pass over a split:
 
     blocks = fisher_blocks(model, params, splits["validation"])  # [L, H, H]
     removed = search(blocks, model.config, k=3)     # flat indices, rearranged
@@ -83,7 +85,8 @@ def fisher_blocks(model: Transformer, params: Params, split: data.Split, *,
 def fisher_importance(blocks: np.ndarray,
                       config: TransformerConfig) -> np.ndarray:
   """Each head's Fisher importance ``E_x[(dL/dm_h)^2]``, the diagonal of
-  :func:`fisher_blocks`: ``[L, H]``, NaN where no head."""
+  :func:`fisher_blocks`: ``[L, H]``, NaN where no head. NumPy on the
+  host, in float64: not for ``jit``."""
   diagonal = np.diagonal(blocks, axis1=-2, axis2=-1).astype(np.float64)
   return np.where(existing_heads(config), diagonal, np.nan)
 

@@ -114,7 +114,8 @@ def subset_masks(config: TransformerConfig) -> np.ndarray:
 
 
 def subset_index(config: TransformerConfig, masks: np.ndarray) -> np.ndarray:
-  """The subset index ``s`` of each dense mask ``[..., L, H]``."""
+  """The subset index ``s`` of each dense mask ``[..., L, H]``. NumPy on the
+  host: not for ``jit``."""
   flat = np.flatnonzero(head_masks.existing_heads(config))
   masks = np.asarray(masks).reshape(np.shape(masks)[:-2] + (-1,))
   kept = masks[..., flat] > 0.5
@@ -813,7 +814,8 @@ def shapley_values(values: np.ndarray, config: TransformerConfig) -> np.ndarray:
 
   ``phi_h = sum over S without h of |S|! (N - |S| - 1)! / N! *
   (v(S + h) - v(S))``, where ``v(S) = values[S]`` (the metric with exactly
-  the heads of ``S`` kept). The values sum to ``v(all) - v(none)``.
+  the heads of ``S`` kept). The values sum to ``v(all) - v(none)``. NumPy
+  on the host, in float64: not for ``jit``.
 
   Returns:
     ``[L, H]``, NaN where a head does not exist.

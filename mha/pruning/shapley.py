@@ -86,7 +86,8 @@ def sampled_shapley(value_fn: ValueFn, num_heads: int, *, num_pairs: int,
 
 def mobius(values: np.ndarray) -> np.ndarray:
   """The Möbius transform ``m(T) = sum over S in T of (-1)^{|T - S|} v(S)``
-  of a subset table ``[2**N]``, in ``O(N 2**N)``."""
+  of a subset table ``[2**N]``, in ``O(N 2**N)``. NumPy on the host, in
+  float64: not for ``jit``."""
   m = np.array(values, np.float64)
   n = int(round(math.log2(len(m))))
   if 2 ** n != len(m):
@@ -100,7 +101,7 @@ def mobius(values: np.ndarray) -> np.ndarray:
 
 def interaction_indices(values: np.ndarray) -> np.ndarray:
   """Pairwise Shapley interaction indices ``[N, N]`` (zero diagonal) of a
-  subset table ``values`` ``[2**N]``."""
+  subset table ``values`` ``[2**N]``. NumPy on the host: not for ``jit``."""
   m = mobius(values)
   n = int(round(math.log2(len(m))))
   bits = ((np.arange(2 ** n)[:, None] >> np.arange(n)[None, :]) & 1).astype(
