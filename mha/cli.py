@@ -222,6 +222,17 @@ def nonempty_path(prog: str, path: str | None, flag: str = "workdir") -> str:
   return path
 
 
+def data_dir(prog: str, path: str | None) -> str | None:
+  """``--data_dir``'s ``path`` expanded, or None where not given; fails (exit
+  2) if it is empty or a file (TFDS would prepare nothing there)."""
+  if path is None:
+    return None
+  path = os.path.expanduser(nonempty_path(prog, path, "data_dir"))
+  if os.path.exists(path) and not os.path.isdir(path):
+    fail(prog, f"--data_dir {path} is a file, not a folder")
+  return path
+
+
 def existing_dir(prog: str, path: str, what: str = "workdir") -> str:
   """``path`` expanded and made absolute; fails (exit 2) unless it is an
   existing directory (an empty ``path`` included: ``--<what>`` is empty)."""

@@ -25,6 +25,10 @@ from mha.model import Transformer
 
 Metrics = dict[str, Array]
 
+#: The sums and counts :func:`example_metric_sums` and :func:`metric_sums`
+#: return, which :func:`summarize` turns into metrics.
+SUM_KEYS = ("loss_sum", "correct", "tokens", "exact", "sequences")
+
 
 def example_metric_sums(logits: Array, targets: Array,
                         inputs: Array) -> Metrics:

@@ -119,7 +119,7 @@ class _TrainMetrics:
     self.last: dict[str, float] = {}
 
   def add(self, metrics: Mapping[str, np.ndarray]):
-    for key in ("loss_sum", "correct", "tokens", "exact", "sequences"):
+    for key in eval_lib.SUM_KEYS:
       self.sums[key] = self.sums.get(key, 0.0) + float(metrics[key])
     self.last = {k: float(metrics[k]) for k in ("grad_norm", "learning_rate")}
     self.steps += 1

@@ -115,11 +115,7 @@ def main(argv: Sequence[str]) -> None:
     cli.fail(_PROG, f"--dropout must be in [0, 1), got {_DROPOUT.value}")
   out = (None if _OUT.value is None else benchmarking.checked_output_path(
       _PROG, _OUT.value, "determinism.json"))
-  if _DATA_DIR.value is not None:
-    data_dir = os.path.expanduser(cli.nonempty_path(_PROG, _DATA_DIR.value,
-                                                    "data_dir"))
-    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
-      cli.fail(_PROG, f"--data_dir {data_dir} is a file, not a folder")
+  cli.data_dir(_PROG, _DATA_DIR.value)
   import jax  # pylint: disable=import-outside-toplevel
   from configs import default  # pylint: disable=import-outside-toplevel
   from mha import train  # pylint: disable=import-outside-toplevel

@@ -39,8 +39,8 @@ from configs import default
 from mha import build
 from mha import cli
 from mha import data
-from mha.benchmarking import (environment, header_lines, load_average,
-                              output_path, write_results)
+from mha.benchmarking import (checked_output_path, environment,
+                              header_lines, load_average, write_results)
 
 _QUICK = flags.DEFINE_bool(
     "quick", False, "The tiny config, one round: a smoke test of seconds "
@@ -284,15 +284,8 @@ def format_end_to_end(results: Mapping[str, Any]) -> str:
 
 def main(argv: list[str]) -> None:
   del argv
-  try:
-    out = output_path(_OUT.value, "end_to_end.json")
-  except ValueError as e:
-    cli.fail(_PROG, e)
-  if _DATA_DIR.value is not None:
-    data_dir = os.path.expanduser(cli.nonempty_path(_PROG, _DATA_DIR.value,
-                                                    "data_dir"))
-    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
-      cli.fail(_PROG, f"--data_dir {data_dir} is a file, not a folder")
+  out = checked_output_path(_PROG, _OUT.value, "end_to_end.json")
+  cli.data_dir(_PROG, _DATA_DIR.value)
   logging.set_verbosity(logging.WARNING)
   log = lambda message: print(message, file=sys.stderr, flush=True)
   rounds = _ROUNDS.value or (1 if _QUICK.value else 3)

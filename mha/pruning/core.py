@@ -265,10 +265,8 @@ def evaluate_masks(model: Transformer, params: Params, split: data.Split,
   if n == 0:  # No masks (an empty selection, say): empty results.
     if per_example:
       return {key: np.zeros((0, len(split)), np.float32)
-              for key in ("loss_sum", "correct", "tokens", "exact",
-                          "sequences")}
-    return {key: np.zeros(0) for key in ("loss", "token_accuracy",
-                                         "exact_match")}
+              for key in eval_lib.SUM_KEYS}
+    return eval_lib.summarize({key: np.zeros(0) for key in eval_lib.SUM_KEYS})
   chunk = -(-n // -(-n // max(chunk_size, 1)))  # even chunks, least padding
   totals: dict[str, list[np.ndarray]] = {}
   for start in range(0, n, chunk):
