@@ -93,11 +93,13 @@ def make_optimizer(
   )
 
 
-def run_rngs(config: ml_collections.ConfigDict) -> Array:
+def run_rngs(config: ml_collections.ConfigDict, impl: Any = None) -> Array:
   """A run's two keys ``[2]``, both from ``config.seed``: parameter init
   (``[0]``) and dropout (``[1]``). A run's step-0 parameters are
-  ``init_params(model, run_rngs(config)[0])``."""
-  return jax.random.split(jax.random.key(config.seed))
+  ``init_params(model, run_rngs(config)[0])``. ``impl``: the PRNG
+  implementation (default JAX's; ``mha.host_prng.impl()`` gives the same
+  keys with the hashes on the host)."""
+  return jax.random.split(jax.random.key(config.seed, impl=impl))
 
 
 def init_params(model: Transformer, rng: Array) -> Any:

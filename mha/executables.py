@@ -15,7 +15,11 @@ caller's description (``parts``: the config, the compiler options), the
 versions of Python, JAX, jaxlib, Flax, optax and NumPy, JAX's config flags,
 ``XLA_FLAGS``, the devices and the CPU's features, and the arguments' shapes,
 types and shardings. A later call with the same key loads the executable and
-runs it: no tracing, no lowering, no cache key to hash.
+runs it: no tracing, no lowering, no cache key to hash. Of a program that
+takes no arguments and runs once (a run's initial state), it keeps the
+outputs instead (:func:`run_or_load`): a warm start loads them, and such a
+program need not be serializable (the initial state's is not: it calls
+back into Python, :mod:`mha.host_prng`).
 
 Rules that keep it safe:
 
@@ -54,6 +58,7 @@ import zlib
 from typing import Any, Mapping, Sequence
 
 import jax
+import numpy as np
 
 from mha import compilation_cache
 
@@ -178,13 +183,105 @@ def store(folder: str, entry: str, compiled: jax.stages.Compiled) -> bool:
     # the devices must be loaded onto those).
     device_ids = [d.id for d in
                   compiled._executable.xla_executable.local_devices()]  # pylint: disable=protected-access
-    blob = zlib.compress(pickle.dumps(
+    payload = pickle.dumps(
         (*serialize_executable.serialize(compiled), device_ids),
-        protocol=pickle.HIGHEST_PROTOCOL), 1)
+        protocol=pickle.HIGHEST_PROTOCOL)
+  except Exception:  # pylint: disable=broad-except
+    return False  # e.g. a program that calls back into Python
+  return _write(folder, entry, payload)
+
+
+def run_or_load(name: str, jitted: Any, *, parts: Mapping[str, Any],
+                out_shardings: Any,
+                compiler_options: Mapping[str, Any] | None = None,
+                folder: str | None = None) -> Any:
+  """The outputs of ``jitted()``, a program of no arguments (so the same
+  outputs at every run), or those outputs as an earlier call with the same
+  :func:`key` stored them (``folder``, default :func:`directory`).
+
+  For a program that runs once, as a run's initial state does: where its
+  outputs are stored, a warm start neither loads nor runs the program, and
+  a program that cannot be kept whole (one that calls back into Python)
+  still costs a warm start nothing. ``out_shardings``: the outputs' tree,
+  a sharding for each array (the loaded ones are put there). PRNG key
+  arrays are kept as their data and implementation, a scalar of a weak type
+  as a weak scalar; outputs with a weak-typed array are not kept. Otherwise
+  as :func:`compile_or_load`, which compiles (or loads) the program when
+  there is nothing stored.
+  """
+  folder = directory() if folder is None else folder
+  entry = (key(name, (), parts, compiler_options) + _RESULT
+           if folder else "")
+  if entry:
+    outputs = _load_outputs(folder, entry, out_shardings)
+    if outputs is not None:
+      compilation_cache.note_executable_loaded()
+      return outputs
+  outputs = compile_or_load(name, jitted, (), parts=parts,
+                            compiler_options=compiler_options,
+                            folder=folder)()
+  if entry:
+    _store_outputs(folder, entry, outputs)
+  return outputs
+
+
+_RESULT = ".outputs"  # An entry of outputs, not of an executable.
+_WEAK = "weak"  # An output of a weak type: a scalar, kept as a NumPy one.
+
+
+def _load_outputs(folder: str, entry: str, out_shardings: Any) -> Any:
+  """The outputs :func:`_store_outputs` kept under ``entry``, put on
+  ``out_shardings``; None where there are none, or they cannot be read or do
+  not fit ``out_shardings``' tree."""
+  try:
+    with open(os.path.join(folder, entry + _SUFFIX), "rb") as f:
+      leaves = pickle.loads(zlib.decompress(f.read()))
+    shardings, tree = jax.tree.flatten(out_shardings)
+    if len(leaves) != len(shardings):
+      return None
+    arrays = []
+    for (kind, value), sharding in zip(leaves, shardings):
+      if kind == _WEAK:  # a Python scalar is put as a weak one
+        array = jax.device_put(value.item(), sharding)
+        if array.dtype != value.dtype:  # another jax_enable_x64
+          return None
+      else:
+        array = jax.device_put(value, sharding)
+        if kind is not None:
+          array = jax.random.wrap_key_data(array, impl=kind)
+      arrays.append(array)
+    return jax.tree.unflatten(tree, arrays)
+  except Exception:  # pylint: disable=broad-except
+    return None  # None there, or damaged: computed (and replaced).
+
+
+def _store_outputs(folder: str, entry: str, outputs: Any) -> bool:
+  """Writes ``outputs`` (arrays and PRNG key arrays) under ``entry``,
+  atomically; False if one is an array of a weak type (not a scalar) or the
+  write fails."""
+  leaves = []
+  for leaf in jax.tree.leaves(outputs):
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      leaves.append((str(jax.random.key_impl(leaf)),
+                     np.asarray(jax.random.key_data(leaf))))
+    elif getattr(leaf, "weak_type", False):
+      if leaf.shape:
+        return False  # only a scalar can be made weak again
+      leaves.append((_WEAK, np.asarray(leaf)))
+    else:
+      leaves.append((None, np.asarray(leaf)))
+  return _write(folder, entry, pickle.dumps(
+      leaves, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _write(folder: str, entry: str, payload: bytes) -> bool:
+  """Writes ``payload``, compressed, as ``entry`` in ``folder`` (made
+  private if new), atomically; False if that fails."""
+  try:
     os.makedirs(folder, mode=0o700, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp",
                                      delete=False) as f:
-      f.write(blob)
+      f.write(zlib.compress(payload, 1))
     os.replace(f.name, os.path.join(folder, entry + _SUFFIX))
   except Exception:  # pylint: disable=broad-except
     try:

@@ -61,6 +61,7 @@ from mha import data
 from mha import evaluate as eval_lib
 from mha import executables
 from mha import finetune
+from mha import host_prng
 from mha import metric_writers
 from mha import sharding as sharding_lib
 from mha import workdir_lock
@@ -408,7 +409,10 @@ def _fresh_state(config: ml_collections.ConfigDict, model: Transformer
   (``build.create_train_state``, its leaves flat) and the dropout rng, both
   from ``config.seed``; ``abstract_state`` is the state's ``jax.eval_shape``.
 
-  Traced once: ``jax.eval_shape(initial)`` traces it, and jitting the same
+  On a CPU backend in one process its random numbers are hashed on the
+  host (:mod:`mha.host_prng`: bitwise the same state, a program that
+  compiles in about half the time). Traced once: ``jax.eval_shape(initial)``
+  traces it, and jitting the same
   function (:func:`_initial_state`) finds that trace in JAX's cache, so
   start-up traces the model's initialisation once rather than twice. The
   leaves come out flat because the state's tree holds its optimizer, a new
@@ -418,10 +422,10 @@ def _fresh_state(config: ml_collections.ConfigDict, model: Transformer
   structure = []
 
   def initial_state_leaves():
-    init_rng, dropout_rng = build.run_rngs(config)
+    init_rng, dropout_rng = build.run_rngs(config, impl=_rng_impl())
     state = build.create_train_state(config, model, init_rng)
     structure.append(jax.tree.structure(state))
-    return jax.tree.leaves(state), dropout_rng
+    return jax.tree.leaves(state), host_prng.as_threefry(dropout_rng)
 
   leaves, _ = jax.eval_shape(initial_state_leaves)
   return initial_state_leaves, jax.tree.unflatten(structure[0], leaves)
@@ -440,11 +444,12 @@ def _initial_state(config: ml_collections.ConfigDict,
   """
   replicated = sharding_lib.replicated(mesh)
   if restored is not None:
-    return restored[1], _run_once(config, "dropout_rng", jax.jit(
-        lambda: build.run_rngs(config)[1], out_shardings=replicated))
-  leaves, dropout_rng = _run_once(config, "initial_state", jax.jit(
-      initial,
-      out_shardings=(jax.tree.leaves(state_shardings), replicated)))
+    return restored[1], _run_once(
+        config, "dropout_rng", lambda: host_prng.as_threefry(
+            build.run_rngs(config, impl=_rng_impl())[1]), replicated)
+  leaves, dropout_rng = _run_once(
+      config, "initial_state", initial,
+      (jax.tree.leaves(state_shardings), replicated))
   # Built on the structure of ``state_shardings`` (see _fresh_state).
   return jax.tree.unflatten(jax.tree.structure(state_shardings),
                             leaves), dropout_rng
@@ -488,17 +493,29 @@ def step_compiler_options() -> dict[str, str] | None:
 unknown_compiler_option = executables.unknown_compiler_option
 
 
-def _run_once(config: ml_collections.ConfigDict, name: str, jitted: Any
-              ) -> Any:
-  """Calls ``jitted`` (no arguments; program ``name`` of ``config``),
-  compiled with ``RUN_ONCE_COMPILER_OPTIONS`` (unless
-  ``jax_disable_most_optimizations`` already asks for less, as the tests do),
-  or loaded whole from :mod:`mha.executables`."""
+def _run_once(config: ml_collections.ConfigDict, name: str,
+              fn: Callable[[], Any], out_shardings: Any) -> Any:
+  """``fn()`` (no arguments; program ``name`` of ``config``), jitted onto
+  ``out_shardings`` and compiled with ``RUN_ONCE_COMPILER_OPTIONS`` (unless
+  ``jax_disable_most_optimizations`` already asks for less, as the tests
+  do), or its outputs as :mod:`mha.executables` kept them
+  (``executables.run_or_load``)."""
   options = (None if jax.config.read("jax_disable_most_optimizations")
              else RUN_ONCE_COMPILER_OPTIONS)
-  return executables.compile_or_load(
-      name, jitted, (), parts=_store_parts(config),
-      compiler_options=options)()
+  return executables.run_or_load(
+      name, jax.jit(fn, out_shardings=out_shardings),
+      parts=_store_parts(config), out_shardings=out_shardings,
+      compiler_options=options)
+
+
+def _rng_impl() -> Any:
+  """The PRNG implementation of a run's initial state: JAX's threefry2x32
+  with its hashes on the host (:mod:`mha.host_prng`, bitwise the same keys
+  and bits) on a CPU backend in a single process, where XLA compiles each
+  hash as a loop of its own; elsewhere None, JAX's own."""
+  if jax.default_backend() == "cpu" and jax.process_count() == 1:
+    return host_prng.impl()
+  return None
 
 
 def _checked_workdir(config: ml_collections.ConfigDict,

@@ -61,9 +61,16 @@ def kernels(hlo_text: str) -> int:
 def programs(config) -> dict[str, tuple]:
   """``{name: (jitted, args)}`` of the three programs of a run."""
   model = build.make_model(config)
-  create = functools.partial(build.create_train_state, config, model)
-  init = jax.jit(lambda: create(jax.random.key(config.seed)))
-  state = init()
+  # The initial state as mha.train makes it (its random numbers hashed on
+  # the host where it does that: mha.host_prng); older code: plainly.
+  if hasattr(train, "_rng_impl"):
+    initial, abstract_state = train._fresh_state(config, model)  # pylint: disable=protected-access
+    init = jax.jit(lambda: initial()[0])
+    state = jax.tree.unflatten(jax.tree.structure(abstract_state), init())
+  else:
+    create = functools.partial(build.create_train_state, config, model)
+    init = jax.jit(lambda: create(jax.random.key(config.seed)))
+    state = init()
   tokens = jnp.ones((config.batch_size, config.data.max_len), jnp.int32)
   step = jax.jit(functools.partial(
       train.train_step, model=model,

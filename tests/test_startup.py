@@ -126,14 +126,17 @@ def test_second_run_loads_every_program_and_ends_bitwise_equal(
     counts.append(compilation_cache.counts() - before)
     stored.append(len(os.listdir(store)) if os.path.isdir(store) else 0)
   # A run compiles three programs: the initial state, the train step and the
-  # evaluation step (for every split and batch), and stores them whole; the
-  # second loads them whole, tracing nothing. With the store emptied, the
-  # third loads them from the compilation cache (traced, not compiled), and
-  # stores none: an XLA:CPU executable loaded from that cache serializes
-  # incomplete.
+  # evaluation step (for every split and batch), and stores the last two
+  # whole and the initial state's outputs (its program calls back into
+  # Python for its random numbers: mha.host_prng); the second loads all
+  # three, tracing nothing. With the store emptied, the third loads the two
+  # steps from the compilation cache (traced, not compiled) and stores
+  # neither (an XLA:CPU executable loaded from that cache serializes
+  # incomplete); the initial state, which that cache does not keep either,
+  # is compiled again and its outputs stored.
   assert counts == [CompileCounts(3, 0), CompileCounts(0, 0, 3),
-                    CompileCounts(3, 3)]
-  assert stored == [3, 3, 0]
+                    CompileCounts(3, 2)]
+  assert stored == [3, 3, 1]
   # On CPU, the runs on loaded programs end with bitwise the parameters and
   # optimizer state of the runs on compiled ones.
   for final in finals[1:]:
@@ -176,6 +179,58 @@ def test_damaged_store_entry_is_compiled_again_and_replaced(
   assert compilation_cache.counts() - before == CompileCounts(0, 0, 1)
   with pytest.raises(TypeError):  # a loaded program checks its arguments
     executables.load(folder, entry)(np.arange(4, dtype=np.float32))
+
+
+def test_outputs_of_a_program_run_once_are_kept_and_loaded_as_they_were(
+    tmp_path, jax_cache_settings):
+  # executables.run_or_load keeps a nullary program's outputs: arrays,
+  # a weak-typed scalar and a PRNG key come back with their bits, types and
+  # shardings, with nothing compiled; a damaged entry is run again and
+  # replaced; outputs with a weak-typed array are not kept.
+  del jax_cache_settings
+  assert compilation_cache.configure("") == ""  # so compiled here, not loaded
+  mesh = jax.make_mesh((1,), ("data",))
+  put = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  shardings = ([put, put], put)
+
+  def outputs():
+    key = jax.random.key(3)
+    return [jax.random.normal(key, (4, 2)), 0], jax.random.split(key)[1]
+
+  jitted = jax.jit(outputs, out_shardings=shardings)
+  folder = str(tmp_path / "store")
+  first = executables.run_or_load("init", jitted, parts={"c": 1},
+                                  out_shardings=shardings, folder=folder)
+  # The outputs, beside the executable (a program with no callback).
+  (outputs_entry,) = [e for e in os.listdir(folder) if ".outputs." in e]
+  assert len(os.listdir(folder)) == 2
+  before = compilation_cache.counts()
+  second = executables.run_or_load("init", jitted, parts={"c": 1},
+                                   out_shardings=shardings, folder=folder)
+  assert compilation_cache.counts() - before == CompileCounts(0, 0, 1)
+  (normal, step), key = second
+  assert step.weak_type and step.dtype == first[0][1].dtype
+  assert str(jax.random.key_impl(key)) == "threefry2x32"
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second),
+                  strict=True):
+    assert a.sharding == b.sharding
+  np.testing.assert_array_equal(normal, first[0][0])
+  np.testing.assert_array_equal(jax.random.key_data(key),
+                                jax.random.key_data(first[1]))
+  # Damaged: run again, replaced.
+  path = os.path.join(folder, outputs_entry)
+  with open(path, "wb") as f:
+    f.write(b"damaged")
+  third = executables.run_or_load("init", jitted, parts={"c": 1},
+                                  out_shardings=shardings, folder=folder)
+  np.testing.assert_array_equal(third[0][0], first[0][0])
+  assert os.path.getsize(path) > len(b"damaged")
+  # A weak-typed array cannot be put back weak: not kept.
+  weak = jax.jit(lambda: jax.lax.broadcast(1.0, (3,)), out_shardings=put)
+  weak_folder = str(tmp_path / "weak")
+  assert executables.run_or_load("weak", weak, parts={}, out_shardings=put,
+                                 folder=weak_folder).weak_type
+  assert not [e for e in os.listdir(weak_folder) if ".outputs." in e]
 
 
 def test_unusable_cache_directory_is_one_warning_and_compiling_goes_on(
