@@ -96,13 +96,14 @@ def measure(config, rounds: int, steps: int) -> dict[str, dict[str, float]]:
     for name, (fn, args) in progs.items():
       jax.clear_caches()  # Else a program compiled before is not compiled.
       low = fn.lower(*args)
-      # As mha.train compiles the initial state and the train step (older
-      # code: plainly).
+      # As mha.train compiles each program (older code: plainly).
       options = None
       if name == "initial state":
         options = getattr(train, "RUN_ONCE_COMPILER_OPTIONS", None)
       elif name == "train step" and hasattr(train, "step_compiler_options"):
         options = train.step_compiler_options()
+      elif name == "evaluation" and hasattr(train, "eval_compiler_options"):
+        options = train.eval_compiler_options()
       w, c = time.perf_counter(), time.process_time()
       compiled = low.compile(options)
       wall[name].append(time.perf_counter() - w)
