@@ -360,6 +360,20 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
   assert (tmp_path / "a_file").read_text() == "kept"
 
 
+def _tiny_start():
+  """The tiny config, its model, mesh, abstract state and shardings, and a
+  fresh state's leaves and dropout key (made with optimizations off: any
+  start will do for comparing two compilations)."""
+  config = _get_config("tiny")
+  model = build.make_model(config)
+  mesh = sharding.make_mesh(config.mesh.data)
+  initial, abstract_state = train._fresh_state(config, model)
+  shardings = sharding.state_shardings(abstract_state, mesh,
+                                       shard_params=False)
+  return (config, model, mesh, abstract_state, shardings,
+          jax.jit(initial)())
+
+
 def test_train_step_compiled_with_its_options_is_bitwise_the_plain_one():
   # train.STEP_COMPILER_OPTIONS (matrix products fused with the additions
   # after them) must not change a bit of the state: 5 steps of the tiny
@@ -369,13 +383,8 @@ def test_train_step_compiled_with_its_options_is_bitwise_the_plain_one():
   # option this jaxlib does not know falls back to none.
   if jax.default_backend() != "cpu":
     pytest.skip("the option is XLA:CPU's")
-  config = _get_config("tiny")
-  model = build.make_model(config)
-  mesh = sharding.make_mesh(config.mesh.data)
-  initial, abstract_state = train._fresh_state(config, model)
-  shardings = sharding.state_shardings(abstract_state, mesh,
-                                       shard_params=False)
-  leaves, rng = jax.jit(initial)()  # Any start will do: optimizations off.
+  config, model, mesh, abstract_state, shardings, (leaves, rng) = (
+      _tiny_start())
   jax.config.update("jax_disable_most_optimizations", False)
   try:
     options = train.step_compiler_options()
@@ -422,13 +431,8 @@ def test_evaluation_compiled_with_its_options_is_bitwise_the_plain_one():
   # other configs and the trained default model were checked by hand).
   if jax.default_backend() != "cpu":
     pytest.skip("the option is for XLA:CPU")
-  config = _get_config("tiny")
-  model = build.make_model(config)
-  mesh = sharding.make_mesh(config.mesh.data)
-  initial, abstract_state = train._fresh_state(config, model)
-  shardings = sharding.state_shardings(abstract_state, mesh,
-                                       shard_params=False)
-  leaves, _ = jax.jit(initial)()
+  config, model, mesh, abstract_state, shardings, (leaves, _) = (
+      _tiny_start())
   params = jax.tree.unflatten(jax.tree.structure(abstract_state), leaves).params
   jitted, args = train.eval_step_program(config, model, mesh, shardings,
                                          abstract_state)
