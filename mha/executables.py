@@ -17,8 +17,8 @@ versions of Python, JAX, jaxlib, Flax, optax and NumPy, JAX's config flags,
 types and shardings. A later call with the same key loads the executable and
 runs it: no tracing, no lowering, no cache key to hash. Of a program that
 takes no arguments and runs once (a run's initial state), it keeps the
-outputs instead (:func:`run_or_load`): a warm start loads them, and such a
-program need not be serializable (the initial state's is not: it calls
+outputs instead of the program (:func:`run_or_load`): a warm start loads
+them, and such a program need not be serializable (the initial state's is not: it calls
 back into Python, :mod:`mha.host_prng`).
 
 Rules that keep it safe:
@@ -205,9 +205,9 @@ def run_or_load(name: str, jitted: Any, *, parts: Mapping[str, Any],
   still costs a warm start nothing. ``out_shardings``: the outputs' tree,
   a sharding for each array (the loaded ones are put there). PRNG key
   arrays are kept as their data and implementation, a scalar of a weak type
-  as a weak scalar; outputs with a weak-typed array are not kept. Otherwise
-  as :func:`compile_or_load`, which compiles (or loads) the program when
-  there is nothing stored.
+  as a weak scalar; outputs with a weak-typed array are not kept. Where
+  nothing is stored, the program is compiled (JAX's compilation cache
+  still applies) and run; the program itself is not kept.
   """
   folder = directory() if folder is None else folder
   entry = (key(name, (), parts, compiler_options) + _RESULT
@@ -217,9 +217,9 @@ def run_or_load(name: str, jitted: Any, *, parts: Mapping[str, Any],
     if outputs is not None:
       compilation_cache.note_executable_loaded()
       return outputs
+  # Compiled, not loaded or kept whole: its outputs are what is kept.
   outputs = compile_or_load(name, jitted, (), parts=parts,
-                            compiler_options=compiler_options,
-                            folder=folder)()
+                            compiler_options=compiler_options, folder="")()
   if entry:
     _store_outputs(folder, entry, outputs)
   return outputs
