@@ -205,9 +205,13 @@ def run_or_load(name: str, jitted: Any, *, parts: Mapping[str, Any],
   still costs a warm start nothing. ``out_shardings``: the outputs' tree,
   a sharding for each array (the loaded ones are put there). PRNG key
   arrays are kept as their data and implementation, a scalar of a weak type
-  as a weak scalar; outputs with a weak-typed array are not kept. Where
-  nothing is stored, the program is compiled (JAX's compilation cache
-  still applies) and run; the program itself is not kept.
+  as a weak scalar; outputs with a weak-typed array, or with a key of an
+  implementation that cannot be named again (a custom one), are not kept,
+  nor are outputs where ``out_shardings`` has no sharding for each (give a
+  sharding for every output, not ``None`` or a prefix). Where nothing is
+  stored, the program is compiled (loaded from JAX's compilation cache
+  where that keeps it: not a program that calls back into Python) and run;
+  the program itself is not kept.
   """
   folder = directory() if folder is None else folder
   entry = (key(name, (), parts, compiler_options) + _RESULT
@@ -221,7 +225,7 @@ def run_or_load(name: str, jitted: Any, *, parts: Mapping[str, Any],
   outputs = compile_or_load(name, jitted, (), parts=parts,
                             compiler_options=compiler_options, folder="")()
   if entry:
-    _store_outputs(folder, entry, outputs)
+    _store_outputs(folder, entry, outputs, out_shardings)
   return outputs
 
 
@@ -255,15 +259,25 @@ def _load_outputs(folder: str, entry: str, out_shardings: Any) -> Any:
     return None  # None there, or damaged: computed (and replaced).
 
 
-def _store_outputs(folder: str, entry: str, outputs: Any) -> bool:
+def _store_outputs(folder: str, entry: str, outputs: Any,
+                   out_shardings: Any) -> bool:
   """Writes ``outputs`` (arrays and PRNG key arrays) under ``entry``,
-  atomically; False if one is an array of a weak type (not a scalar) or the
-  write fails."""
+  atomically; False where :func:`_load_outputs` could not give them back
+  (an array of a weak type, not a scalar; a key of an implementation it
+  cannot name; not a sharding for each output) or the write fails."""
+  outputs = jax.tree.leaves(outputs)
+  if len(outputs) != len(jax.tree.leaves(out_shardings)):
+    return False
   leaves = []
-  for leaf in jax.tree.leaves(outputs):
+  for leaf in outputs:
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-      leaves.append((str(jax.random.key_impl(leaf)),
-                     np.asarray(jax.random.key_data(leaf))))
+      name, data = (str(jax.random.key_impl(leaf)),
+                    np.asarray(jax.random.key_data(leaf)))
+      try:  # A custom implementation's name is its tag: not found again.
+        jax.random.wrap_key_data(data, impl=name)
+      except Exception:  # pylint: disable=broad-except
+        return False
+      leaves.append((name, data))
     elif getattr(leaf, "weak_type", False):
       if leaf.shape:
         return False  # only a scalar can be made weak again

@@ -20,8 +20,9 @@ before. :func:`as_threefry` turns one of its keys into the same key of
 JAX's default implementation.
 
 Where it is used: ``mha.train`` makes a fresh run's initial state with it
-on a CPU backend in a single process. A program that calls back into Python
-cannot be kept whole (``mha.executables`` keeps its result instead), and it
+on a single CPU device, where JAX's default implementation is threefry2x32.
+A program that calls back into Python cannot be kept whole, nor in JAX's
+compilation cache (``mha.executables`` keeps its outputs instead), and it
 suits no other use: each hash is a round trip to the host, so use the
 default implementation everywhere else.
 """

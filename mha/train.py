@@ -409,9 +409,9 @@ def _fresh_state(config: ml_collections.ConfigDict, model: Transformer
   (``build.create_train_state``, its leaves flat) and the dropout rng, both
   from ``config.seed``; ``abstract_state`` is the state's ``jax.eval_shape``.
 
-  On a CPU backend in one process its random numbers are hashed on the
-  host (:mod:`mha.host_prng`: bitwise the same state, a program that
-  compiles in about half the time). Traced once: ``jax.eval_shape(initial)``
+  On a single CPU device its random numbers are hashed on the host
+  (:func:`_rng_impl`, :mod:`mha.host_prng`: bitwise the same state, a
+  program that compiles in about half the time). Traced once: ``jax.eval_shape(initial)``
   traces it, and jitting the same
   function (:func:`_initial_state`) finds that trace in JAX's cache, so
   start-up traces the model's initialisation once rather than twice. The
@@ -422,10 +422,10 @@ def _fresh_state(config: ml_collections.ConfigDict, model: Transformer
   structure = []
 
   def initial_state_leaves():
-    init_rng, dropout_rng = build.run_rngs(config, impl=_rng_impl())
+    init_rng, dropout_rng = _run_rngs(config)
     state = build.create_train_state(config, model, init_rng)
     structure.append(jax.tree.structure(state))
-    return jax.tree.leaves(state), host_prng.as_threefry(dropout_rng)
+    return jax.tree.leaves(state), dropout_rng
 
   leaves, _ = jax.eval_shape(initial_state_leaves)
   return initial_state_leaves, jax.tree.unflatten(structure[0], leaves)
@@ -445,8 +445,7 @@ def _initial_state(config: ml_collections.ConfigDict,
   replicated = sharding_lib.replicated(mesh)
   if restored is not None:
     return restored[1], _run_once(
-        config, "dropout_rng", lambda: host_prng.as_threefry(
-            build.run_rngs(config, impl=_rng_impl())[1]), replicated)
+        config, "dropout_rng", lambda: _run_rngs(config)[1], replicated)
   leaves, dropout_rng = _run_once(
       config, "initial_state", initial,
       (jax.tree.leaves(state_shardings), replicated))
@@ -478,13 +477,13 @@ STEP_COMPILER_OPTIONS = {
 
 
 # The XLA:CPU option of the evaluation program: optimization level 1 of the
-# backend, as for a program that runs once. It compiles with about a quarter
-# less CPU time (0.58 -> 0.42 s for the default model; it compiles while the
-# first steps run, beside them on the same cores) into bitwise the same
-# metric sums (the default, tiny, sort, histogram, spell, wide, deep, deep8,
+# backend, as for a program that runs once. It compiles with about a fifth
+# less CPU time (0.60-0.65 -> 0.46-0.51 s for the default model; it compiles
+# while the first steps run, on their cores) into bitwise the same metric
+# sums (the default, tiny, sort, histogram, spell, wide, deep, deep8,
 # bfloat16, post-norm and sinusoidal configs, and the default model trained;
 # tests/test_train.py checks tiny), which it computes as fast
-# (docs/performance.md).
+# (docs/performance.md, "The initial state's random numbers on the host").
 EVAL_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
@@ -532,11 +531,25 @@ def _run_once(config: ml_collections.ConfigDict, name: str,
 def _rng_impl() -> Any:
   """The PRNG implementation of a run's initial state: JAX's threefry2x32
   with its hashes on the host (:mod:`mha.host_prng`, bitwise the same keys
-  and bits) on a CPU backend in a single process, where XLA compiles each
-  hash as a loop of its own; elsewhere None, JAX's own."""
-  if jax.default_backend() == "cpu" and jax.process_count() == 1:
+  and bits) where XLA would compile each hash as a loop of its own: JAX's
+  default implementation threefry2x32, on a single CPU device (with several,
+  the host's outputs would be moved from the first to the others). Else
+  None: JAX's default."""
+  if (jax.config.jax_default_prng_impl == "threefry2x32"
+      and jax.default_backend() == "cpu" and jax.device_count() == 1):
     return host_prng.impl()
   return None
+
+
+def _run_rngs(config: ml_collections.ConfigDict) -> tuple[Array, Array]:
+  """``build.run_rngs(config)``, the keys made with :func:`_rng_impl`: the
+  parameters' key in it, the dropout key as JAX's default implementation's
+  (the same bits either way)."""
+  impl = _rng_impl()
+  init_rng, dropout_rng = build.run_rngs(config, impl=impl)
+  if impl is not None:
+    dropout_rng = host_prng.as_threefry(dropout_rng)
+  return init_rng, dropout_rng
 
 
 def _checked_workdir(config: ml_collections.ConfigDict,

@@ -93,3 +93,26 @@ def test_hashes_leave_the_program():
   hlo = jax.jit(lambda: jax.random.normal(jax.random.key(0), (16, 32))
                 ).lower().as_text()
   assert "callback" not in hlo
+
+
+def test_a_run_uses_it_only_as_the_twin_of_jax_default():
+  # mha.train hashes on the host only where JAX's default implementation is
+  # threefry2x32 (on one CPU device); with another default, a run's keys are
+  # that default's, as before.
+  from configs import default
+  from mha import build, train
+  config = default.get_config("tiny")
+  model = build.make_model(config)
+  if jax.default_backend() == "cpu" and jax.device_count() == 1:
+    assert train._rng_impl() is host_prng.impl()
+  before = jax.config.jax_default_prng_impl
+  jax.config.update("jax_default_prng_impl", "rbg")
+  try:
+    assert train._rng_impl() is None
+    initial, abstract_state = train._fresh_state(config, model)
+    leaves, dropout_rng = jax.jit(initial)()
+    assert str(jax.random.key_impl(dropout_rng)) == "rbg"
+    _assert_same(dropout_rng, build.run_rngs(config)[1])
+    assert len(leaves) == len(jax.tree.leaves(abstract_state))
+  finally:
+    jax.config.update("jax_default_prng_impl", before)

@@ -181,6 +181,10 @@ def test_damaged_store_entry_is_compiled_again_and_replaced(
     executables.load(folder, entry)(np.arange(4, dtype=np.float32))
 
 
+def jnp_ones():
+  return jax.numpy.ones(2)
+
+
 def test_outputs_of_a_program_run_once_are_kept_and_loaded_as_they_were(
     tmp_path, jax_cache_settings):
   # executables.run_or_load keeps a nullary program's outputs: arrays,
@@ -231,6 +235,17 @@ def test_outputs_of_a_program_run_once_are_kept_and_loaded_as_they_were(
   assert executables.run_or_load("weak", weak, parts={}, out_shardings=put,
                                  folder=weak_folder).weak_type
   assert not os.path.exists(weak_folder)
+  # Nor are a key of a custom implementation (its name is not found again)
+  # or outputs without a sharding each (None for one, or a prefix).
+  from mha import host_prng
+  for name, fn, out in (
+      ("custom", lambda: jax.random.key(0, impl=host_prng.impl()), put),
+      ("none", lambda: (jnp_ones(), jnp_ones()), (put, None)),
+      ("prefix", lambda: (jnp_ones(), jnp_ones()), put)):
+    other = str(tmp_path / name)
+    executables.run_or_load(name, jax.jit(fn, out_shardings=out), parts={},
+                            out_shardings=out, folder=other)
+    assert not os.path.exists(other), name
 
 
 def test_unusable_cache_directory_is_one_warning_and_compiling_goes_on(

@@ -444,6 +444,9 @@ def test_evaluation_compiled_with_its_options_is_bitwise_the_plain_one():
   try:
     options = train.eval_compiler_options()
     assert options == train.EVAL_COMPILER_OPTIONS  # CPU, optimizations on
+    # eval_step is shared: a lowering cached with optimizations off (by a
+    # run in this process) would carry their compile options.
+    jax.clear_caches()
     lowered = jitted.lower(*args)
     sums = [program(params, batch) for program in
             (lowered.compile(options), lowered.compile())]
