@@ -18,8 +18,8 @@ types and shardings. A later call with the same key loads the executable and
 runs it: no tracing, no lowering, no cache key to hash. Of a program that
 takes no arguments and runs once (a run's initial state), it keeps the
 outputs instead of the program (:func:`run_or_load`): a warm start loads
-them, and such a program need not be serializable (the initial state's is not: it calls
-back into Python, :mod:`mha.host_prng`).
+them, and such a program need not be serializable (the initial state's is
+not: it calls back into Python, :mod:`mha.host_prng`).
 
 Rules that keep it safe:
 

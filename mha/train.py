@@ -411,8 +411,8 @@ def _fresh_state(config: ml_collections.ConfigDict, model: Transformer
 
   On a single CPU device its random numbers are hashed on the host
   (:func:`_rng_impl`, :mod:`mha.host_prng`: bitwise the same state, a
-  program that compiles in about half the time). Traced once: ``jax.eval_shape(initial)``
-  traces it, and jitting the same
+  program that compiles in about half the time). Traced once:
+  ``jax.eval_shape(initial)`` traces it, and jitting the same
   function (:func:`_initial_state`) finds that trace in JAX's cache, so
   start-up traces the model's initialisation once rather than twice. The
   leaves come out flat because the state's tree holds its optimizer, a new

@@ -64,7 +64,8 @@ def programs(config) -> dict[str, tuple]:
   # The initial state as mha.train makes it (its random numbers hashed on
   # the host where it does that: mha.host_prng); older code: plainly.
   if hasattr(train, "_rng_impl"):
-    initial, abstract_state = train._fresh_state(config, model)  # pylint: disable=protected-access
+    fresh = train._fresh_state  # pylint: disable=protected-access
+    initial, abstract_state = fresh(config, model)
     init = jax.jit(lambda: initial()[0])
     state = jax.tree.unflatten(jax.tree.structure(abstract_state), init())
   else:
