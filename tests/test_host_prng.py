@@ -105,6 +105,12 @@ def test_a_run_uses_it_only_as_the_twin_of_jax_default():
   model = build.make_model(config)
   if jax.default_backend() == "cpu" and jax.device_count() == 1:
     assert train._rng_impl() is host_prng.impl()
+    # A run's initial state then has no threefry loop left (the point of
+    # it: should JAX's PRNG functions change so that no hash is replaced,
+    # the state would stay right but the cold start slow).
+    initial, _ = train._fresh_state(config, model)
+    text = jax.jit(initial).lower().as_text()
+    assert "while" not in text and "callback" in text
   before = jax.config.jax_default_prng_impl
   jax.config.update("jax_default_prng_impl", "rbg")
   try:
