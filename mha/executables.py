@@ -271,13 +271,10 @@ def _store_outputs(folder: str, entry: str, outputs: Any,
   leaves = []
   for leaf in outputs:
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-      name, data = (str(jax.random.key_impl(leaf)),
-                    np.asarray(jax.random.key_data(leaf)))
-      try:  # A custom implementation's name is its tag: not found again.
-        jax.random.wrap_key_data(data, impl=name)
-      except Exception:  # pylint: disable=broad-except
+      name = jax.random.key_impl(leaf)
+      if not isinstance(name, str):  # A custom one: no name to find it by.
         return False
-      leaves.append((name, data))
+      leaves.append((name, np.asarray(jax.random.key_data(leaf))))
     elif getattr(leaf, "weak_type", False):
       if leaf.shape:
         return False  # only a scalar can be made weak again

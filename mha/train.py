@@ -487,24 +487,24 @@ STEP_COMPILER_OPTIONS = {
 EVAL_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
-def eval_compiler_options() -> dict[str, int] | None:
-  """:data:`EVAL_COMPILER_OPTIONS` where they apply: on a CPU backend,
-  unless ``jax_disable_most_optimizations`` already asks for less; else
-  None."""
-  if (jax.config.read("jax_disable_most_optimizations")
-      or jax.default_backend() != "cpu"):
-    return None
-  return EVAL_COMPILER_OPTIONS
-
-
-def step_compiler_options() -> dict[str, str] | None:
-  """:data:`STEP_COMPILER_OPTIONS` where they apply: on a CPU backend, unless
+def _on_cpu(options: dict[str, Any]) -> dict[str, Any] | None:
+  """``options`` (XLA:CPU's) where they apply: on a CPU backend, unless
   ``jax_disable_most_optimizations`` already asks for less (as the tests
   do); else None."""
   if (jax.config.read("jax_disable_most_optimizations")
       or jax.default_backend() != "cpu"):
     return None
-  return STEP_COMPILER_OPTIONS
+  return options
+
+
+def eval_compiler_options() -> dict[str, int] | None:
+  """:data:`EVAL_COMPILER_OPTIONS` where they apply (:func:`_on_cpu`)."""
+  return _on_cpu(EVAL_COMPILER_OPTIONS)
+
+
+def step_compiler_options() -> dict[str, str] | None:
+  """:data:`STEP_COMPILER_OPTIONS` where they apply (:func:`_on_cpu`)."""
+  return _on_cpu(STEP_COMPILER_OPTIONS)
 
 
 # Whether an error is XLA refusing a compiler option
