@@ -115,7 +115,7 @@ def main(argv: Sequence[str]) -> None:
     cli.fail(_PROG, f"--dropout must be in [0, 1), got {_DROPOUT.value}")
   out = (None if _OUT.value is None else benchmarking.checked_output_path(
       _PROG, _OUT.value, "determinism.json"))
-  cli.data_dir(_PROG, _DATA_DIR.value)
+  data_dir = cli.data_dir(_PROG, _DATA_DIR.value)
   import jax  # pylint: disable=import-outside-toplevel
   from configs import default  # pylint: disable=import-outside-toplevel
   from mha import train  # pylint: disable=import-outside-toplevel
@@ -126,8 +126,8 @@ def main(argv: Sequence[str]) -> None:
                f"model.dropout_rate={rate}",
                f"model.attention_dropout_rate={rate}"]
   config = default.get_config(",".join(overrides))
-  if _DATA_DIR.value:  # Not an override: a path may hold a comma.
-    config.data.data_dir = _DATA_DIR.value
+  if data_dir:  # Not an override: a path may hold a comma.
+    config.data.data_dir = data_dir
   print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), "
         f"jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
         flush=True)

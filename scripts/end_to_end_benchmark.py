@@ -285,7 +285,7 @@ def format_end_to_end(results: Mapping[str, Any]) -> str:
 def main(argv: list[str]) -> None:
   del argv
   out = checked_output_path(_PROG, _OUT.value, "end_to_end.json")
-  cli.data_dir(_PROG, _DATA_DIR.value)
+  data_dir = cli.data_dir(_PROG, _DATA_DIR.value)
   logging.set_verbosity(logging.WARNING)
   log = lambda message: print(message, file=sys.stderr, flush=True)
   rounds = _ROUNDS.value or (1 if _QUICK.value else 3)
@@ -293,7 +293,7 @@ def main(argv: list[str]) -> None:
              load_average(), "plan_name": "quick" if _QUICK.value else "full"}
   try:
     results["end_to_end"] = end_to_end(
-        "tiny" if _QUICK.value else "", rounds, _DATA_DIR.value, _PEER.value,
+        "tiny" if _QUICK.value else "", rounds, data_dir, _PEER.value,
         log)
   except data.DataDirError as e:  # One that cannot be used: before any run.
     cli.fail(_PROG, e)
