@@ -302,3 +302,42 @@ def test_compile_benchmark_reports_the_three_programs(subprocess_env):
     assert program["compile_wall_s"] > 0 and program["compile_cpu_s"] > 0
     assert program["hlo_lines"] > 0 and program["kernels"] > 0
   assert report["train step"]["steps_per_s"] > 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                    reason="the probe needs two CPUs")
+def test_cpu_pair_probe_quick_run_splits_its_windows(tmp_path,
+                                                     subprocess_env):
+  # The probe's smoke test: at least one window, each with the step's time
+  # and both probes of the CPU pair, split into near and far in the table.
+  out = tmp_path / "probe.json"
+  script = os.path.join(ROOT, "scripts", "cpu_pair_probe.py")
+  res = run([sys.executable, script, "--quick", f"--out={out}"], cwd=ROOT,
+            env=subprocess_env, timeout=300)
+  assert res.returncode == 0, res.stderr
+  results = json.loads(out.read_text())
+  windows = results["windows"]
+  assert windows
+  for window in windows:
+    assert window["step_ms"] > 0 and window["round_trip_us"] > 0
+    assert window["cross_over_local"] == pytest.approx(
+        window["cross_read_us"] / window["local_read_us"])
+  summary = results["summary"]
+  assert summary["near"]["windows"] + summary["far"]["windows"] == len(
+      windows)
+  assert "| near | " in res.stdout and "| far | " in res.stdout
+  assert (tmp_path / "probe.md").read_text() == res.stdout.split(
+      "Wrote ")[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seconds=-1"], "--seconds"),
+    (["--out=x.md"], "ends in .md"),
+])
+def test_cpu_pair_probe_bad_flags_are_one_line_and_exit_2(args, message,
+                                                          subprocess_env):
+  script = os.path.join(ROOT, "scripts", "cpu_pair_probe.py")
+  res = run([sys.executable, script, *args], cwd=ROOT, env=subprocess_env,
+            timeout=120)
+  assert res.returncode == 2
+  assert len(res.stderr.strip().splitlines()) == 1 and message in res.stderr
