@@ -29,9 +29,11 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import signal
 import statistics
 import time
 from multiprocessing import shared_memory
+from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from absl import app
@@ -52,7 +54,8 @@ _SECONDS = flags.DEFINE_float("seconds", 120.0, "How long to watch (at "
 _CALLS = flags.DEFINE_integer("calls", 100, "Train steps a window.",
                               lower_bound=1)
 _QUICK = flags.DEFINE_bool("quick", False, "The tiny config, 10 calls a "
-                           "window, one second: a smoke test.")
+                           "window, one second (in place of --seconds and "
+                           "--calls): a smoke test.")
 _OUT = flags.DEFINE_string("out", "runs/benchmark/cpu_pair_probe.json",
                            "JSON output path; the table goes next to it "
                            "(.md).")
@@ -62,21 +65,25 @@ _BYTES = 1 << 20  # The buffer one CPU writes and the other reads.
 FAR = 1.05  # cross / local at or above it: a far pair.
 
 
-def _partner(cpu: int, name: str, conn: Any) -> None:
-  """The second CPU's process: on ``b"w"`` dirties every line of the shared
-  buffer, on ``b"p"`` answers at once, on ``b"q"`` ends."""
+def _partner(cpu: int, name: str, conn: Connection) -> None:
+  """The second CPU's process: says it is ready, then on ``b"w"`` dirties
+  every line of the shared buffer, on ``b"p"`` answers at once, and on
+  ``b"q"`` (or when this process's end of the pipe closes) ends."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main one ends it
   os.sched_setaffinity(0, {cpu})
   memory = shared_memory.SharedMemory(name=name)
   buffer = np.ndarray((_BYTES // 4,), np.float32, buffer=memory.buf)
-  while True:
-    command = conn.recv_bytes()
-    if command == b"q":
-      break
-    if command == b"w":
-      buffer += 1.0
-    conn.send_bytes(b".")
-  del buffer
-  memory.close()
+  try:
+    conn.send_bytes(b"r")
+    while (command := conn.recv_bytes()) != b"q":
+      if command == b"w":
+        buffer += 1.0
+      conn.send_bytes(b".")
+  except (EOFError, OSError):
+    pass  # The main process has gone.
+  finally:
+    del buffer
+    memory.close()
 
 
 class _Pair:
@@ -90,11 +97,20 @@ class _Pair:
                               buffer=self._memory.buf)
     self._buffer[:] = 0.0
     self._conn, theirs = multiprocessing.Pipe()
-    # Spawned, not forked: this process runs JAX's threads.
+    # Spawned, not forked: this process runs JAX's threads. The partner
+    # imports this script (JAX and all) before it says it is ready, so
+    # that import is over before anything is timed.
     self._process = multiprocessing.get_context("spawn").Process(
         target=_partner, args=(second, self._memory.name, theirs),
         daemon=True)
-    self._process.start()
+    try:
+      self._process.start()
+      theirs.close()
+      if self._conn.recv_bytes() != b"r":
+        raise RuntimeError("the partner process did not start")
+    except BaseException:
+      self.close()
+      raise
 
   def probe(self, rounds: int = 30) -> dict[str, float]:
     """Medians over ``rounds``: µs to read the buffer the partner has just
@@ -125,13 +141,21 @@ class _Pair:
             "round_trip_us": 1e6 * statistics.median(trip)}
 
   def close(self) -> None:
+    """Ends the partner (killed if it does not end) and frees the buffer;
+    raises nothing, so that an error on the way out stays the one seen."""
     try:
       self._conn.send_bytes(b"q")
+    except OSError:
+      pass  # The partner has gone already.
+    if self._process.pid is not None:
       self._process.join(timeout=10)
-    finally:
-      del self._buffer
-      self._memory.close()
-      self._memory.unlink()
+      if self._process.is_alive():
+        self._process.kill()
+        self._process.join()
+    self._conn.close()
+    del self._buffer
+    self._memory.close()
+    self._memory.unlink()
 
 
 def _train_step(config: Any) -> Callable[[], None]:

@@ -312,6 +312,7 @@ def test_cpu_pair_probe_quick_run_splits_its_windows(tmp_path,
   # and both probes of the CPU pair, split into near and far in the table.
   out = tmp_path / "probe.json"
   script = os.path.join(ROOT, "scripts", "cpu_pair_probe.py")
+  shm_before = set(os.listdir("/dev/shm"))
   res = run([sys.executable, script, "--quick", f"--out={out}"], cwd=ROOT,
             env=subprocess_env, timeout=300)
   assert res.returncode == 0, res.stderr
@@ -328,16 +329,32 @@ def test_cpu_pair_probe_quick_run_splits_its_windows(tmp_path,
   assert "| near | " in res.stdout and "| far | " in res.stdout
   assert (tmp_path / "probe.md").read_text() == res.stdout.split(
       "Wrote ")[0]
+  # Its partner process and shared buffer are gone.
+  assert not [name for name in os.listdir("/dev/shm")
+              if name.startswith("psm_") and name not in shm_before]
+
+
+_ONE_CPU = ("import os, runpy, sys; "
+            "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 @pytest.mark.parametrize("args, message", [
     (["--seconds=-1"], "--seconds"),
     (["--out=x.md"], "ends in .md"),
+    (["--one_cpu", "--quick"], "needs two CPUs"),
 ])
-def test_cpu_pair_probe_bad_flags_are_one_line_and_exit_2(args, message,
-                                                          subprocess_env):
+def test_cpu_pair_probe_bad_input_is_one_line_and_exit_2(
+    args, message, tmp_path, subprocess_env):
   script = os.path.join(ROOT, "scripts", "cpu_pair_probe.py")
-  res = run([sys.executable, script, *args], cwd=ROOT, env=subprocess_env,
-            timeout=120)
+  out = tmp_path / "probe.json"
+  if args[0] == "--one_cpu":  # the script run on one CPU of this machine
+    command = [sys.executable, "-c", _ONE_CPU, script, *args[1:],
+               f"--out={out}"]
+  else:
+    command = [sys.executable, script, *args]
+  res = run(command, cwd=ROOT, env=subprocess_env, timeout=120)
   assert res.returncode == 2
   assert len(res.stderr.strip().splitlines()) == 1 and message in res.stderr
+  assert not out.exists()
