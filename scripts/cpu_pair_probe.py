@@ -47,7 +47,8 @@ from mha import cli
 from mha import sharding as sharding_lib
 from mha import train
 from mha.benchmarking import (checked_output_path, environment,
-                              header_lines, load_average, write_results)
+                              header_lines, load_average, median_ms,
+                              write_results)
 
 _SECONDS = flags.DEFINE_float("seconds", 120.0, "How long to watch (at "
                               "least one window runs).", lower_bound=0.0)
@@ -202,7 +203,7 @@ def watch(config: Any, seconds: float, calls: int, cpus: tuple[int, int]
         step()
         times.append(time.perf_counter() - start)
       windows.append({"time_utc": time.strftime("%H:%M:%S", time.gmtime()),
-                      "step_ms": 1e3 * statistics.median(times),
+                      "step_ms": median_ms(times),
                       **pair.probe()})
   finally:
     pair.close()

@@ -17,6 +17,7 @@ from mha import benchmarking
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "benchmark.py")
+PROBE = os.path.join(ROOT, "scripts", "cpu_pair_probe.py")
 
 
 @pytest.fixture(scope="module")
@@ -311,9 +312,8 @@ def test_cpu_pair_probe_quick_run_splits_its_windows(tmp_path,
   # The probe's smoke test: at least one window, each with the step's time
   # and both probes of the CPU pair, split into near and far in the table.
   out = tmp_path / "probe.json"
-  script = os.path.join(ROOT, "scripts", "cpu_pair_probe.py")
   shm_before = set(os.listdir("/dev/shm"))
-  res = run([sys.executable, script, "--quick", f"--out={out}"], cwd=ROOT,
+  res = run([sys.executable, PROBE, "--quick", f"--out={out}"], cwd=ROOT,
             env=subprocess_env, timeout=300)
   assert res.returncode == 0, res.stderr
   results = json.loads(out.read_text())
@@ -334,27 +334,25 @@ def test_cpu_pair_probe_quick_run_splits_its_windows(tmp_path,
               if name.startswith("psm_") and name not in shm_before]
 
 
-_ONE_CPU = ("import os, runpy, sys; "
-            "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-            "sys.argv = sys.argv[1:]; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')")
+# Runs the script (its path, then its flags) on one CPU of this machine.
+_ON_ONE_CPU = [sys.executable, "-c",
+               "import os, runpy, sys; "
+               "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+               "sys.argv = sys.argv[1:]; "
+               "runpy.run_path(sys.argv[0], run_name='__main__')"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--seconds=-1"], "--seconds"),
-    (["--out=x.md"], "ends in .md"),
-    (["--one_cpu", "--quick"], "needs two CPUs"),
+@pytest.mark.parametrize("launcher, args, message", [
+    ([sys.executable], ["--seconds=-1"], "--seconds"),
+    ([sys.executable], ["--out=x.md"], "ends in .md"),
+    (_ON_ONE_CPU, ["--quick"], "needs two CPUs"),
 ])
 def test_cpu_pair_probe_bad_input_is_one_line_and_exit_2(
-    args, message, tmp_path, subprocess_env):
-  script = os.path.join(ROOT, "scripts", "cpu_pair_probe.py")
+    launcher, args, message, tmp_path, subprocess_env):
   out = tmp_path / "probe.json"
-  if args[0] == "--one_cpu":  # the script run on one CPU of this machine
-    command = [sys.executable, "-c", _ONE_CPU, script, *args[1:],
-               f"--out={out}"]
-  else:
-    command = [sys.executable, script, *args]
-  res = run(command, cwd=ROOT, env=subprocess_env, timeout=120)
+  # A later --out in ``args`` replaces this one (absl keeps the last).
+  res = run([*launcher, PROBE, f"--out={out}", *args], cwd=ROOT,
+            env=subprocess_env, timeout=120)
   assert res.returncode == 2
   assert len(res.stderr.strip().splitlines()) == 1 and message in res.stderr
   assert not out.exists()
