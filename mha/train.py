@@ -710,14 +710,23 @@ class _Progress:
     save: steps/s measures training)."""
     self._start, self._step = time.time(), step
 
-  def record(self, step: int, metrics: Mapping[str, Array]) -> None:
-    """Fetches the metrics of ``step``, checks them, and writes a summary
-    every ``log_every_steps`` and at the last step.
+  def record(self, pending: list[tuple[int, Mapping[str, Array]]]) -> None:
+    """Fetches the metrics of the steps in ``pending`` (``(step, metrics on
+    the device)``, in order) in one transfer, checks each step's, and writes
+    a summary every ``log_every_steps`` and at the last step; empties
+    ``pending``.
 
     Raises:
-      FloatingPointError: a non-finite loss or gradient norm.
+      FloatingPointError: a non-finite loss or gradient norm (the first
+        step's that has one).
     """
-    metrics = jax.device_get(metrics)
+    fetched = jax.device_get([metrics for _, metrics in pending])
+    steps = [step for step, _ in pending]
+    pending.clear()
+    for step, metrics in zip(steps, fetched):
+      self._add(step, metrics)
+
+  def _add(self, step: int, metrics: Mapping[str, np.ndarray]) -> None:
     _check_finite(step, metrics)
     self._window.add(metrics)
     config = self._run.config
@@ -903,6 +912,11 @@ class _EvaluationProgram:
     return self._compiled
 
 
+# The most steps whose metrics the train loop leaves on the device before
+# it fetches them (a logging window longer than this is fetched in parts).
+_MAX_PENDING = 50
+
+
 def _train_loop(run: _Run, state: TrainState) -> TrainState:
   """Steps from ``state.step`` to ``num_train_steps``, evaluating, logging and
   saving on the way; returns the final state (its checkpoint saved)."""
@@ -912,7 +926,12 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
   rows = sharding_lib.process_rows(batch_sharding, config.batch_size)
   total = config.num_train_steps
   progress = _Progress(run, int(state.step))
-  pending = None  # (step, metrics on device): fetched one step late.
+  # (step, metrics on the device) of the steps not yet fetched: fetched
+  # together at the end of each logging window (or every _MAX_PENDING
+  # steps), so that the host neither waits on each step nor spends a
+  # transfer's CPU time on it (docs/performance.md, "Metrics fetched once a
+  # window").
+  pending: list[tuple[int, Mapping[str, Array]]] = []
   first_step = int(state.step) + 1
   for step in range(first_step, total + 1):
     batch = sharding_lib.global_batch(
@@ -921,9 +940,7 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
     state, metrics = step_fn(state, batch, run.dropout_rng)
     if step == first_step:
       _report_startup(run, step, metrics)
-    if pending is not None:
-      progress.record(*pending)
-    pending = (step, metrics)
+    pending.append((step, metrics))
 
     signum = _agreed_signal(run.stop.signum)
     do_eval = step % config.eval_every_steps == 0 or step == total
@@ -931,12 +948,14 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
                or signum is not None)
     if do_eval or do_save:
       # Never evaluate or checkpoint before the finiteness check of this step.
-      progress.record(*pending)
-      pending = None
+      progress.record(pending)
       _evaluate_and_save(run, state, step, do_eval, do_save, signum)
       progress.restart(step)
-  if pending is not None:
-    progress.record(*pending)
+    elif (step % config.log_every_steps == 0
+          or len(pending) >= _MAX_PENDING):
+      progress.record(pending)
+  if pending:
+    progress.record(pending)
   return state
 
 
