@@ -4,7 +4,8 @@ r"""The train step with and without the custom derivatives, in one process.
     python scripts/step_ab_benchmark.py --retrain_models=16  # + the vmapped
                                                              # retraining step
     python scripts/step_ab_benchmark.py --ab=options         # the step's
-                                                             # compiler options
+                                                             # fusion option
+    python scripts/step_ab_benchmark.py --ab=level           # + level 1
 
 The Dense layers (``mha.model``) and ``QK^T`` (``mha.attention``) have
 derivative rules of their own whose weight and key gradients XLA:CPU runs as
@@ -19,8 +20,11 @@ batch already on the device, the order reversed every other window) and
 prints the medians and their ratio. With ``--retrain_models=R`` it does the
 same for ``mha.pruning.retrain``'s step, R models vmapped. With
 ``--ab=options`` the two programs are instead the package's train step
-compiled without and with ``mha.train.STEP_COMPILER_OPTIONS`` ("plain",
-"options"; ``--config`` picks the config).
+compiled without and with ``mha.train.STEP_FUSION_OPTIONS`` ("plain",
+"options": bitwise the same state); with ``--ab=level``, with the fusion
+option and with the whole of ``mha.train.STEP_COMPILER_OPTIONS``, which adds
+optimization level 1 ("fusion", "level 1": not bitwise, docs/performance.md);
+``--config`` picks the config.
 
 A shared machine moves both programs' times together; compare the ratio, and
 repeat the script across processes.
@@ -58,16 +62,23 @@ _RETRAIN = flags.DEFINE_integer("retrain_models", 0,
                                 "Also the vmapped retraining step of this "
                                 "many models (0: not).", lower_bound=0)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON line instead.")
-_AB = flags.DEFINE_enum("ab", "derivatives", ["derivatives", "options"],
+_AB = flags.DEFINE_enum("ab", "derivatives",
+                        ["derivatives", "options", "level"],
                         "What the two programs differ in: the custom "
-                        "derivatives (autodiff, custom) or the train step's "
-                        "compiler options (plain, options).")
+                        "derivatives (autodiff, custom), the train step's "
+                        "fusion option (plain, options), or its "
+                        "optimization level (fusion, level 1).")
 _CONFIG_ARG = flags.DEFINE_string("config", "", "get_config's argument "
                                   "(e.g. deep, wide).")
 
 _PROG = "step_ab_benchmark.py"
 VARIANTS = ("autodiff", "custom")
 OPTION_VARIANTS = ("plain", "options")
+LEVEL_VARIANTS = ("fusion", "level 1")
+# The compiler options of each variant (None: XLA's defaults).
+_VARIANT_OPTIONS = {"plain": None, "options": train.STEP_FUSION_OPTIONS,
+                    "fusion": train.STEP_FUSION_OPTIONS,
+                    "level 1": train.STEP_COMPILER_OPTIONS}
 
 
 @contextlib.contextmanager
@@ -87,12 +98,11 @@ def variant(name: str):
 
 
 def _compile(fn, args, name: str) -> tuple[object, dict[str, float]]:
-  with variant("custom" if name in OPTION_VARIANTS else name):
+  with variant(name if name in VARIANTS else "custom"):
     # A fresh function each time: jit would reuse the other variant's trace.
     lowered = jax.jit(lambda *a: fn(*a)).lower(*args)
   start = time.process_time()
-  compiled = lowered.compile(train.STEP_COMPILER_OPTIONS if name == "options"
-                             else None)
+  compiled = lowered.compile(_VARIANT_OPTIONS.get(name))
   cpu = time.process_time() - start
   # The program's own computations (the entry and the bodies of its loops,
   # as a retraining step's scan has), not those inside fused kernels.
@@ -173,7 +183,8 @@ def measure(windows: int, calls: int, retrain_models: int,
 
 def main(argv: list[str]) -> None:
   del argv
-  variants = VARIANTS if _AB.value == "derivatives" else OPTION_VARIANTS
+  variants = {"derivatives": VARIANTS, "options": OPTION_VARIANTS,
+              "level": LEVEL_VARIANTS}[_AB.value]
   cli.checked_config(_PROG, _CONFIG_ARG.value)  # a mistake: one line, exit 2
   results = measure(_WINDOWS.value, _CALLS.value, _RETRAIN.value, variants,
                     _CONFIG_ARG.value)

@@ -663,6 +663,28 @@ def test_non_finite_loss_stops_naming_the_step_without_saving_it(
     assert all(np.isfinite(p).all() for p in jax.tree.leaves(params))
 
 
+def test_non_finite_loss_inside_a_fetch_window_names_its_step(
+    tmp_path, data_dir, subprocess_env):
+  # The loop fetches metrics once a logging window, in parts of at most
+  # train._MAX_PENDING steps (log_every_steps is 1000 here): the NaN of step
+  # 3 is found once step 51 is dispatched, named as step 3, and nothing is
+  # saved (the first checkpoint would be at step 60).
+  assert train._MAX_PENDING < 59  # pylint: disable=protected-access
+  workdir = str(tmp_path / "run")
+  result = run(
+      _train_command(data_dir, workdir, "learning_rate=1e30",
+                     "grad_clip_norm=1e30", "warmup_steps=1",
+                     "num_train_steps=60", "checkpoint_every_steps=60"),
+      env=subprocess_env)
+  assert result.returncode == 1, result.stderr
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("train.py: error: non-finite training metrics at "
+                         "step 3"), result.stderr
+  assert "(newest checkpoint: none)" in last, last
+  _assert_quiet(result.stderr)
+  assert _steps(workdir) == []
+
+
 # --------------------------------------------------------------------------
 # One run per workdir.
 # --------------------------------------------------------------------------

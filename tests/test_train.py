@@ -382,7 +382,7 @@ def test_train_step_compiled_with_its_options_matches_the_plain_one():
   # over 30 steps by hand: scripts/step_ab_benchmark.py --ab=options). The
   # whole of train.STEP_COMPILER_OPTIONS adds LLVM's optimization level 1,
   # which may round the global norm's sums differently in the last bit: the
-  # same state to float32 rounding. An option this jaxlib does not know
+  # same state within a relative 1e-5. An option this jaxlib does not know
   # falls back to none.
   if jax.default_backend() != "cpu":
     pytest.skip("the option is XLA:CPU's")
