@@ -641,48 +641,37 @@ def test_an_unverified_checkpoint_never_deletes_an_intact_one(tmp_path):
   checkpoints.close()
 
 
+@pytest.mark.parametrize("overrides, saved", [
+    # Step 3 is also the last (final save), each step saved.
+    (("num_train_steps=3", "checkpoint_every_steps=1"), [1, 2]),
+    # The loop fetches metrics once a logging window, in parts of at most
+    # train._MAX_PENDING steps (log_every_steps is 1000 here): the NaN of
+    # step 3 is found once step 51 is dispatched, before the first save (at
+    # step 60).
+    (("num_train_steps=60", "checkpoint_every_steps=60"), []),
+], ids=["each_step_saved", "inside_a_fetch_window"])
 def test_non_finite_loss_stops_naming_the_step_without_saving_it(
-    tmp_path, data_dir, subprocess_env):
+    tmp_path, data_dir, subprocess_env, overrides, saved):
   # lr 1e30 (after one warmup step at lr 0): the parameters blow up at step
-  # 2 and the loss of step 3 is NaN; step 3 is also the last (final save).
-  workdir = str(tmp_path / "run")
-  result = run(
-      _train_command(data_dir, workdir, "learning_rate=1e30",
-                     "grad_clip_norm=1e30", "warmup_steps=1",
-                     "num_train_steps=3", "checkpoint_every_steps=1"),
-      env=subprocess_env)
-  assert result.returncode == 1, result.stderr
-  last = result.stderr.strip().splitlines()[-1]
-  assert last.startswith("train.py: error: non-finite training metrics at "
-                         "step 3"), result.stderr
-  assert f"newest checkpoint: step 2 in {workdir}/checkpoints" in last
-  _assert_quiet(result.stderr)
-  assert _steps(workdir) == [1, 2]
-  for step in (1, 2):
-    params = mha.load_checkpoint(workdir, step=step).params
-    assert all(np.isfinite(p).all() for p in jax.tree.leaves(params))
-
-
-def test_non_finite_loss_inside_a_fetch_window_names_its_step(
-    tmp_path, data_dir, subprocess_env):
-  # The loop fetches metrics once a logging window, in parts of at most
-  # train._MAX_PENDING steps (log_every_steps is 1000 here): the NaN of step
-  # 3 is found once step 51 is dispatched, named as step 3, and nothing is
-  # saved (the first checkpoint would be at step 60).
+  # 2 and the loss of step 3 is NaN.
   assert train._MAX_PENDING < 59  # pylint: disable=protected-access
   workdir = str(tmp_path / "run")
   result = run(
       _train_command(data_dir, workdir, "learning_rate=1e30",
-                     "grad_clip_norm=1e30", "warmup_steps=1",
-                     "num_train_steps=60", "checkpoint_every_steps=60"),
+                     "grad_clip_norm=1e30", "warmup_steps=1", *overrides),
       env=subprocess_env)
   assert result.returncode == 1, result.stderr
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("train.py: error: non-finite training metrics at "
                          "step 3"), result.stderr
-  assert "(newest checkpoint: none)" in last, last
+  newest = (f"step {saved[-1]} in {workdir}/checkpoints" if saved
+            else "none")
+  assert f"(newest checkpoint: {newest})" in last, last
   _assert_quiet(result.stderr)
-  assert _steps(workdir) == []
+  assert _steps(workdir) == saved
+  for step in saved:
+    params = mha.load_checkpoint(workdir, step=step).params
+    assert all(np.isfinite(p).all() for p in jax.tree.leaves(params))
 
 
 # --------------------------------------------------------------------------
