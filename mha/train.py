@@ -715,16 +715,14 @@ class _Progress:
     """Fetches the metrics of the steps in ``pending`` (``(step, metrics on
     the device)``, in order) in one ``jax.device_get``, checks each step's
     in order, and writes a summary every ``log_every_steps`` and at the
-    last step; empties ``pending``.
+    last step.
 
     Raises:
       FloatingPointError: a non-finite loss or gradient norm (the first
         step's that has one).
     """
     fetched = jax.device_get([metrics for _, metrics in pending])
-    steps = [step for step, _ in pending]
-    pending.clear()
-    for step, metrics in zip(steps, fetched):
+    for (step, _), metrics in zip(pending, fetched):
       self._add(step, metrics)
 
   def _add(self, step: int, metrics: Mapping[str, np.ndarray]) -> None:
@@ -950,13 +948,14 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
     if do_eval or do_save:
       # Never evaluate or checkpoint before the finiteness check of this step.
       progress.record(pending)
+      pending = []
       _evaluate_and_save(run, state, step, do_eval, do_save, signum)
       progress.restart(step)
     elif len(pending) > 1 and (pending[-2][0] % config.log_every_steps == 0
                                or len(pending) > _MAX_PENDING):
-      newest = pending.pop()  # Still running: fetched with the next window.
-      progress.record(pending)
-      pending.append(newest)
+      # The newest step is still running: fetched with the next window.
+      progress.record(pending[:-1])
+      pending = pending[-1:]
   # The last step always evaluates and saves, so nothing is left pending.
   return state
 

@@ -63,7 +63,7 @@ _RETRAIN = flags.DEFINE_integer("retrain_models", 0,
                                 "many models (0: not).", lower_bound=0)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON line instead.")
 _AB = flags.DEFINE_enum("ab", "derivatives",
-                        ["derivatives", "options", "level"],
+                        ["derivatives", "options", "level"],  # _AB_VARIANTS
                         "What the two programs differ in: the custom "
                         "derivatives (autodiff, custom), the train step's "
                         "fusion option (plain, options), or its "
@@ -75,6 +75,8 @@ _PROG = "step_ab_benchmark.py"
 VARIANTS = ("autodiff", "custom")
 OPTION_VARIANTS = ("plain", "options")
 LEVEL_VARIANTS = ("fusion", "level 1")
+_AB_VARIANTS = {"derivatives": VARIANTS, "options": OPTION_VARIANTS,
+                "level": LEVEL_VARIANTS}
 # The compiler options of each variant (None: XLA's defaults).
 _VARIANT_OPTIONS = {"plain": None, "options": train.STEP_FUSION_OPTIONS,
                     "fusion": train.STEP_FUSION_OPTIONS,
@@ -183,8 +185,7 @@ def measure(windows: int, calls: int, retrain_models: int,
 
 def main(argv: list[str]) -> None:
   del argv
-  variants = {"derivatives": VARIANTS, "options": OPTION_VARIANTS,
-              "level": LEVEL_VARIANTS}[_AB.value]
+  variants = _AB_VARIANTS[_AB.value]
   cli.checked_config(_PROG, _CONFIG_ARG.value)  # a mistake: one line, exit 2
   results = measure(_WINDOWS.value, _CALLS.value, _RETRAIN.value, variants,
                     _CONFIG_ARG.value)
