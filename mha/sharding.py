@@ -79,6 +79,12 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(DATA_AXIS))
 
 
+def block_sharding(mesh: Mesh) -> NamedSharding:
+  """A block of batches ``[steps, batch, ...]``: each batch split along the
+  data axis, as :func:`batch_sharding` splits one."""
+  return NamedSharding(mesh, P(None, DATA_AXIS))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   """A whole copy on every device."""
   return NamedSharding(mesh, P())
@@ -144,6 +150,17 @@ def global_batch(local: Mapping[str, np.ndarray], sharding: NamedSharding,
   return jax.make_array_from_process_local_data(
       sharding, dict(local),
       {key: (batch_size, *value.shape[1:]) for key, value in local.items()})
+
+
+def global_block(local: Mapping[str, np.ndarray], sharding: NamedSharding,
+                 batch_size: int) -> dict[str, jax.Array]:
+  """:func:`global_batch` of a block of batches: ``local`` holds this
+  process's rows of each (``[steps, rows, ...]``), ``sharding`` is
+  :func:`block_sharding`'s."""
+  return jax.make_array_from_process_local_data(
+      sharding, dict(local),
+      {key: (value.shape[0], batch_size, *value.shape[2:])
+       for key, value in local.items()})
 
 
 def padded_batch_size(batch_size: int, mesh: Mesh) -> int:

@@ -1,31 +1,34 @@
 """Training and evaluation: ``train_and_evaluate(config, workdir)``.
 
-One jitted, buffer-donating train step; batches a pure function of
-``(seed, step)``; orbax checkpoints of the whole train state, so a run
-resumed from its workdir ends with bitwise the parameters of an
-uninterrupted one (on CPU). Metrics go to the console (a progress line with
-steps/s and ETA), TensorBoard event files and ``workdir/metrics.jsonl``; at
-the end of the first step, a line and ``startup/*`` scalars say how long
-start-up took and how many programs were compiled (or loaded from the
-persistent compilation cache, ``mha.compilation_cache``). A run compiles
-three programs: the initial state, the train step, the evaluation step (the
-last two on background threads while the run goes on).
+One jitted, buffer-donating train program that runs up to
+``STEPS_PER_CALL`` steps a call (``train_steps``: bitwise the steps of
+``train_step`` one at a time); batches a pure function of ``(seed, step)``;
+orbax checkpoints of the whole train state, so a run resumed from its
+workdir ends with bitwise the parameters of an uninterrupted one (on CPU).
+Metrics go to the console (a progress line with steps/s and ETA),
+TensorBoard event files and ``workdir/metrics.jsonl``; at the end of the
+first step, a line and ``startup/*`` scalars say how long start-up took and
+how many programs were compiled (or loaded from the persistent compilation
+cache, ``mha.compilation_cache``). A run compiles three programs: the
+initial state, the train program, the evaluation step (the last two on
+background threads while the run goes on).
 
 A run never loses more than the steps since its last checkpoint and never
 mixes with another: the config is checked before anything is compiled or
 written (``mha.config_validation``), a workdir is only resumed with a config
 that differs in ``RESUMABLE_KEYS`` and held by one run at a time
-(``mha.workdir_lock``), SIGTERM/SIGINT stop after the current step with a
-checkpoint of it, damaged checkpoints are set aside (``mha.checkpoint``), a
-non-finite loss, gradient or parameter stops the run before it is saved, and
-a full disk or a read-only one stops it naming the intact checkpoints
+(``mha.workdir_lock``), SIGTERM/SIGINT stop after the current call of the
+train program (at most ``STEPS_PER_CALL`` steps) with a checkpoint of it,
+damaged checkpoints are set aside (``mha.checkpoint``), a non-finite loss,
+gradient or parameter stops the run before it is saved, and a full disk or a
+read-only one stops it naming the intact checkpoints
 (``mha.write_failures``).
 
 Every device trains (``mha.sharding``): each batch is split along the ``data``
 axis of a mesh over all devices, the train state is replicated (or, with
-``config.mesh.shard_params``, split too) and one jitted step runs on all of
-them. Launched as several processes (``jax.distributed``), each process builds
-only its rows of each batch; process 0 alone prints and writes
+``config.mesh.shard_params``, split too) and one jitted train program runs
+on all of them. Launched as several processes (``jax.distributed``), each
+process builds only its rows of each batch; process 0 alone prints and writes
 ``config.json``, ``metrics.jsonl`` and the event files; all take part in the
 checkpoints.
 """
@@ -108,6 +111,51 @@ def train_step(state: TrainState, batch: Mapping[str, Array], rng: Array, *,
   return new_state, metrics
 
 
+# The most train steps one call of the run's train program runs
+# (:func:`train_steps`); a call also ends at every logging, evaluation and
+# checkpoint step. Each call of a program costs time beyond its kernels
+# (its arguments and donated buffers, the hand-over to XLA's threads): for
+# the default model on 2 CPU cores 0.4-0.6 ms, a sixth of a step called one
+# at a time, shared here by up to 50 steps (the same numbers, bitwise;
+# docs/performance.md, "Fifty steps a call").
+STEPS_PER_CALL = 50
+
+
+def train_steps(state: TrainState, batches: Mapping[str, Array],
+                num_steps: int | Array, rng: Array, *, model: Transformer,
+                schedule: optax.Schedule
+                ) -> tuple[TrainState, dict[str, Array]]:
+  """``num_steps`` :func:`train_step` calls in one program, back to back.
+
+  ``batches`` is a block of batches, each value ``[K, ...]`` (``K`` batches
+  of :func:`train_step`'s shapes); step ``i`` trains on batch ``i``. Only the
+  first ``num_steps`` (at most ``K``; it may be traced, so that one compiled
+  program runs any count) are used. Returns the state after them and each
+  step's metrics, stacked: ``[K]`` each, zero from row ``num_steps`` on.
+  Bitwise the state and metrics of ``num_steps`` calls of
+  :func:`train_step` (tests/test_train.py).
+  """
+  steps = jax.tree.leaves(batches)[0].shape[0]
+  # Jitted so that it is traced once: the loop's body finds the trace that
+  # gave the metrics' shapes in jit's cache (the step traced twice took 0.3 s
+  # longer, all of it on a cold start's path).
+  step = jax.jit(functools.partial(train_step, model=model, schedule=schedule))
+  metrics = step.eval_shape(state, jax.tree.map(lambda x: x[0], batches),
+                            rng)[1]
+
+  def body(i, carry):
+    state, stacked = carry
+    batch = jax.tree.map(
+        lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), batches)
+    state, metrics = step(state, batch, rng)
+    return state, jax.tree.map(lambda rows, m: rows.at[i].set(m), stacked,
+                               metrics)
+
+  stacked = jax.tree.map(lambda m: jnp.zeros((steps, *m.shape), m.dtype),
+                         metrics)
+  return jax.lax.fori_loop(0, num_steps, body, (state, stacked))
+
+
 class _TrainMetrics:
   """Host-side accumulator of train metric sums over a logging window."""
 
@@ -171,7 +219,8 @@ class TrainingInterrupted(Exception):
 
 
 class _StopRequest:
-  """Turns SIGTERM and SIGINT into a request to stop after the current step.
+  """Turns SIGTERM and SIGINT into a request to stop after the current call
+  of the train program (:data:`STEPS_PER_CALL` steps at most).
 
   A second signal of the same kind gets the handler that was there before
   (SIGINT: KeyboardInterrupt at once; SIGTERM: the process ends). Handlers can
@@ -269,7 +318,7 @@ class _Run:
   mesh: Mesh
   state_shardings: Any  # of the train state, leaf by leaf
   dropout_rng: Array
-  step: _StepFunction  # the jitted train step
+  step: _StepFunction  # the jitted train program (train_steps)
   eval_program: _EvaluationProgram  # the evaluation step, compiled
   checkpoints: ckpt_lib.TrainCheckpoints
   writer: MetricWriter | _NoWriter
@@ -309,7 +358,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   against the devices: ``batch_size`` must split across them) and, if
   ``workdir`` holds a run, compared with that run's config: only
   ``config_validation.RESUMABLE_KEYS`` may differ. SIGTERM and SIGINT stop
-  the run after the current step, with a checkpoint of it.
+  the run after the current call of the train program (at most
+  :data:`STEPS_PER_CALL` steps), with a checkpoint of its last step.
 
   Returns:
     The final train state.
@@ -711,19 +761,21 @@ class _Progress:
     save: steps/s measures training)."""
     self._start, self._step = time.time(), step
 
-  def record(self, pending: list[tuple[int, Mapping[str, Array]]]) -> None:
-    """Fetches the metrics of the steps in ``pending`` (``(step, metrics on
-    the device)``, in order) in one ``jax.device_get``, checks each step's
-    in order, and writes a summary every ``log_every_steps`` and at the
-    last step.
+  def record(self, pending: list[tuple[int, int, Mapping[str, Array]]]
+             ) -> None:
+    """Fetches the metrics of the calls in ``pending`` (``(first step,
+    steps, their metrics on the device, stacked)``, in order) in one
+    ``jax.device_get``, checks each step's in order, and writes a summary
+    every ``log_every_steps`` and at the last step.
 
     Raises:
       FloatingPointError: a non-finite loss or gradient norm (the first
         step's that has one).
     """
-    fetched = jax.device_get([metrics for _, metrics in pending])
-    for (step, _), metrics in zip(pending, fetched):
-      self._add(step, metrics)
+    fetched = jax.device_get([metrics for *_, metrics in pending])
+    for (first, num_steps, _), metrics in zip(pending, fetched):
+      for i in range(num_steps):
+        self._add(first + i, {key: rows[i] for key, rows in metrics.items()})
 
   def _add(self, step: int, metrics: Mapping[str, np.ndarray]) -> None:
     _check_finite(step, metrics)
@@ -769,34 +821,36 @@ def _store_parts(config: ml_collections.ConfigDict, *,
 def train_step_program(config: ml_collections.ConfigDict, model: Transformer,
                        mesh: Mesh, state_shardings: Any, state: Any
                        ) -> tuple[Any, tuple[Any, ...]]:
-  """``(jitted, args)``: :func:`train_step` jitted for the run's shardings
+  """``(jitted, args)``: the run's train program, :func:`train_steps` for a
+  block of :data:`STEPS_PER_CALL` batches, jitted for the run's shardings
   (state donated) on the state's leaves, a flat list in and out (a stored
   executable's argument tree must be serializable, and the state's holds its
   optimizer), and its arguments' types as the calls will see them,
-  shardings included. ``state``: the first call's, or its
-  ``jax.eval_shape``."""
+  shardings included: ``(leaves, batches, num_steps, rng)``. ``state``: the
+  first call's, or its ``jax.eval_shape``."""
   replicated = sharding_lib.replicated(mesh)
   state_tree = jax.tree.structure(state)
-  step = functools.partial(train_step, model=model,
-                           schedule=build.learning_rate_schedule(config))
+  steps = functools.partial(train_steps, model=model,
+                            schedule=build.learning_rate_schedule(config))
 
-  def train_step_on_leaves(leaves, batch, rng):
-    new_state, metrics = step(jax.tree.unflatten(state_tree, leaves), batch,
-                              rng)
+  def train_steps_on_leaves(leaves, batches, num_steps, rng):
+    new_state, metrics = steps(jax.tree.unflatten(state_tree, leaves),
+                               batches, num_steps, rng)
     return jax.tree.leaves(new_state), metrics
 
   leaf_shardings = jax.tree.leaves(state_shardings)
+  block_sharding = sharding_lib.block_sharding(mesh)
   jitted = jax.jit(
-      train_step_on_leaves,
-      in_shardings=(leaf_shardings, sharding_lib.batch_sharding(mesh),
-                    replicated),
+      train_steps_on_leaves,
+      in_shardings=(leaf_shardings, block_sharding, replicated, replicated),
       out_shardings=(leaf_shardings, replicated),
       donate_argnums=0)
   tokens = _laid_out(jax.ShapeDtypeStruct(
-      (config.batch_size, config.data.max_len), jnp.int32),
-                     sharding_lib.batch_sharding(mesh))
+      (STEPS_PER_CALL, config.batch_size, config.data.max_len), jnp.int32),
+                     block_sharding)
   args = (list(map(_laid_out, jax.tree.leaves(state), leaf_shardings)),
           {"inputs": tokens, "targets": tokens},
+          _laid_out(jax.ShapeDtypeStruct((), jnp.int32), replicated),
           _laid_out(jax.eval_shape(lambda: jax.random.key(0)), replicated))
   return jitted, args
 
@@ -824,8 +878,8 @@ def _laid_out(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
 
 
 class _StepFunction:
-  """The train step (:func:`train_step_program`), compiled on a background
-  thread from the moment it is made.
+  """The train program (:func:`train_step_program`), compiled on a
+  background thread from the moment it is made.
 
   XLA compiles without holding the GIL, so on a machine with a second core
   the compilation overlaps with what the run does meanwhile (opening the
@@ -860,11 +914,13 @@ class _StepFunction:
     """Returns once the background compilation is over."""
     self._compiling.join()
 
-  def __call__(self, state: TrainState, batch: Mapping[str, Array],
-               rng: Array) -> tuple[TrainState, dict[str, Array]]:
+  def __call__(self, state: TrainState, batches: Mapping[str, Array],
+               num_steps: int, rng: Array
+               ) -> tuple[TrainState, dict[str, Array]]:
+    """:func:`train_steps` of ``num_steps`` steps on ``batches``."""
     self.wait()
     leaves, metrics = (self._compiled or self._jitted)(
-        jax.tree.leaves(state), batch, rng)
+        jax.tree.leaves(state), batches, np.int32(num_steps), rng)
     return jax.tree.unflatten(self._state_tree, leaves), metrics
 
 
@@ -911,9 +967,37 @@ class _EvaluationProgram:
     return self._compiled
 
 
-# The most steps whose metrics the train loop leaves on the device before
-# it fetches them (a logging window longer than this is fetched in parts).
-_MAX_PENDING = 50
+def _calls(config: ml_collections.ConfigDict, done: int) -> Iterator[int]:
+  """The steps of each call of the train program after step ``done``: one
+  first (start-up is reported once it is done), then up to the next
+  logging, evaluation or checkpoint step or the last, at most
+  :data:`STEPS_PER_CALL`."""
+  steps = 1
+  while done < config.num_train_steps:
+    yield steps
+    done += steps
+    steps = min(STEPS_PER_CALL, config.num_train_steps - done)
+    for every in (config.log_every_steps, config.eval_every_steps,
+                  config.checkpoint_every_steps):
+      steps = min(steps, every - done % every)
+
+
+def _host_block(split: data.Split, config: ml_collections.ConfigDict,
+                first: int, num_steps: int, rows: slice
+                ) -> dict[str, np.ndarray]:
+  """Rows ``rows`` of the batches of steps ``first`` to ``first + num_steps
+  - 1`` (0-based; :func:`process_train_batch`), as a block of
+  :data:`STEPS_PER_CALL` batches (the ones after them zero: a call does not
+  use them)."""
+  block = None
+  for i in range(num_steps):
+    batch = process_train_batch(split, config, first + i, rows)
+    if block is None:
+      block = {key: np.zeros((STEPS_PER_CALL, *value.shape), value.dtype)
+               for key, value in batch.items()}
+    for key, value in batch.items():
+      block[key][i] = value
+  return block
 
 
 def _train_loop(run: _Run, state: TrainState) -> TrainState:
@@ -921,39 +1005,39 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
   saving on the way; returns the final state (its checkpoint saved)."""
   config = run.config
   step_fn = run.step
-  batch_sharding = sharding_lib.batch_sharding(run.mesh)
-  rows = sharding_lib.process_rows(batch_sharding, config.batch_size)
+  block_sharding = sharding_lib.block_sharding(run.mesh)
+  rows = sharding_lib.process_rows(sharding_lib.batch_sharding(run.mesh),
+                                   config.batch_size)
   total = config.num_train_steps
-  progress = _Progress(run, int(state.step))
-  # (step, metrics on the device) of the steps not yet fetched: a logging
-  # window's (at most _MAX_PENDING steps') are fetched together once the
-  # step after it is dispatched, so that the host neither waits on each
-  # step nor spends a transfer's CPU time on it, and the device is not left
-  # idle meanwhile (docs/performance.md, "Metrics fetched once a window").
-  pending: list[tuple[int, Mapping[str, Array]]] = []
-  first_step = int(state.step) + 1
-  for step in range(first_step, total + 1):
-    batch = sharding_lib.global_batch(
-        process_train_batch(run.splits["train"], config, step - 1, rows),
-        batch_sharding, config.batch_size)
-    state, metrics = step_fn(state, batch, run.dropout_rng)
-    if step == first_step:
-      _report_startup(run, step, metrics)
-    pending.append((step, metrics))
+  done = int(state.step)
+  progress = _Progress(run, done)
+  # (first step, steps, their metrics on the device) of the calls not yet
+  # fetched: a call's are fetched once the next call is dispatched (so that
+  # the host does not wait on it and the device is not left idle), and
+  # before every evaluation and save.
+  pending: list[tuple[int, int, Mapping[str, Array]]] = []
+  for call, num_steps in enumerate(_calls(config, done)):
+    batches = sharding_lib.global_block(
+        _host_block(run.splits["train"], config, done, num_steps, rows),
+        block_sharding, config.batch_size)
+    state, metrics = step_fn(state, batches, num_steps, run.dropout_rng)
+    if call == 0:
+      _report_startup(run, done + 1, metrics)
+    pending.append((done + 1, num_steps, metrics))
+    done += num_steps
 
     signum = _agreed_signal(run.stop.signum)
-    do_eval = step % config.eval_every_steps == 0 or step == total
-    do_save = (step % config.checkpoint_every_steps == 0 or step == total
+    do_eval = done % config.eval_every_steps == 0 or done == total
+    do_save = (done % config.checkpoint_every_steps == 0 or done == total
                or signum is not None)
     if do_eval or do_save:
       # Never evaluate or checkpoint before the finiteness check of this step.
       progress.record(pending)
       pending = []
-      _evaluate_and_save(run, state, step, do_eval, do_save, signum)
-      progress.restart(step)
-    elif len(pending) > 1 and (pending[-2][0] % config.log_every_steps == 0
-                               or len(pending) > _MAX_PENDING):
-      # The newest step is still running: fetched with the next window.
+      _evaluate_and_save(run, state, done, do_eval, do_save, signum)
+      progress.restart(done)
+    elif len(pending) > 1:
+      # The newest call is still running; the one before it is fetched now.
       progress.record(pending[:-1])
       pending = pending[-1:]
   # The last step always evaluates and saves, so nothing is left pending.

@@ -11,9 +11,10 @@ compilation cache off and JAX's in-memory caches cleared before every
 lowering. For each: the median wall time and CPU time (the process's,
 XLA's compiler threads included: less sensitive than wall time to a machine
 shared with other work), the optimized HLO's lines and the kernels (fusions
-and library calls) of its entry computation. Then the train step's time,
-median of ``--steps`` calls on a batch already on the device, as ms and as
-the steps/s of the progress line.
+and library calls) of its entry computation. Then the train step's time:
+``--steps`` steps on a batch already on the device, in calls of
+``mha.train.STEPS_PER_CALL`` steps as a run makes them, the median call's
+time a step, as ms and as the steps/s of the progress line.
 
 To compare two versions of the code, run this script with ``PYTHONPATH`` set
 to each checkout in turn, alternating; it only uses names both have.
@@ -51,11 +52,15 @@ _PROG = "compile_benchmark.py"
 
 
 def kernels(hlo_text: str) -> int:
-  """Fusions and calls of the entry computation of an optimized HLO module:
-  roughly, the kernels XLA:CPU compiles and launches."""
-  entry = hlo_text[hlo_text.index("ENTRY"):]
+  """Fusions and calls of the program's own computations in an optimized HLO
+  module (the entry, and the bodies of its loops, as the train program's
+  loop over its steps; not the computations inside fused kernels): roughly,
+  the kernels XLA:CPU compiles and launches."""
+  program = "\n".join(
+      block for block in hlo_text.split("\n\n")
+      if "{" in block and "fus" not in block.split("{", 1)[0].split("(")[0])
   return len(re.findall(r" (?:fusion|dot|custom-call|scatter|gather)\(",
-                        entry))
+                        program))
 
 
 def programs(config) -> dict[str, tuple]:
@@ -72,10 +77,19 @@ def programs(config) -> dict[str, tuple]:
     create = functools.partial(build.create_train_state, config, model)
     init = jax.jit(lambda: create(jax.random.key(config.seed)))
     state = init()
-  tokens = jnp.ones((config.batch_size, config.data.max_len), jnp.int32)
-  step = jax.jit(functools.partial(
-      train.train_step, model=model,
-      schedule=build.learning_rate_schedule(config)), donate_argnums=0)
+  schedule = build.learning_rate_schedule(config)
+  if hasattr(train, "train_steps"):
+    # The run's train program: STEPS_PER_CALL steps a call (older code: one).
+    tokens = jnp.ones((train.STEPS_PER_CALL, config.batch_size,
+                       config.data.max_len), jnp.int32)
+    steps = functools.partial(train.train_steps, model=model,
+                              schedule=schedule)
+    step = jax.jit(lambda state, batches, rng: steps(
+        state, batches, train.STEPS_PER_CALL, rng), donate_argnums=0)
+  else:
+    tokens = jnp.ones((config.batch_size, config.data.max_len), jnp.int32)
+    step = jax.jit(functools.partial(train.train_step, model=model,
+                                     schedule=schedule), donate_argnums=0)
   eval_tokens = jnp.ones((config.eval_batch_size, config.data.max_len),
                          jnp.int32)
   evaluate = jax.jit(functools.partial(eval_lib.eval_step.__wrapped__, model))
@@ -115,16 +129,18 @@ def measure(config, rounds: int, steps: int) -> dict[str, dict[str, float]]:
   for name in progs:
     out[name]["compile_wall_s"] = statistics.median(wall[name])
     out[name]["compile_cpu_s"] = statistics.median(cpu[name])
-  # The train step, on the device-resident batch, its state threaded through.
+  # The train step, on the device-resident batch, its state threaded
+  # through: calls of STEPS_PER_CALL steps (older code: one).
   fn, (state, batch, rng) = progs["train step"]
+  per_call = getattr(train, "STEPS_PER_CALL", 1)
   state, metrics = fn(state, batch, rng)
   jax.block_until_ready(metrics)
   times = []
-  for _ in range(steps):
+  for _ in range(max(1, steps // per_call)):
     start = time.perf_counter()
     state, metrics = fn(state, batch, rng)
     jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - start)
+    times.append((time.perf_counter() - start) / per_call)
   step_ms = 1e3 * statistics.median(times)
   out["train step"].update(step_ms=step_ms, steps_per_s=1e3 / step_ms)
   return out

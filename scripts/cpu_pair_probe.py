@@ -171,16 +171,16 @@ def _train_step(config: Any) -> Callable[[], None]:
                                           state)
   compiled = jitted.lower(*args).compile(train.step_compiler_options())
   tokens = jax.device_put(
-      np.ones((config.batch_size, config.data.max_len), np.int32),
-      sharding_lib.batch_sharding(mesh))
-  batch = {"inputs": tokens, "targets": tokens}
+      np.ones((train.STEPS_PER_CALL, config.batch_size, config.data.max_len),
+              np.int32), sharding_lib.block_sharding(mesh))
+  batches = {"inputs": tokens, "targets": tokens}
   rng = jax.device_put(jax.random.key(1), sharding_lib.replicated(mesh))
   leaves = [jax.device_put(x, s) for x, s in
             zip(jax.tree.leaves(state), jax.tree.leaves(shardings))]
 
-  def step() -> None:
+  def step() -> None:  # a call of one step
     nonlocal leaves
-    leaves, metrics = compiled(leaves, batch, rng)
+    leaves, metrics = compiled(leaves, batches, np.int32(1), rng)
     jax.block_until_ready(metrics)
 
   step()  # The first call sets its kernels up.

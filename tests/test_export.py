@@ -1,4 +1,4 @@
-"""Accelerators without one: the train step, the eval step and the layer
+"""Accelerators without one: the train program, the eval step and the layer
 (weights and fused paths) lower for CUDA and TPU through ``jax.export`` on
 a CPU-only machine. No GPU or TPU has run them (docs/attention.md).
 
@@ -50,15 +50,24 @@ def tiny():
 
 @pytest.mark.slow  # seconds of compiling: the full suite only
 def test_train_step_lowers_for_cuda_and_tpu(tiny):
+  # The run's train program (train.train_steps: train_step in a loop, the
+  # count of steps an argument), 2 steps of a block of 3.
   config, model, state, batch = tiny
-  step = jax.jit(functools.partial(
-      train.train_step, model=model,
-      schedule=build.learning_rate_schedule(config)))
-  rng = jax.random.key(1)
-  exported = _exported(step, state, batch, rng)
-  got_state, got = exported.call(state, batch, rng)
+  schedule = build.learning_rate_schedule(config)
+  steps = jax.jit(functools.partial(train.train_steps, model=model,
+                                    schedule=schedule))
+  step = jax.jit(functools.partial(train.train_step, model=model,
+                                   schedule=schedule))
+  batches = jax.tree.map(lambda x: jnp.stack([x, x[::-1], x]), batch)
+  rng, count = jax.random.key(1), jnp.int32(2)
+  exported = _exported(steps, state, batches, count, rng)
+  got_state, got = exported.call(state, batches, count, rng)
   want_state, want = step(state, batch, rng)
-  np.testing.assert_allclose(got["loss_sum"], want["loss_sum"], rtol=1e-6)
+  np.testing.assert_allclose(got["loss_sum"][0], want["loss_sum"], rtol=1e-6)
+  want_state, want = step(want_state, jax.tree.map(lambda x: x[::-1], batch),
+                          rng)
+  np.testing.assert_allclose(got["loss_sum"][1], want["loss_sum"], rtol=1e-6)
+  assert got["loss_sum"][2] == 0  # the block's third batch is not used
   jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5,
                                  atol=1e-7),
                got_state.params, want_state.params)

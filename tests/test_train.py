@@ -405,14 +405,10 @@ def test_train_step_compiled_with_its_options_matches_the_plain_one():
     split = data.Split(*(np.asarray(np.random.default_rng(0).integers(
         1, config.data.num_symbols + 1,
         (config.batch_size, config.data.max_len)), np.int32),) * 2)
-    finals = []
-    for program in programs:
-      state = [np.asarray(x) for x in leaves]
-      for step in range(5):
-        batch = data.train_batch(split, seed=0, step=step,
-                                 batch_size=config.batch_size)
-        state, _ = program(state, batch, rng)
-      finals.append(state)
+    block = train._host_block(split, config, 0, 5,  # pylint: disable=protected-access
+                              slice(0, config.batch_size))
+    finals = [program([np.asarray(x) for x in leaves], block, np.int32(5),
+                      rng)[0] for program in programs]
     fused, optioned, plain = finals
     for a, b, c in zip(fused, optioned, plain, strict=True):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
@@ -429,6 +425,79 @@ def test_train_step_compiled_with_its_options_matches_the_plain_one():
       lowered.compile(options)
     assert train.unknown_compiler_option(refused.value), refused.value
   assert not train.unknown_compiler_option(ValueError("While setting option"))
+
+
+def test_a_call_of_steps_is_bitwise_the_steps_one_at_a_time():
+  # The run's train program (train.train_steps: up to STEPS_PER_CALL steps a
+  # call, their count an argument) against train.train_step called once a
+  # step, both compiled as a run compiles its train program: calls of 1, 4
+  # and 2 steps give every step's metrics and the final state bitwise (the
+  # default, deep, wide, spell and nine more configs were checked over 20
+  # steps by hand, docs/performance.md).
+  config, model, mesh, abstract_state, shardings, (leaves, rng) = (
+      _tiny_start())
+  jax.config.update("jax_disable_most_optimizations", False)
+  try:
+    jitted, args = train.train_step_program(config, model, mesh, shardings,
+                                            abstract_state)
+    steps = jitted.lower(*args).compile(train.step_compiler_options())
+    state_tree = jax.tree.structure(abstract_state)
+    schedule = build.learning_rate_schedule(config)
+
+    def one_step(leaves, batch, rng):
+      state, metrics = train.train_step(
+          jax.tree.unflatten(state_tree, leaves), batch, rng, model=model,
+          schedule=schedule)
+      return jax.tree.leaves(state), metrics
+
+    one = jax.jit(one_step).lower(
+        args[0], jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), args[1]),
+        args[3]).compile(
+            train.step_compiler_options())
+  finally:
+    jax.config.update("jax_disable_most_optimizations", True)
+  split = data.Split(*(np.asarray(np.random.default_rng(0).integers(
+      1, config.data.num_symbols + 1, (100, config.data.max_len)),
+                                  np.int32),) * 2)
+  rows = slice(0, config.batch_size)
+  by_step = [np.asarray(x) for x in leaves]
+  by_call = [np.asarray(x) for x in leaves]
+  done = 0
+  for count in (1, 4, 2):
+    block = train._host_block(split, config, done, count, rows)  # pylint: disable=protected-access
+    by_call, stacked = steps(by_call, block, np.int32(count), rng)
+    stacked = jax.device_get(stacked)
+    for i in range(count):
+      batch = data.train_batch(split, seed=config.seed, step=done + i,
+                               batch_size=config.batch_size)
+      by_step, metrics = one(by_step, batch, rng)
+      for key, value in jax.device_get(metrics).items():
+        np.testing.assert_array_equal(stacked[key][i], value, err_msg=key)
+    # The rows after the call's steps are zero.
+    assert not any(np.any(value[count:]) for value in stacked.values())
+    done += count
+  for a, b in zip(by_call, by_step, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_call_never_runs_past_a_logging_evaluation_or_checkpoint_step():
+  calls = lambda *overrides, done=0: list(train._calls(  # pylint: disable=protected-access
+      default.get_config(",".join(overrides)), done))
+  # The default: the first call one step, then up to each 50th step.
+  assert calls() == [1, 49] + [50] * 9
+  assert calls("log_every_steps=20", "eval_every_steps=30",
+               "checkpoint_every_steps=1000", "num_train_steps=65") == [
+                   1, 19, 10, 10, 20, 5]
+  # A step a call where something happens at every step.
+  assert calls("tiny", "log_every_steps=1") == [1] * 20
+  # At most STEPS_PER_CALL; resumed from step 123 (a signal's checkpoint).
+  assert train.STEPS_PER_CALL == 50
+  assert calls("log_every_steps=1000", "eval_every_steps=1000",
+               "checkpoint_every_steps=1000", "num_train_steps=120") == [
+                   1, 50, 50, 19]
+  assert calls(done=123) == [1, 26, 50, 50, 50, 50, 50, 50, 50]
+  assert calls(done=500) == []
 
 
 def test_evaluation_compiled_with_its_options_is_bitwise_the_plain_one():
