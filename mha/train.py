@@ -17,8 +17,8 @@ A run never loses more than the steps since its last checkpoint and never
 mixes with another: the config is checked before anything is compiled or
 written (``mha.config_validation``), a workdir is only resumed with a config
 that differs in ``RESUMABLE_KEYS`` and held by one run at a time
-(``mha.workdir_lock``), SIGTERM/SIGINT stop after the current call of the
-train program (at most ``STEPS_PER_CALL`` steps) with a checkpoint of it,
+(``mha.workdir_lock``), SIGTERM/SIGINT stop once the train program's calls
+under way are done (at most two) with a checkpoint of the last step,
 damaged checkpoints are set aside (``mha.checkpoint``), a non-finite loss,
 gradient or parameter stops the run before it is saved, and a full disk or a
 read-only one stops it naming the intact checkpoints
@@ -129,13 +129,17 @@ def train_steps(state: TrainState, batches: Mapping[str, Array],
 
   ``batches`` is a block of batches, each value ``[K, ...]`` (``K`` batches
   of :func:`train_step`'s shapes); step ``i`` trains on batch ``i``. Only the
-  first ``num_steps`` (at most ``K``; it may be traced, so that one compiled
-  program runs any count) are used. Returns the state after them and each
+  first ``num_steps`` (at most ``K``, else a ValueError where it is known;
+  it may be traced, so that one compiled program runs any count) are used. Returns the state after them and each
   step's metrics, stacked: ``[K]`` each, zero from row ``num_steps`` on.
   Bitwise the state and metrics of ``num_steps`` calls of
   :func:`train_step` (tests/test_train.py).
   """
   steps = jax.tree.leaves(batches)[0].shape[0]
+  if (not isinstance(num_steps, jax.core.Tracer)
+      and not 0 <= num_steps <= steps):  # a traced count is the caller's
+    raise ValueError(f"num_steps={num_steps} is not between 0 and the "
+                     f"block's {steps} batches")
   # Jitted so that it is traced once: the loop's body finds the trace that
   # gave the metrics' shapes in jit's cache (the step traced twice took 0.3 s
   # longer, all of it on a cold start's path).
@@ -219,8 +223,9 @@ class TrainingInterrupted(Exception):
 
 
 class _StopRequest:
-  """Turns SIGTERM and SIGINT into a request to stop after the current call
-  of the train program (:data:`STEPS_PER_CALL` steps at most).
+  """Turns SIGTERM and SIGINT into a request to stop once the train
+  program's calls under way are done (two at most: the one running and the
+  one queued behind it, :data:`STEPS_PER_CALL` steps each).
 
   A second signal of the same kind gets the handler that was there before
   (SIGINT: KeyboardInterrupt at once; SIGTERM: the process ends). Handlers can
@@ -247,9 +252,9 @@ class _StopRequest:
     del frame
     self.signum = signum
     signal.signal(signum, self._previous[signum])
-    print(f"Received {signal.Signals(signum).name}: stopping after this step "
-          "with a checkpoint (send it again to stop at once)",
-          file=sys.stderr, flush=True)
+    print(f"Received {signal.Signals(signum).name}: stopping once the "
+          "steps under way are done, with a checkpoint (send it again to "
+          "stop at once)", file=sys.stderr, flush=True)
 
   def __exit__(self, *exc_info) -> None:
     for signum, previous in self._previous.items():
@@ -358,8 +363,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   against the devices: ``batch_size`` must split across them) and, if
   ``workdir`` holds a run, compared with that run's config: only
   ``config_validation.RESUMABLE_KEYS`` may differ. SIGTERM and SIGINT stop
-  the run after the current call of the train program (at most
-  :data:`STEPS_PER_CALL` steps), with a checkpoint of its last step.
+  the run once the train program's calls under way are done (at most two
+  of :data:`STEPS_PER_CALL` steps), with a checkpoint of the last step.
 
   Returns:
     The final train state.
@@ -756,34 +761,43 @@ class _Progress:
     self._window = _TrainMetrics()
     self.restart(step)
 
-  def restart(self, step: int) -> None:
+  def restart(self, step: int, now: float | None = None) -> None:
     """Restarts the steps/s clock at ``step`` (after an evaluation or a
-    save: steps/s measures training)."""
-    self._start, self._step = time.time(), step
+    save: steps/s measures training), at ``now`` (default: the time)."""
+    self._start = time.time() if now is None else now
+    self._step = step
 
-  def record(self, pending: list[tuple[int, int, Mapping[str, Array]]]
-             ) -> None:
-    """Fetches the metrics of the calls in ``pending`` (``(first step,
-    steps, their metrics on the device, stacked)``, in order) in one
-    ``jax.device_get``, checks each step's in order, and writes a summary
-    every ``log_every_steps`` and at the last step.
+  def record(self, first: int, num_steps: int,
+             metrics: Mapping[str, Array]) -> None:
+    """Fetches the metrics of a call of the train program (steps ``first``
+    on, ``num_steps`` of them, stacked on the device), checks each step's in
+    order, and writes a summary every ``log_every_steps`` and at the last
+    step.
+
+    A logging window is timed from the fetch of the call that ended the one
+    before to the fetch of its own last call: the moments the host sees the
+    device's progress (a call ends at most at one logging step). Timing the
+    window after the host's work on the one before would leave out the steps
+    the device ran meanwhile (a tiny model's window of 5 steps once logged
+    24,000 steps/s that way).
 
     Raises:
       FloatingPointError: a non-finite loss or gradient norm (the first
         step's that has one).
     """
-    fetched = jax.device_get([metrics for *_, metrics in pending])
-    for (first, num_steps, _), metrics in zip(pending, fetched):
-      for i in range(num_steps):
-        self._add(first + i, {key: rows[i] for key, rows in metrics.items()})
+    fetched = jax.device_get(metrics)
+    now = time.time()
+    for i in range(num_steps):
+      self._add(first + i, {key: rows[i] for key, rows in fetched.items()},
+                now)
 
-  def _add(self, step: int, metrics: Mapping[str, np.ndarray]) -> None:
+  def _add(self, step: int, metrics: Mapping[str, np.ndarray],
+           now: float) -> None:
     _check_finite(step, metrics)
     self._window.add(metrics)
     config = self._run.config
     total = config.num_train_steps
     if step % config.log_every_steps == 0 or step == total:
-      now = time.time()
       rate = (step - self._step) / max(now - self._start, 1e-9)
       summary = self._window.summary()
       self._run.writer.write_scalars(step,
@@ -791,7 +805,7 @@ class _Progress:
       self._run.log(_log_line(step, total, summary, rate,
                               now - self._run.start_time))
       self._window.reset()
-      self.restart(step)
+      self.restart(step, now)
 
 
 # Config keys that configure a run but not its train and evaluation
@@ -989,6 +1003,9 @@ def _host_block(split: data.Split, config: ml_collections.ConfigDict,
   - 1`` (0-based; :func:`process_train_batch`), as a block of
   :data:`STEPS_PER_CALL` batches (the ones after them zero: a call does not
   use them)."""
+  if not 1 <= num_steps <= STEPS_PER_CALL:
+    raise ValueError(f"a block holds 1 to {STEPS_PER_CALL} steps' batches, "
+                     f"not {num_steps}")
   block = None
   for i in range(num_steps):
     batch = process_train_batch(split, config, first + i, rows)
@@ -1011,11 +1028,11 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
   total = config.num_train_steps
   done = int(state.step)
   progress = _Progress(run, done)
-  # (first step, steps, their metrics on the device) of the calls not yet
-  # fetched: a call's are fetched once the next call is dispatched (so that
-  # the host does not wait on it and the device is not left idle), and
-  # before every evaluation and save.
-  pending: list[tuple[int, int, Mapping[str, Array]]] = []
+  # (first step, steps, metrics on the device) of the call before the
+  # newest, not yet fetched: a call's metrics are fetched once the next call
+  # is dispatched (so that the host does not wait on the device, nor leaves
+  # it idle), and before every evaluation and save.
+  unfetched = None
   for call, num_steps in enumerate(_calls(config, done)):
     batches = sharding_lib.global_block(
         _host_block(run.splits["train"], config, done, num_steps, rows),
@@ -1023,24 +1040,24 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
     state, metrics = step_fn(state, batches, num_steps, run.dropout_rng)
     if call == 0:
       _report_startup(run, done + 1, metrics)
-    pending.append((done + 1, num_steps, metrics))
+    if unfetched is not None:
+      progress.record(*unfetched)  # waits for that call, the newest runs on
+    unfetched = (done + 1, num_steps, metrics)
     done += num_steps
 
+    # Read after that wait: a signal stops the run once the call running
+    # then has ended.
     signum = _agreed_signal(run.stop.signum)
     do_eval = done % config.eval_every_steps == 0 or done == total
     do_save = (done % config.checkpoint_every_steps == 0 or done == total
                or signum is not None)
     if do_eval or do_save:
       # Never evaluate or checkpoint before the finiteness check of this step.
-      progress.record(pending)
-      pending = []
+      progress.record(*unfetched)
+      unfetched = None
       _evaluate_and_save(run, state, done, do_eval, do_save, signum)
       progress.restart(done)
-    elif len(pending) > 1:
-      # The newest call is still running; the one before it is fetched now.
-      progress.record(pending[:-1])
-      pending = pending[-1:]
-  # The last step always evaluates and saves, so nothing is left pending.
+  # The last step always evaluates and saves, so nothing is left unfetched.
   return state
 
 

@@ -82,12 +82,13 @@ def programs(config) -> dict[str, tuple]:
     # The run's train program: STEPS_PER_CALL steps a call (older code: one).
     tokens = jnp.ones((train.STEPS_PER_CALL, config.batch_size,
                        config.data.max_len), jnp.int32)
-    steps = functools.partial(train.train_steps, model=model,
-                              schedule=schedule)
-    step = jax.jit(lambda state, batches, rng: steps(
-        state, batches, train.STEPS_PER_CALL, rng), donate_argnums=0)
+    # The count of steps an argument, as the run passes it (a while loop).
+    step_args = (jnp.int32(train.STEPS_PER_CALL),)
+    step = jax.jit(functools.partial(train.train_steps, model=model,
+                                     schedule=schedule), donate_argnums=0)
   else:
     tokens = jnp.ones((config.batch_size, config.data.max_len), jnp.int32)
+    step_args = ()
     step = jax.jit(functools.partial(train.train_step, model=model,
                                      schedule=schedule), donate_argnums=0)
   eval_tokens = jnp.ones((config.eval_batch_size, config.data.max_len),
@@ -96,7 +97,7 @@ def programs(config) -> dict[str, tuple]:
   return {
       "initial state": (init, ()),
       "train step": (step, (state, {"inputs": tokens, "targets": tokens},
-                            jax.random.key(1))),
+                            *step_args, jax.random.key(1))),
       "evaluation": (evaluate, (state.params, {"inputs": eval_tokens,
                                                "targets": eval_tokens})),
   }
@@ -131,14 +132,14 @@ def measure(config, rounds: int, steps: int) -> dict[str, dict[str, float]]:
     out[name]["compile_cpu_s"] = statistics.median(cpu[name])
   # The train step, on the device-resident batch, its state threaded
   # through: calls of STEPS_PER_CALL steps (older code: one).
-  fn, (state, batch, rng) = progs["train step"]
+  fn, (state, *rest) = progs["train step"]
   per_call = getattr(train, "STEPS_PER_CALL", 1)
-  state, metrics = fn(state, batch, rng)
+  state, metrics = fn(state, *rest)
   jax.block_until_ready(metrics)
   times = []
   for _ in range(max(1, steps // per_call)):
     start = time.perf_counter()
-    state, metrics = fn(state, batch, rng)
+    state, metrics = fn(state, *rest)
     jax.block_until_ready(metrics)
     times.append((time.perf_counter() - start) / per_call)
   step_ms = 1e3 * statistics.median(times)

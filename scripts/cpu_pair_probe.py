@@ -160,8 +160,9 @@ class _Pair:
 
 
 def _train_step(config: Any) -> Callable[[], None]:
-  """``step()``: one call of the train step as ``mha.train`` compiles it, its
-  state threaded through, waited for."""
+  """``step()``: one call of the train program as ``mha.train`` compiles it,
+  running one step (a run's calls run up to ``STEPS_PER_CALL``: this times
+  a step with a call's own cost), its state threaded through, waited for."""
   model = build.make_model(config)
   state = jax.jit(functools.partial(build.create_train_state, config, model))(
       jax.random.key(config.seed))

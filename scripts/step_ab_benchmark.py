@@ -6,6 +6,8 @@ r"""The train step with and without the custom derivatives, in one process.
     python scripts/step_ab_benchmark.py --ab=options         # the step's
                                                              # fusion option
     python scripts/step_ab_benchmark.py --ab=level           # + level 1
+    python scripts/step_ab_benchmark.py --ab=calls           # 50 steps a
+                                                             # call
 
 The Dense layers (``mha.model``) and ``QK^T`` (``mha.attention``) have
 derivative rules of their own whose weight and key gradients XLA:CPU runs as
@@ -24,7 +26,12 @@ compiled without and with ``mha.train.STEP_FUSION_OPTIONS`` ("plain",
 "options": bitwise the same state); with ``--ab=level``, with the fusion
 option and with the whole of ``mha.train.STEP_COMPILER_OPTIONS``, which adds
 optimization level 1 ("fusion", "level 1": not bitwise, docs/performance.md);
-``--config`` picks the config.
+with ``--ab=calls``, the train step called once a step against the run's
+train program (``mha.train.train_steps``) running
+``mha.train.STEPS_PER_CALL`` steps a call ("one a call", "50 a call": bitwise
+the same), both with ``mha.train.STEP_COMPILER_OPTIONS``, each window
+``STEPS_PER_CALL`` steps dispatched and then waited for, the state threaded
+through (``--calls`` is not used); ``--config`` picks the config.
 
 A shared machine moves both programs' times together; compare the ratio, and
 repeat the script across processes.
@@ -63,11 +70,12 @@ _RETRAIN = flags.DEFINE_integer("retrain_models", 0,
                                 "many models (0: not).", lower_bound=0)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON line instead.")
 _AB = flags.DEFINE_enum("ab", "derivatives",
-                        ["derivatives", "options", "level"],  # _AB_VARIANTS
+                        ["derivatives", "options", "level", "calls"],
                         "What the two programs differ in: the custom "
                         "derivatives (autodiff, custom), the train step's "
-                        "fusion option (plain, options), or its "
-                        "optimization level (fusion, level 1).")
+                        "fusion option (plain, options), its "
+                        "optimization level (fusion, level 1), or the steps "
+                        "a call (one a call, 50 a call).")
 _CONFIG_ARG = flags.DEFINE_string("config", "", "get_config's argument "
                                   "(e.g. deep, wide).")
 
@@ -75,12 +83,15 @@ _PROG = "step_ab_benchmark.py"
 VARIANTS = ("autodiff", "custom")
 OPTION_VARIANTS = ("plain", "options")
 LEVEL_VARIANTS = ("fusion", "level 1")
+CALL_VARIANTS = ("one a call", f"{train.STEPS_PER_CALL} a call")
 _AB_VARIANTS = {"derivatives": VARIANTS, "options": OPTION_VARIANTS,
-                "level": LEVEL_VARIANTS}
+                "level": LEVEL_VARIANTS, "calls": CALL_VARIANTS}
 # The compiler options of each variant (None: XLA's defaults).
 _VARIANT_OPTIONS = {"plain": None, "options": train.STEP_FUSION_OPTIONS,
                     "fusion": train.STEP_FUSION_OPTIONS,
-                    "level 1": train.STEP_COMPILER_OPTIONS}
+                    "level 1": train.STEP_COMPILER_OPTIONS,
+                    **dict.fromkeys(CALL_VARIANTS,
+                                    train.STEP_COMPILER_OPTIONS)}
 
 
 @contextlib.contextmanager
@@ -99,10 +110,11 @@ def variant(name: str):
     model_lib._dense_dot_general, attention._qk_einsum = saved  # pylint: disable=protected-access
 
 
-def _compile(fn, args, name: str) -> tuple[object, dict[str, float]]:
+def _compile(fn, args, name: str, **jit_kwargs
+             ) -> tuple[object, dict[str, float]]:
   with variant(name if name in VARIANTS else "custom"):
     # A fresh function each time: jit would reuse the other variant's trace.
-    lowered = jax.jit(lambda *a: fn(*a)).lower(*args)
+    lowered = jax.jit(lambda *a: fn(*a), **jit_kwargs).lower(*args)
   start = time.process_time()
   compiled = lowered.compile(_VARIANT_OPTIONS.get(name))
   cpu = time.process_time() - start
@@ -130,6 +142,74 @@ def _time(compiled: dict[str, object], args, windows: int,
         jax.block_until_ready(compiled[name](*args))
         times[name].append(time.perf_counter() - start)
   return {name: benchmarking.median_ms(t) for name, t in times.items()}
+
+
+def measure_calls(windows: int, config_arg: str = "") -> dict:
+  """``--ab=calls``: the train step called once a step against the run's
+  train program, ``STEPS_PER_CALL`` steps a call (see the module doc)."""
+  config = default.get_config(config_arg or None)
+  model = build.make_model(config)
+  schedule = build.learning_rate_schedule(config)
+  make_state = jax.jit(lambda: build.create_train_state(
+      config, model, jax.random.key(config.seed)))
+  per_call = train.STEPS_PER_CALL
+  tokens = np.random.RandomState(0).randint(
+      1, config.data.num_symbols + 1,
+      (per_call, config.batch_size, config.data.max_len)).astype(np.int32)
+  batches = {"inputs": jnp.asarray(tokens),
+             "targets": jnp.asarray(tokens[:, :, ::-1])}
+  rows = [jax.tree.map(lambda x, i=i: x[i], batches) for i in range(per_call)]
+  rng = jax.random.key(1)
+  one_name, many_name = CALL_VARIANTS
+  one = functools.partial(train.train_step, model=model, schedule=schedule)
+  many = functools.partial(train.train_steps, model=model, schedule=schedule)
+  count = jnp.int32(per_call)
+  out = {"environment": benchmarking.environment(),
+         "load_average_start": benchmarking.load_average()}
+  info = {}
+  one_c, info[one_name] = _compile(one, (make_state(), rows[0], rng),
+                                   one_name, donate_argnums=0)
+  many_c, info[many_name] = _compile(many, (make_state(), batches, count, rng),
+                                     many_name, donate_argnums=0)
+  # 20 steps: one at a time, and as calls of 1, 7 and 12 steps.
+  state_one, state_many = make_state(), make_state()
+  for i in range(20):
+    state_one, _ = one_c(state_one, rows[i], rng)
+  done = 0
+  for steps in (1, 7, 12):
+    block = jax.tree.map(lambda x, d=done: jnp.roll(x, -d, axis=0), batches)
+    state_many, _ = many_c(state_many, block, jnp.int32(steps), rng)
+    done += steps
+  info["max_param_diff_20_steps"] = max(
+      float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+          jax.tree.leaves(state_one.params),
+          jax.tree.leaves(state_many.params)))
+
+  def window_one(state):
+    for batch in rows:
+      state, metrics = one_c(state, batch, rng)
+    jax.block_until_ready(metrics)
+    return state
+
+  def window_many(state):
+    state, metrics = many_c(state, batches, count, rng)
+    jax.block_until_ready(metrics)
+    return state
+
+  states = {one_name: make_state(), many_name: make_state()}
+  runs = {one_name: window_one, many_name: window_many}
+  times = {name: [] for name in runs}
+  for w in range(windows + 1):  # the first pair of windows warms up
+    for name in CALL_VARIANTS if w % 2 == 0 else CALL_VARIANTS[::-1]:
+      start = time.perf_counter()
+      states[name] = runs[name](states[name])
+      if w:
+        times[name].append((time.perf_counter() - start) / per_call)
+  info["step_ms"] = {name: benchmarking.median_ms(t)
+                     for name, t in times.items()}
+  out["train_step"] = info
+  out["load_average_end"] = benchmarking.load_average()
+  return out
 
 
 def measure(windows: int, calls: int, retrain_models: int,
@@ -187,8 +267,11 @@ def main(argv: list[str]) -> None:
   del argv
   variants = _AB_VARIANTS[_AB.value]
   cli.checked_config(_PROG, _CONFIG_ARG.value)  # a mistake: one line, exit 2
-  results = measure(_WINDOWS.value, _CALLS.value, _RETRAIN.value, variants,
-                    _CONFIG_ARG.value)
+  if _AB.value == "calls":
+    results = measure_calls(_WINDOWS.value, _CONFIG_ARG.value)
+  else:
+    results = measure(_WINDOWS.value, _CALLS.value, _RETRAIN.value,
+                      variants, _CONFIG_ARG.value)
   if _JSON.value:
     print(json.dumps(results))
     return

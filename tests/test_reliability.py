@@ -442,8 +442,15 @@ def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(
   else:
     pytest.fail(f"the first kill landed after checkpoint {saved} three times")
 
-  # 2. SIGTERM after the next checkpoint: the current step is saved.
-  proc = subprocess.Popen(command, env=subprocess_env,
+  # 2. SIGTERM after the next checkpoint: the current step is saved. Calls
+  # of the train program of one step (a log line each), as a run made them
+  # before calls of 50: the checkpoint the signal waits for appears once
+  # orbax has finished it, and the tiny model's calls of 50 steps ran on
+  # to about step 300 meanwhile (stopping at 310-350), leaving no checkpoint
+  # for the kill below; with calls of one step it stopped at 220-229.
+  proc = subprocess.Popen(_train_command(data_dir, workdir,
+                                         "log_every_steps=1"),
+                          env=subprocess_env,
                           stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
   _wait_for(lambda: _newest(workdir) > saved, proc)
@@ -459,7 +466,7 @@ def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(
 
   # 3. kill -9 once the next checkpoint exists: in a step or a save. One
   # comes before the last step: SIGTERM stopped the run tens of steps after
-  # the checkpoint that follows ``saved`` (25 in the suite's runs).
+  # the checkpoint that follows ``saved``.
   assert (stopped // EVERY + 1) * EVERY < STEPS, stopped
   proc = subprocess.Popen(command, env=subprocess_env,
                           stdout=subprocess.DEVNULL,
@@ -545,7 +552,10 @@ def test_sigint_stops_after_the_step_with_a_checkpoint(tmp_path, data_dir):
   thread.start()
   try:
     with pytest.raises(train.TrainingInterrupted) as error:
-      train.train_and_evaluate(_run_config(data_dir, *RUN_OVERRIDES), workdir)
+      # Calls of one step, as in the test above.
+      train.train_and_evaluate(
+          _run_config(data_dir, *RUN_OVERRIDES, "log_every_steps=1"),
+          workdir)
     assert signal.getsignal(signal.SIGINT) is ours  # handlers restored
   finally:
     done.set()
@@ -647,14 +657,15 @@ def test_an_unverified_checkpoint_never_deletes_an_intact_one(tmp_path):
     # The loop runs up to train.STEPS_PER_CALL steps a call and fetches a
     # call's metrics once the next call is dispatched (log_every_steps is
     # 1000 here): the NaN of step 3, in the call of steps 2-51, is found
-    # before the first save (at step 60).
-    (("num_train_steps=60", "checkpoint_every_steps=60"), []),
+    # when the call of steps 52-101 is dispatched, before the first save (at
+    # step 120).
+    (("num_train_steps=120", "checkpoint_every_steps=120"), []),
 ], ids=["each_step_saved", "inside_a_fetch_window"])
 def test_non_finite_loss_stops_naming_the_step_without_saving_it(
     tmp_path, data_dir, subprocess_env, overrides, saved):
   # lr 1e30 (after one warmup step at lr 0): the parameters blow up at step
   # 2 and the loss of step 3 is NaN.
-  assert train.STEPS_PER_CALL < 59
+  assert 2 * train.STEPS_PER_CALL < 119
   workdir = str(tmp_path / "run")
   result = run(
       _train_command(data_dir, workdir, "learning_rate=1e30",

@@ -8,6 +8,7 @@ import shutil
 import struct
 import sys
 import time
+import types
 
 import jax
 import numpy as np
@@ -360,11 +361,11 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
   assert (tmp_path / "a_file").read_text() == "kept"
 
 
-def _tiny_start():
-  """The tiny config, its model, mesh, abstract state and shardings, and a
-  fresh state's leaves and dropout key (made with optimizations off: any
-  start will do for comparing two compilations)."""
-  config = _get_config("tiny")
+def _tiny_start(*overrides):
+  """The tiny config (with ``overrides``), its model, mesh, abstract state
+  and shardings, and a fresh state's leaves and dropout key (made with
+  optimizations off: any start will do for comparing two compilations)."""
+  config = _get_config(",".join(("tiny",) + overrides))
   model = build.make_model(config)
   mesh = sharding.make_mesh(config.mesh.data)
   initial, abstract_state = train._fresh_state(config, model)
@@ -430,12 +431,13 @@ def test_train_step_compiled_with_its_options_matches_the_plain_one():
 def test_a_call_of_steps_is_bitwise_the_steps_one_at_a_time():
   # The run's train program (train.train_steps: up to STEPS_PER_CALL steps a
   # call, their count an argument) against train.train_step called once a
-  # step, both compiled as a run compiles its train program: calls of 1, 4
-  # and 2 steps give every step's metrics and the final state bitwise (the
-  # default, deep, wide, spell and nine more configs were checked over 20
-  # steps by hand, docs/performance.md).
+  # step, both compiled as a run compiles its train program: calls of 1, 50
+  # and 3 steps, with dropout (a mask a step, from the step's number), give
+  # every step's metrics and the final state bitwise (the default, deep,
+  # wide, spell and eleven more configs were checked over 20 steps by hand,
+  # docs/performance.md).
   config, model, mesh, abstract_state, shardings, (leaves, rng) = (
-      _tiny_start())
+      _tiny_start("model.dropout_rate=0.1", "model.attention_dropout_rate=0.1"))
   jax.config.update("jax_disable_most_optimizations", False)
   try:
     jitted, args = train.train_step_program(config, model, mesh, shardings,
@@ -464,7 +466,7 @@ def test_a_call_of_steps_is_bitwise_the_steps_one_at_a_time():
   by_step = [np.asarray(x) for x in leaves]
   by_call = [np.asarray(x) for x in leaves]
   done = 0
-  for count in (1, 4, 2):
+  for count in (1, train.STEPS_PER_CALL, 3):
     block = train._host_block(split, config, done, count, rows)  # pylint: disable=protected-access
     by_call, stacked = steps(by_call, block, np.int32(count), rng)
     stacked = jax.device_get(stacked)
@@ -498,6 +500,40 @@ def test_a_call_never_runs_past_a_logging_evaluation_or_checkpoint_step():
                    1, 50, 50, 19]
   assert calls(done=123) == [1, 26, 50, 50, 50, 50, 50, 50, 50]
   assert calls(done=500) == []
+
+
+def test_a_call_runs_no_more_steps_than_its_block_holds():
+  block = {"inputs": np.zeros((train.STEPS_PER_CALL, 2, 3), np.int32)}
+  with pytest.raises(ValueError, match="num_steps=51 is not between 0 and"):
+    train.train_steps(None, block, train.STEPS_PER_CALL + 1, None,
+                      model=None, schedule=None)
+  split = data.Split(*(np.ones((10, 3), np.int32),) * 2)
+  config = _get_config("tiny,batch_size=2")
+  for steps in (0, train.STEPS_PER_CALL + 1):
+    with pytest.raises(ValueError, match="a block holds 1 to 50"):
+      train._host_block(split, config, 0, steps, slice(0, 2))  # pylint: disable=protected-access
+
+
+def test_a_logging_window_is_timed_from_fetch_to_fetch(monkeypatch):
+  # steps/s of a window: its steps over the time between the fetch of the
+  # call that ended the window before and the fetch of its own last call,
+  # however long the host then spends on logging (time.time() is read once
+  # a fetch). Calls of 1, 4 and 5 steps, a window every 5 steps.
+  clock = iter([100.0, 101.0, 102.0, 104.5])  # start, then each fetch
+  monkeypatch.setattr(train.time, "time", lambda: next(clock))
+  written = []
+  run = types.SimpleNamespace(
+      config=default.get_config("tiny,log_every_steps=5,num_train_steps=10"),
+      start_time=100.0, log=lambda line: None,
+      writer=types.SimpleNamespace(
+          write_scalars=lambda step, scalars: written.append(
+              (step, scalars["steps_per_sec"]))))
+  progress = train._Progress(run, 0)  # pylint: disable=protected-access
+  metrics = lambda n: {key: np.ones(n, np.float32) for key in (
+      *evaluate.SUM_KEYS, "grad_norm", "learning_rate", "state_finite")}
+  for first, steps in ((1, 1), (2, 4), (6, 5)):
+    progress.record(first, steps, metrics(steps))
+  assert written == [(5, 5 / 2.0), (10, 5 / 2.5)]
 
 
 def test_evaluation_compiled_with_its_options_is_bitwise_the_plain_one():
