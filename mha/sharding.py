@@ -145,21 +145,14 @@ def process_rows(sharding: NamedSharding, batch_size: int) -> slice:
 def global_batch(local: Mapping[str, np.ndarray], sharding: NamedSharding,
                  batch_size: int) -> dict[str, jax.Array]:
   """Global arrays of ``batch_size`` rows from this process's rows
-  (:func:`process_rows`); with one process, ``local`` is the whole batch (and
-  this is one ``jax.device_put``)."""
+  (:func:`process_rows`), along the axis ``sharding`` splits over the data
+  axis: the first for :func:`batch_sharding`, the second for a block of
+  batches (:func:`block_sharding`). With one process, ``local`` is the
+  whole batch (and this is one ``jax.device_put``)."""
+  axis = tuple(sharding.spec).index(DATA_AXIS)
   return jax.make_array_from_process_local_data(
       sharding, dict(local),
-      {key: (batch_size, *value.shape[1:]) for key, value in local.items()})
-
-
-def global_block(local: Mapping[str, np.ndarray], sharding: NamedSharding,
-                 batch_size: int) -> dict[str, jax.Array]:
-  """:func:`global_batch` of a block of batches: ``local`` holds this
-  process's rows of each (``[steps, rows, ...]``), ``sharding`` is
-  :func:`block_sharding`'s."""
-  return jax.make_array_from_process_local_data(
-      sharding, dict(local),
-      {key: (value.shape[0], batch_size, *value.shape[2:])
+      {key: (*value.shape[:axis], batch_size, *value.shape[axis + 1:])
        for key, value in local.items()})
 
 

@@ -115,8 +115,8 @@ def train_step(state: TrainState, batch: Mapping[str, Array], rng: Array, *,
 # (:func:`train_steps`); a call also ends at every logging, evaluation and
 # checkpoint step. Each call of a program costs time beyond its kernels
 # (its arguments and donated buffers, the hand-over to XLA's threads): for
-# the default model on 2 CPU cores 0.4-0.6 ms, a sixth of a step called one
-# at a time, shared here by up to 50 steps (the same numbers, bitwise;
+# the default model on 2 CPU cores 0.37-0.64 ms, a sixth of a step called
+# one at a time, shared here by up to 50 steps (the same numbers, bitwise;
 # docs/performance.md, "Fifty steps a call").
 STEPS_PER_CALL = 50
 
@@ -130,8 +130,9 @@ def train_steps(state: TrainState, batches: Mapping[str, Array],
   ``batches`` is a block of batches, each value ``[K, ...]`` (``K`` batches
   of :func:`train_step`'s shapes); step ``i`` trains on batch ``i``. Only the
   first ``num_steps`` (at most ``K``, else a ValueError where it is known;
-  it may be traced, so that one compiled program runs any count) are used. Returns the state after them and each
-  step's metrics, stacked: ``[K]`` each, zero from row ``num_steps`` on.
+  it may be traced, so that one compiled program runs any count) are used.
+  Returns the state after them and each step's metrics, stacked: ``[K]``
+  each, zero from row ``num_steps`` on.
   Bitwise the state and metrics of ``num_steps`` calls of
   :func:`train_step` (tests/test_train.py).
   """
@@ -1034,7 +1035,7 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
   # it idle), and before every evaluation and save.
   unfetched = None
   for call, num_steps in enumerate(_calls(config, done)):
-    batches = sharding_lib.global_block(
+    batches = sharding_lib.global_batch(
         _host_block(run.splits["train"], config, done, num_steps, rows),
         block_sharding, config.batch_size)
     state, metrics = step_fn(state, batches, num_steps, run.dropout_rng)
