@@ -28,8 +28,8 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from mha import cli
-from mha.figures import PLOT_FORMATS
+from mha.run import cli
+from mha.run.figures import PLOT_FORMATS
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's workdir.")
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "validation", "test"],
@@ -97,9 +97,8 @@ def main(argv):
   # folder answer at once.
   workdir = cli.existing_dir("eval.py", _WORKDIR.value)
   _check_examples(None)
-  from mha import (build, checkpoint, collector, compilation_cache, data,
-                   evaluate)
-  collector.tune_for_tracing()
+  from mha import build, checkpoint, data, evaluate
+  from mha.run import compilation_cache
 
   try:
     ckpt = checkpoint.load_checkpoint(workdir, _STEP.value)
@@ -131,7 +130,7 @@ def main(argv):
   try:
     _write_outputs(ckpt, split, workdir, out_dir, metrics, study)
   except OSError as e:  # The disk filled up meanwhile, say: exit code 1.
-    from mha import write_failures
+    from mha.run import write_failures
     print(f"eval.py: error: {write_failures.os_error_reason(e)}, while writing "
           f"the results to {out_dir}/ (they are incomplete)",
           file=sys.stderr, flush=True)

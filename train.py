@@ -4,11 +4,9 @@
         --config.model.num_heads=8
 
 Running it again on the same workdir resumes from the newest checkpoint.
-Compiled programs are kept in ``config.compilation_cache_dir`` (default
-``~/.cache/mha/jax``; ``""`` turns that off), so a second run of the same
-config compiles nothing, and, in its ``executables/`` folder, whole
-(``mha.executables``), so a second run of the same source and config traces
-nothing either.
+Compiled programs are kept in JAX's persistent compilation cache,
+``config.compilation_cache_dir`` (default ``~/.cache/mha/jax``; ``""`` turns
+it off), so a second run of the same config compiles nothing.
 It trains on every device; launched as several processes (one a host), each
 joins the run through ``jax.distributed`` with ``--distributed`` (coordinator
 detected from the cluster: Cloud TPU, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS)
@@ -25,23 +23,16 @@ stopped by SIGINT / SIGTERM after saving a checkpoint (run the same command
 again to resume). The logic lives in ``mha.train.train_and_evaluate``.
 """
 
-import gc
 import os
 import shlex
 import sys
 
-# Python's cyclic garbage collector stays off while the imports below (and
-# main's) allocate their hundreds of thousands of long-lived objects: each
-# full collection would walk them all again (docs/performance.md, "The warm
-# start"). main freezes them and turns it back on.
-gc.disable()
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
 
-from absl import app  # pylint: disable=g-import-not-at-top
-from absl import flags  # pylint: disable=g-import-not-at-top
-from absl import logging  # pylint: disable=g-import-not-at-top
-from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-
-from mha import cli  # pylint: disable=g-import-not-at-top
+from mha.run import cli
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                "configs", "default.py")
@@ -101,17 +92,11 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
   # Deferred: --help, a mistyped flag or config key answer without importing
   # JAX, Flax, orbax or TFDS.
-  from mha import (checkpoint, collector, compilation_cache,
-                   config_validation, executables, sharding, train,
-                   write_failures)
-  # What the imports made lives as long as the process: out of the
-  # collector's sight from now on, and the collector runs 100x less often
-  # (``mha.train`` pauses it again until the first step is done).
-  collector.tune_for_tracing(collect=False)
-  gc.enable()
+  from mha import checkpoint, train
+  from mha.run import (compilation_cache, config_validation, sharding,
+                       write_failures)
   compilation_cache.configure(flags.FLAGS.config.compilation_cache_dir,
                               "train.py")
-  executables.enable()  # This process runs the package's source on disk.
   distributed = (_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value,
                  _PROCESS_ID.value)
   if _DISTRIBUTED.value or distributed != (None, None, None):

@@ -26,6 +26,7 @@ Training uses every device (``config.mesh``; see "Scaling out" in the README):
 from __future__ import annotations
 
 import ast
+import os
 
 import ml_collections
 from ml_collections import config_dict
@@ -55,9 +56,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 250  # Save a checkpoint this often.
   config.max_checkpoints_to_keep = 3  # Older checkpoints are deleted.
   # JAX's persistent compilation cache: a later run loads the programs an
-  # earlier one compiled. "" turns it off; left at this default,
-  # $JAX_COMPILATION_CACHE_DIR replaces it when set (mha/compilation_cache.py).
-  config.compilation_cache_dir = "~/.cache/mha/jax"
+  # earlier one compiled ("" turns it off); JAX's own variable
+  # $JAX_COMPILATION_CACHE_DIR, when set, is the default.
+  config.compilation_cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR",
+                                                "~/.cache/mha/jax")
   # A workdir whose newest checkpoint's parameters start this run (fresh
   # optimizer, step 0; its model config, e.g. a pruned model's); None: init.
   config.init_from = config_dict.placeholder(str)
@@ -187,7 +189,7 @@ def _apply_variant(config: ml_collections.ConfigDict, part: str) -> None:
       parsed = value.strip()
     if key.strip() == "model.num_heads" and isinstance(parsed, list):
       # A count per layer (a pruned model's shape); the config checks
-      # (mha.config_validation) check its length and counts.
+      # (mha.run.config_validation) check its length and counts.
       with target.ignore_type():
         target[name] = parsed
       return

@@ -2,7 +2,7 @@
 Transformer built on it, training on toy sequence tasks, and head pruning.
 
 The public names are imported on first use (PEP 562), so that ``import
-mha.cli`` and an entry point refusing a mistyped flag do not import JAX,
+mha.run.cli`` and an entry point refusing a mistyped flag do not import JAX,
 Flax or orbax first.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mha import lazy
+from mha.run import lazy
 
 if TYPE_CHECKING:  # For type checkers and IDEs; at run time, on first use.
   from mha.attention import MultiHeadAttention, dot_product_attention

@@ -228,41 +228,6 @@ def _gate_heads(context: Array, head_mask: Array | None) -> Array:
   return context * _expand_to_rank(gate, context.ndim)
 
 
-# Why a custom derivative. Differentiated through exp, sum and divide,
-# softmax's backward pass keeps the exponentials and a broadcast of 1 / sum:
-# two more [..., Lq, Lk] arrays than the rule below, which needs only the
-# output y (dy = y * (dx - sum(y * dx))), so training keeps less per layer
-# and the backward pass is faster (see scripts/benchmark.py).
-#
-# What JAX decided about its own: jax.nn.softmax got this same rule in
-# jax-ml/jax#15677 (April 2023), with the `jax_softmax_custom_jvp` flag as a
-# temporary way back to the old derivative. jax-ml/jax#16096 (May 2023)
-# turned the rule off by default ("basically undoing it") after some long
-# training runs failed after many steps with it on and not without, to stay
-# off "until we diagnose the cause". In the installed JAX (0.10.2) the flag
-# is still there and still False by default (jax/_src/config.py), so
-# jax.nn.softmax differentiates through exp/sum/divide unless a program opts
-# in. We could not find that the failures were ever diagnosed. We keep our
-# own rule rather than flip the process-wide flag (it would change every
-# other softmax in the program); tests/test_attention.py checks it against
-# jax.nn.softmax's derivative (JVP, VJP, masked keys, fully masked rows,
-# second derivatives).
-@jax.custom_jvp
-def _softmax(logits: Array) -> Array:
-  """``jax.nn.softmax`` over the last axis, with a derivative that keeps only
-  its output (see the comment above)."""
-  unnormalized = jnp.exp(
-      logits - jnp.max(logits, -1, keepdims=True, initial=-jnp.inf))
-  return unnormalized / jnp.sum(unnormalized, -1, keepdims=True)
-
-
-@_softmax.defjvp
-def _softmax_jvp(primals, tangents):
-  (logits,), (logits_dot,) = primals, tangents
-  y = _softmax(logits)
-  return y, y * (logits_dot - jnp.sum(y * logits_dot, -1, keepdims=True))
-
-
 def _einsums(precision: Precision, einsum_dot_general: Callable | None,
              qk_attn_weights_einsum: Callable | None,
              attn_weights_value_einsum: Callable | None
@@ -282,54 +247,8 @@ def _einsums(precision: Precision, einsum_dot_general: Callable | None,
     einsum = functools.partial(jnp.einsum, precision=precision,
                                _dot_general=einsum_dot_general)
     return einsum, einsum
-  return (functools.partial(_qk_einsum, precision=precision),
-          functools.partial(jnp.einsum, precision=precision))
-
-
-# Why a custom derivative for QK^T. Differentiated as it is, the keys'
-# gradient dS^T Q contracts the query axis of the logits' cotangent dS
-# [..., H, Lq, Lk], which is not its last: XLA:CPU runs that batched product
-# as a plain dot, outside its YNNPACK matmul fusions (the queries' gradient
-# dS K and the forward products are fused). This rule gives the same
-# derivative with dS transposed into a copy of its own, [..., H, Lk, Lq] (an
-# optimization barrier, which transposes to itself, keeps XLA from folding
-# the transpose back into the dot), so the keys' gradient dS^T Q is an
-# ordinary batched matmul that YNNPACK takes. The forward pass, and any
-# program that does not differentiate, is the plain einsum; the gradient
-# equals autodiff's up to summation order (tests/test_attention.py).
-_QK_SUBSCRIPTS = "...qhd,...khd->...hqk"
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _queries_times_keys(query: Array, key: Array,
-                        precision: Precision) -> Array:
-  """``einsum("...qhd,...khd->...hqk", query, key)``."""
-  return jnp.einsum(_QK_SUBSCRIPTS, query, key, precision=precision)
-
-
-@_queries_times_keys.defjvp
-def _queries_times_keys_jvp(precision, primals, tangents):
-  query, key = primals
-  query_dot, key_dot = tangents
-  # The keys' term as [..., H, Lk, Lq], transposed after the barrier: the
-  # transpose (the backward pass) then materializes dS^T, and the keys'
-  # gradient dS^T Q contracts its last axis.
-  key_term = jnp.einsum("...khd,...qhd->...hkq", key_dot, query,
-                        precision=precision)
-  return (_queries_times_keys(query, key, precision),
-          jnp.einsum(_QK_SUBSCRIPTS, query_dot, key, precision=precision)
-          + jnp.swapaxes(jax.lax.platform_dependent(
-              key_term, cpu=jax.lax.optimization_barrier,
-              default=lambda t: t), -1, -2))
-
-
-def _qk_einsum(subscripts: str, query: Array, key: Array, *,
-               precision: Precision = None) -> Array:
-  """The default ``QK^T`` einsum: ``jnp.einsum``, through
-  :func:`_queries_times_keys` for the ungrouped product."""
-  if subscripts == _QK_SUBSCRIPTS:
-    return _queries_times_keys(query, key, precision)
-  return jnp.einsum(subscripts, query, key, precision=precision)
+  einsum = functools.partial(jnp.einsum, precision=precision)
+  return einsum, einsum
 
 
 # Grouped-query attention (Ainslie et al. 2023): H query heads share
@@ -382,7 +301,7 @@ def _attention_weights(query: Array, key: Array, bias: Array | None,
   logits = logits.astype(jnp.float32)  # softmax in float32 whatever the dtype
   if mask is not None:
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-  weights = _softmax(logits)
+  weights = jax.nn.softmax(logits)
   if mask is not None:
     # Exact zeros for masked keys, and all-zero rows where nothing is valid
     # (the softmax of an all-masked row would be uniform otherwise).

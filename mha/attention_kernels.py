@@ -33,18 +33,13 @@ the values.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from mha.aliases import Array
-
-try:  # Private: where jax.nn.dot_product_attention reads cuDNN's version.
-  from jax._src.lib import cuda_versions as _cuda_versions
-except ImportError:  # A JAX that moved it: no cuDNN detected, XLA then.
-  _cuda_versions = None
-
 
 IMPLEMENTATIONS = ("cudnn", "xla")
 MASK_FORMS = ("none", "lengths", "array")
@@ -73,14 +68,23 @@ def device_facts() -> DeviceFacts:
   if platform == "gpu":
     version = str(getattr(device.client, "platform_version", "")).lower()
     platform = "rocm" if "rocm" in version else "cuda"
-  cudnn = None
-  if platform == "cuda" and _cuda_versions is not None:
-    try:
-      cudnn = int(_cuda_versions.cudnn_get_version())
-    except Exception:  # No cuDNN: not cuDNN then.
-      cudnn = None
+  cudnn = _cudnn_version() if platform == "cuda" else None
   return DeviceFacts(platform, getattr(device, "compute_capability", None),
                      cudnn)
+
+
+def _cudnn_version() -> int | None:
+  """The cuDNN of JAX's CUDA wheels (the ``nvidia-cudnn-cu*`` package that
+  ``jax[cuda12]`` or ``jax[cuda13]`` installs), e.g. ``91000`` for 9.10.0;
+  None for a cuDNN installed otherwise (JAX has no public API for it)."""
+  for package in ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12"):
+    try:
+      major, minor, patch = (
+          importlib.metadata.version(package).split(".") + ["0", "0"])[:3]
+      return int(major) * 10000 + int(minor) * 100 + int(patch)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+      continue
+  return None
 
 
 def _capability(facts: DeviceFacts) -> tuple[int, ...]:

@@ -93,13 +93,11 @@ def make_optimizer(
   )
 
 
-def run_rngs(config: ml_collections.ConfigDict, impl: Any = None) -> Array:
+def run_rngs(config: ml_collections.ConfigDict) -> Array:
   """A run's two keys ``[2]``, both from ``config.seed``: parameter init
   (``[0]``) and dropout (``[1]``). A run's step-0 parameters are
-  ``init_params(model, run_rngs(config)[0])``. ``impl``: the PRNG
-  implementation (default JAX's; ``mha.host_prng.impl()`` gives the same
-  keys with the hashes on the host)."""
-  return jax.random.split(jax.random.key(config.seed, impl=impl))
+  ``init_params(model, run_rngs(config)[0])``."""
+  return jax.random.split(jax.random.key(config.seed))
 
 
 def init_params(model: Transformer, rng: Array) -> Any:
@@ -109,8 +107,12 @@ def init_params(model: Transformer, rng: Array) -> Any:
 
 
 def create_train_state(config: ml_collections.ConfigDict, model: Transformer,
-                       rng: Array) -> TrainState:
-  """Fresh parameters and optimizer state at step 0."""
+                       rng: Array,
+                       tx: optax.GradientTransformation | None = None
+                       ) -> TrainState:
+  """Fresh parameters and optimizer state at step 0; ``tx`` defaults to
+  :func:`make_optimizer` (pass one to get states whose trees compare equal:
+  each optimizer made is a new object)."""
   return TrainState.create(apply_fn=model.apply,
                            params=init_params(model, rng),
-                           tx=make_optimizer(config))
+                           tx=tx or make_optimizer(config))

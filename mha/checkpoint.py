@@ -27,17 +27,17 @@ What survives what (see :class:`TrainCheckpoints`):
   newest intact one; ``load_checkpoint`` skips it (or names it, when that step
   is asked for).
 * A save that fails for want of space or permission (a full disk, a quota, a
-  read-only filesystem) raises ``mha.write_failures.WriteFailure`` where
+  read-only filesystem) raises ``mha.run.write_failures.WriteFailure`` where
   orbax reports it (the next save's wait, ``verify`` or ``close``), once its
   temporary folder is removed; the older steps are untouched, and orbax's own
   log of it is dropped (the run reports it in one line).
 * Readers (``load_checkpoint``, ``eval.py``) never see a step being written
   (orbax lists only renamed, complete steps) and never write to the
   checkpoints (``eval.py`` writes only its ``workdir/eval/`` folder), so
-  they work while a run trains; writers hold ``mha.workdir_lock``.
+  they work while a run trains; writers hold ``mha.run.workdir_lock``.
 
 Checkpoints do not depend on the device count: each array is restored into the
-shardings of the mesh at hand (``mha.sharding``), so a run saved on 8 devices
+shardings of the mesh at hand (``mha.run.sharding``), so a run saved on 8 devices
 resumes on 1 and the reverse, and ``load_checkpoint`` returns the parameters
 replicated on every device. With several processes, every process takes part
 in each save and restore (orbax coordinates them; its primary process writes
@@ -63,9 +63,9 @@ from jax.experimental import multihost_utils
 
 from configs import default
 from mha import build
-from mha import config_validation
-from mha import sharding as sharding_lib
-from mha import write_failures
+from mha.run import config_validation
+from mha.run import sharding as sharding_lib
+from mha.run import write_failures
 from mha.model import Transformer, TransformerConfig
 
 CHECKPOINT_DIR = "checkpoints"
@@ -505,7 +505,7 @@ def load_checkpoint(workdir: str | os.PathLike,
   Nothing but the workdir is needed: the config saved in the checkpoint
   rebuilds the model. Only the parameters are read (an orbax partial
   restore, :func:`restore_params`): no optimizer is built. The parameters
-  come back replicated on every device (``mha.sharding.make_mesh()``),
+  come back replicated on every device (``mha.run.sharding.make_mesh()``),
   whatever the device count of the run that saved them. Reads only: a
   damaged step is skipped with a warning on stderr when no ``step`` is given.
 
@@ -574,7 +574,7 @@ def read_params(manager: ocp.CheckpointManager, step: int,
 
 def _replicated(abstract: Any) -> Any:
   """``abstract`` (``jax.eval_shape`` output) with every array replicated on
-  every device of ``mha.sharding.make_mesh()``: what loads restore into."""
+  every device of ``mha.run.sharding.make_mesh()``: what loads restore into."""
   return sharding_lib.with_shardings(abstract, sharding_lib.state_shardings(
       abstract, sharding_lib.make_mesh(), shard_params=False))
 
@@ -602,3 +602,47 @@ def _load(manager: ocp.CheckpointManager, step: int) -> LoadedCheckpoint:
   params = read_params(manager, step, abstract_params(config))
   return LoadedCheckpoint(config=config, model=build.make_model(config),
                           params=params, step=int(step))
+
+
+def transformer_from_checkpoint(workdir: str | os.PathLike,
+                                step: int | None = None, *,
+                                rngs: Any = None) -> Any:
+  """A trained :class:`mha.model.Transformer` as an NNX module.
+
+  The workdir's model (``mha.load_checkpoint``) wrapped in
+  ``flax.nnx.bridge.ToNNX``, holding the checkpoint's parameters as
+  ``nnx.Param`` under the Linen names (``nnx.state(model, nnx.Param)`` is
+  the checkpoint's tree). It is called as the Linen model is applied::
+
+    model = transformer_from_checkpoint(workdir)
+    logits, attention = model(tokens, head_mask=head_mask)
+    x = model(tokens, method="embed")  # another method of the Linen model
+
+  ``nnx.jit``, ``nnx.grad``, ``nnx.split``/``nnx.merge`` and NNX optimizers
+  work on it as on any NNX module. Dropout (``deterministic=False``) needs a
+  ``dropout`` stream: ``rngs`` here, or ``rngs=nnx.Rngs(dropout=...)`` in
+  the call.
+
+  The parameters are set on the wrapper directly rather than through
+  ``ToNNX.lazy_init``, which would initialise a random model first and, in
+  Flax 0.12.8, fails on our model: the wrapper takes the variable ``embed``
+  for the Linen method ``Transformer.embed`` of the same name. (So
+  ``model.embed`` is the embedding's parameters; the method is
+  ``model(tokens, method="embed")``.)
+
+  Args:
+    workdir: a training run's folder (its newest intact step unless
+      ``step``).
+    step: the checkpoint's step.
+    rngs: the ``nnx.Rngs`` the wrapper passes to every call (default:
+      none).
+  """
+  from flax.nnx import bridge  # pylint: disable=import-outside-toplevel
+  from flax.nnx.bridge import variables as bridge_variables
+
+  loaded = load_checkpoint(workdir, step)
+  model = bridge.ToNNX(loaded.model, rngs=rngs)
+  attrs = bridge_variables.linen_vars_to_nnx_attrs({"params": loaded.params})
+  for name, value in attrs.items():
+    setattr(model, name, value)
+  return model

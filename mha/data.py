@@ -42,8 +42,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.proto import tf_example_pb2
 
-from mha import absl_logs
-from mha import write_failures
+from mha.run import absl_logs
+from mha.run import write_failures
 
 TASKS: tuple[str, ...] = ("reverse", "sort", "histogram", "spell")
 

@@ -3,7 +3,7 @@
 Metrics are computed as sums plus counts on the device and divided on the
 host, so batches of padding rows (the last, padded eval batch) count nothing.
 Evaluation is data-parallel: each batch is split across the devices of a mesh
-(``mha.sharding``), every device on its rows, the sums added up by XLA.
+(``mha.run.sharding``), every device on its rows, the sums added up by XLA.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh
 
 from mha import data
-from mha import sharding as sharding_lib
+from mha.run import sharding as sharding_lib
 from mha.aliases import Array, Params
 from mha.model import Transformer
 
@@ -105,7 +105,7 @@ def evaluate(model: Transformer, params: Params, split: data.Split,
     batch_size: examples per batch (at most the split's size), rounded up to
       a multiple of the devices.
     mesh: the devices, batches split along its data axis; by default every
-      device (``mha.sharding.make_mesh()``).
+      device (``mha.run.sharding.make_mesh()``).
     compiled: ``eval_step`` compiled for these batches and ``params``
       (``(params, batch) -> sums``, e.g. ``eval_step.lower(model, params,
       batch).compile()``); by default ``eval_step`` itself.

@@ -28,8 +28,8 @@ import ml_collections
 
 from mha import build
 from mha import checkpoint as ckpt_lib
-from mha import config_validation
-from mha import sharding as sharding_lib
+from mha.run import config_validation
+from mha.run import sharding as sharding_lib
 
 ConfigError = config_validation.ConfigError
 

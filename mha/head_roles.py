@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mha import data
-from mha import sharding as sharding_lib
+from mha.run import sharding as sharding_lib
 from mha.aliases import Array
 from mha.model import Transformer
 

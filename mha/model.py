@@ -14,11 +14,10 @@ ordinary model of this class.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
 import flax.linen as nn
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -126,52 +125,6 @@ def sinusoidal_positions(max_len: int, d_model: int) -> np.ndarray:
   return table
 
 
-# Why a custom derivative for the Dense layers. Differentiated as it is, the
-# gradient of ``x @ W`` with respect to W contracts the leading (batch x
-# position) rows of x and of the output's cotangent, and XLA:CPU lays that
-# dot out with its left operand read transposed, which its YNNPACK matmul
-# fusions do not take: it runs as a plain dot (the feed-forward and logits
-# layers' weight gradients were about a fifth of the train step's kernel
-# time, see docs/performance.md). This rule gives the same derivative with
-# x transposed into a copy of its own (the optimization barrier keeps XLA
-# from folding the transpose back into the dot), so the product is an
-# ordinary [D_in, N] x [N, D_out] matmul that YNNPACK takes. The forward
-# pass, and any program that does not differentiate, is the plain dot; the
-# gradient equals autodiff's up to summation order (tests/test_model.py).
-@jax.custom_jvp
-def _dense_matmul(x: Array, kernel: Array) -> Array:
-  """``x [..., D_in] @ kernel [D_in, D_out]``."""
-  return lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
-
-
-@_dense_matmul.defjvp
-def _dense_matmul_jvp(primals, tangents):
-  x, kernel = primals
-  x_dot, kernel_dot = tangents
-  rows = x.reshape(-1, x.shape[-1])
-  def materialized(rows):  # On CPU: [D_in, N] in a copy of its own.
-    return lax.optimization_barrier(rows.T).T
-  # Elsewhere (GPU, TPU) the plain product: their matmuls read either layout.
-  rows = lax.platform_dependent(rows, cpu=materialized, default=lambda r: r)
-  kernel_term = lax.dot_general(rows, kernel_dot, (((1,), (0,)), ((), ())))
-  return (_dense_matmul(x, kernel),
-          _dense_matmul(x_dot, kernel)
-          + kernel_term.reshape(x.shape[:-1] + kernel.shape[-1:]))
-
-
-def _dense_dot_general(lhs: Array, rhs: Array, dimension_numbers: Any,
-                       precision: Any = None,
-                       preferred_element_type: Any = None) -> Array:
-  """``lax.dot_general`` as ``nn.Dense`` calls it, through
-  :func:`_dense_matmul` (the same value; the derivative above)."""
-  if (precision is None and preferred_element_type is None
-      and dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ()))
-      and rhs.ndim == 2):
-    return _dense_matmul(lhs, rhs)
-  return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                         preferred_element_type=preferred_element_type)
-
-
 class MlpBlock(nn.Module):
   """Position-wise feed-forward block: Dense, GELU, dropout, Dense."""
 
@@ -180,12 +133,10 @@ class MlpBlock(nn.Module):
   @nn.compact
   def __call__(self, x: Array, *, deterministic: bool) -> Array:
     cfg = self.config
-    y = nn.Dense(cfg.mlp_dim, dtype=cfg.compute_dtype,
-                 dot_general=_dense_dot_general, name="fc1")(x)
+    y = nn.Dense(cfg.mlp_dim, dtype=cfg.compute_dtype, name="fc1")(x)
     y = nn.gelu(y)
     y = nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
-    return nn.Dense(x.shape[-1], dtype=cfg.compute_dtype,
-                    dot_general=_dense_dot_general, name="fc2")(y)
+    return nn.Dense(x.shape[-1], dtype=cfg.compute_dtype, name="fc2")(y)
 
 
 class EncoderBlock(nn.Module):
@@ -257,7 +208,6 @@ class Transformer(nn.Module):
     if cfg.pre_norm:
       self.ln_final = nn.LayerNorm(dtype=cfg.compute_dtype, name="ln_final")
     self.logits_dense = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype,
-                                 dot_general=_dense_dot_general,
                                  name="logits")
 
   def embed(self, tokens: Array, *, deterministic: bool = True) -> Array:

@@ -1,5 +1,4 @@
-"""Multi-head attention as a Flax NNX module that returns its weights, and a
-bridge that runs a trained Linen checkpoint from NNX.
+"""Multi-head attention as a Flax NNX module that returns its weights.
 
 :class:`MultiHeadAttention` is a drop-in for ``flax.nnx.MultiHeadAttention``
 (Flax 0.12.8): every constructor and call argument, in Flax's order and with
@@ -15,16 +14,13 @@ NNX and Linen layers share one attention. It returns ``(out, weights)`` and
 takes the Linen layer's ``valid_lens``, ``head_mask`` and
 ``return_weights``; ``num_kv_heads`` is grouped-query attention.
 
-:func:`transformer_from_checkpoint` answers "a trained Linen model from NNX":
-it wraps :class:`mha.model.Transformer` in ``flax.nnx.bridge.ToNNX`` and
-loads a workdir's parameters into it (the reasons are in docs/attention.md).
+A trained Linen model from NNX: ``mha.checkpoint.transformer_from_checkpoint``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 import functools
-import os
 from types import MappingProxyType
 from typing import Any
 
@@ -40,7 +36,7 @@ Dtype = Any
 Initializer = Callable[..., Array]
 PromoteDtypeFn = Callable[..., Any]
 
-__all__ = ["MultiHeadAttention", "transformer_from_checkpoint"]
+__all__ = ["MultiHeadAttention"]
 
 
 def _first_set(name: str, *values: Any) -> Any:
@@ -429,47 +425,3 @@ class MultiHeadAttention(nnx.Module):
         batch_size = (batch_size,)
       self.init_cache((*batch_size, max_length, self.in_features),
                       self.dtype or jnp.float32)
-
-
-def transformer_from_checkpoint(workdir: str | os.PathLike,
-                                step: int | None = None, *,
-                                rngs: nnx.Rngs | None = None) -> nnx.Module:
-  """A trained :class:`mha.model.Transformer` as an NNX module.
-
-  The workdir's model (``mha.load_checkpoint``) wrapped in
-  ``flax.nnx.bridge.ToNNX``, holding the checkpoint's parameters as
-  ``nnx.Param`` under the Linen names (``nnx.state(model, nnx.Param)`` is
-  the checkpoint's tree). It is called as the Linen model is applied::
-
-    model = transformer_from_checkpoint(workdir)
-    logits, attention = model(tokens, head_mask=head_mask)
-    x = model(tokens, method="embed")  # another method of the Linen model
-
-  ``nnx.jit``, ``nnx.grad``, ``nnx.split``/``nnx.merge`` and NNX optimizers
-  work on it as on any NNX module. Dropout (``deterministic=False``) needs a
-  ``dropout`` stream: ``rngs`` here, or ``rngs=nnx.Rngs(dropout=...)`` in
-  the call.
-
-  The parameters are set on the wrapper directly rather than through
-  ``ToNNX.lazy_init``, which would initialise a random model first and, in
-  Flax 0.12.8, fails on our model: the wrapper takes the variable ``embed``
-  for the Linen method ``Transformer.embed`` of the same name. (So
-  ``model.embed`` is the embedding's parameters; the method is
-  ``model(tokens, method="embed")``.)
-
-  Args:
-    workdir: a training run's folder (its newest intact step unless
-      ``step``).
-    step: the checkpoint's step.
-    rngs: the streams the wrapper passes to every call (default: none).
-  """
-  from flax.nnx import bridge
-  from flax.nnx.bridge import variables as bridge_variables
-
-  from mha.checkpoint import load_checkpoint
-  loaded = load_checkpoint(workdir, step)
-  model = bridge.ToNNX(loaded.model, rngs=rngs)
-  attrs = bridge_variables.linen_vars_to_nnx_attrs({"params": loaded.params})
-  for name, value in attrs.items():
-    setattr(model, name, value)
-  return model

@@ -23,7 +23,7 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
-from mha import figures
+from mha.run import figures
 
 __all__ = ["valid_length", "attention_grid_figure", "plot_attention"]
 

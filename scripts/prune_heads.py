@@ -25,7 +25,7 @@ redraws every curve with removed heads outputting their mean
 A user's mistake (no checkpoint, a fraction outside [0, 1], a head that
 does not exist, ``--oracle_max_heads`` below 1, a seed directory trained
 with another config, an ``--out`` that another study is writing: it is
-locked for the whole study, ``mha.workdir_lock``) is one line on stderr and
+locked for the whole study, ``mha.run.workdir_lock``) is one line on stderr and
 exit code 2, found before anything is written. So are the output folders
 that may not be written: an empty ``--workdir``, ``--out`` or
 ``--save_pruned``; a folder that cannot be made or written (a file in the
@@ -46,8 +46,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from mha import cli
-from mha import collector
+from mha.run import cli
 # The flags need only the options, which import no JAX: --help, a mistyped
 # flag, most bad options and a missing workdir answer at once. What runs the
 # study (JAX, Flax, orbax, TFDS) is imported by _import_the_study, once the
@@ -142,26 +141,24 @@ def main(argv: list[str]) -> None:
 
 
 def _import_the_study() -> None:
-  """Imports what runs the study into this module's namespace, then sets
-  the garbage collector for the long work (:mod:`mha.collector`: what was
-  imported is frozen out of its sight, as ``train.py`` does)."""
+  """Imports what runs the study into this module's namespace (deferred, so
+  that a mistyped flag answers without importing JAX)."""
   # pylint: disable=global-statement,import-outside-toplevel,redefined-outer-name
   global build, ckpt_lib, compilation_cache, config_validation, data
   global evaluate, pruning, workdir_lock, export, study, study_outputs
   from mha import build
   from mha import checkpoint as ckpt_lib
-  from mha import compilation_cache
-  from mha import config_validation
+  from mha.run import compilation_cache
+  from mha.run import config_validation
   from mha import data
   from mha import evaluate
   from mha import pruning
-  from mha import workdir_lock
+  from mha.run import workdir_lock
   from mha.pruning import export
   from mha.pruning import study
   from mha.pruning.study import outputs as study_outputs
   import mha.pruning.study.experiment  # The study's own modules too.
   # pylint: enable=global-statement,import-outside-toplevel,redefined-outer-name
-  collector.tune_for_tracing()
 
 
 def _configure_compilation_cache(workdir: str) -> None:

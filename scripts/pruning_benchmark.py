@@ -34,9 +34,8 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from mha import cli
-from mha import collector
-from mha import write_failures
+from mha.run import cli
+from mha.run import write_failures
 # The grid's module and the options import no JAX: --help, a mistyped flag
 # or a bad option answer at once.
 from mha.pruning.study import grid
@@ -92,7 +91,7 @@ def _cells_in(root: str) -> list[grid.Cell]:
 def _checked_cells(overrides: list[str]) -> list[grid.Cell]:
   """Every cell, each config built once to catch a mistake early."""
   from configs import default  # pylint: disable=import-outside-toplevel
-  from mha import config_validation  # pylint: disable=import-outside-toplevel
+  from mha.run import config_validation  # pylint: disable=import-outside-toplevel
   for task in _TASKS.value:
     if task not in default.TASKS:
       cli.fail(_PROG, f"--tasks: unknown task {task!r}; expected some of "
@@ -148,14 +147,12 @@ def main(argv: list[str]) -> None:
     grid.write_table(root, cells)
     return
   # What the cells run (JAX, Flax, orbax, TFDS), imported once the command
-  # line holds up, then frozen out of the garbage collector's sight
-  # (mha.collector, as train.py does).
+  # line holds up.
   # pylint: disable=import-outside-toplevel
-  from mha import compilation_cache
+  from mha.run import compilation_cache
   import mha.pruning.study.experiment
   import mha.train
   # pylint: enable=import-outside-toplevel
-  collector.tune_for_tracing()
   compilation_cache.configure(
       _default_config(overrides).compilation_cache_dir, _PROG)
   start = time.time()

@@ -104,11 +104,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import preloaded  # noqa: E402  (tests/, beside this file)
 
-# Python's cyclic garbage collector tuned as the entry points tune it (what
-# was imported so far frozen, collections 100x rarer; mha/collector.py has
-# the figures): the test processes trace and compile hundreds of programs.
-from mha import collector  # noqa: E402
-collector.tune_for_tracing()
 
 
 @dataclasses.dataclass(frozen=True)

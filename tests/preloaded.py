@@ -51,7 +51,7 @@ from typing import Any, Mapping, Sequence
 # Modules a child would import anyway: imported once, by the server.
 PRELOAD = ("numpy", "jax", "jax.numpy", "flax.linen", "optax",
            "orbax.checkpoint", "tensorflow_datasets", "ml_collections",
-           "absl.app", "absl.flags", "mha", "mha.train", "mha.cli",
+           "absl.app", "absl.flags", "mha", "mha.train", "mha.run.cli",
            "mha.pruning")
 
 # The only variables in which a served request's environment may differ from

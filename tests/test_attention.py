@@ -470,93 +470,13 @@ def test_library_path_equals_explicit_math():
           lengths, 6))[0], **TOL)
 
 
-# ------------------------------------------------- softmax's custom derivative
-
-# The custom rule and jax.nn.softmax's derivative (through exp, sum and
-# divide) compute the same float32 products in another order: values in
-# [0, 1] agree to a few ulps; 1e-6 absolute is ~10 ulps of 1.
-SOFTMAX_TOL = dict(atol=1e-6, rtol=1e-5)
-MIN = jnp.finfo(jnp.float32).min
+# ------------------------------------------------- masked rows under autodiff
 
 
-def _reference_softmax(logits):
-  return jax.nn.softmax(logits, axis=-1)
-
-
-def _masked(softmax, mask):
-  """Softmax as dot_product_attention applies it: masked logits at the
-  float32 minimum, masked weights set to exactly 0."""
-  return lambda x: jnp.where(mask, softmax(jnp.where(mask, x, MIN)), 0.0)
-
-
-def _softmax_mask():
-  """[2, 3, 5]: some keys masked, and row [1, 2] fully masked."""
-  mask = np.ones((2, 3, 5), bool)
-  mask[0, :, 3:] = False
-  mask[1, 0, 1] = False
-  mask[1, 2, :] = False
-  return jnp.asarray(mask)
-
-
-def test_softmax_jvp_and_vjp_equal_jax_nn_softmax():
-  x = 3.0 * _inputs(2, 3, 5)
-  assert not jax.config.jax_softmax_custom_jvp  # the reference differs
-  tangent, cotangent = _inputs(2, 3, 5, seed=1), _inputs(2, 3, 5, seed=2)
-  ours = jax.jvp(att._softmax, (x,), (tangent,))
-  theirs = jax.jvp(_reference_softmax, (x,), (tangent,))
-  for a, b in zip(ours, theirs):
-    np.testing.assert_allclose(a, b, **SOFTMAX_TOL)
-  y, vjp = jax.vjp(att._softmax, x)
-  y_ref, vjp_ref = jax.vjp(_reference_softmax, x)
-  np.testing.assert_allclose(y, y_ref, **SOFTMAX_TOL)
-  np.testing.assert_allclose(vjp(cotangent)[0], vjp_ref(cotangent)[0],
-                             **SOFTMAX_TOL)
-
-
-def test_softmax_derivatives_with_masked_keys_and_fully_masked_rows():
-  mask = _softmax_mask()
-  x = 3.0 * _inputs(2, 3, 5)
-  ours, theirs = _masked(att._softmax, mask), _masked(_reference_softmax, mask)
-  tangent, cotangent = _inputs(2, 3, 5, seed=1), _inputs(2, 3, 5, seed=2)
-  (y, dy), (y_ref, dy_ref) = (jax.jvp(f, (x,), (tangent,))
-                              for f in (ours, theirs))
-  np.testing.assert_allclose(y, y_ref, **SOFTMAX_TOL)
-  np.testing.assert_allclose(dy, dy_ref, **SOFTMAX_TOL)
-  grad = jax.vjp(ours, x)[1](cotangent)[0]
-  np.testing.assert_allclose(grad, jax.vjp(theirs, x)[1](cotangent)[0],
-                             **SOFTMAX_TOL)
-  # Masked keys get exactly zero weight, tangent and gradient; the fully
-  # masked row is all zero, never NaN.
-  for array in (y, dy, grad):
-    assert np.all(np.isfinite(array))
-    assert np.all(np.asarray(array)[~np.asarray(mask)] == 0.0)
-  np.testing.assert_array_equal(grad[1, 2], 0.0)
-  np.testing.assert_allclose(jnp.sum(y, -1), [[1, 1, 1], [1, 1, 0]],
-                             **SOFTMAX_TOL)
-
-
-@pytest.mark.slow  # seconds of compiling or training: the full suite only
-def test_softmax_second_derivatives_equal_jax_nn_softmax():
-  mask = _softmax_mask()[0, 0]  # [5]: the last two keys masked
-  x = 2.0 * _inputs(5)
-  weights = _inputs(5, seed=3)
-
-  def scalar(softmax):
-    return lambda v: jnp.sum(weights * softmax(v) ** 2)
-
-  for ours, theirs in (
-      (att._softmax, _reference_softmax),
-      (_masked(att._softmax, mask), _masked(_reference_softmax, mask))):
-    hessian = jax.hessian(scalar(ours))(x)
-    np.testing.assert_allclose(hessian, jax.hessian(scalar(theirs))(x),
-                               **SOFTMAX_TOL)
-    assert np.any(np.abs(hessian) > 1e-3)  # not trivially zero
-    # Reverse over reverse too (grad of grad), as a Hessian-vector product.
-    hvp = jax.grad(lambda v: jnp.vdot(jax.grad(scalar(ours))(v), weights))(x)
-    np.testing.assert_allclose(hvp, hessian @ weights, **SOFTMAX_TOL)
-
-
-def test_attention_gradients_equal_those_through_jax_nn_softmax(monkeypatch):
+def test_gradients_through_masked_keys_and_fully_masked_rows_are_zero():
+  """jax.nn.softmax differentiated as JAX does it: masked keys get exactly
+  zero weight and gradient, and a query with no key to attend to an all-zero
+  row and a zero gradient, never NaN."""
   q, k, v = (_inputs(2, 4, 2, 8, seed=s) for s in range(3))  # [B, L, H, Dh]
   mask = jnp.ones((2, 2, 4, 4), bool).at[0, :, :, 3:].set(False)
   mask = mask.at[1, :, 2, :].set(False)  # a query with no key
@@ -565,11 +485,14 @@ def test_attention_gradients_equal_those_through_jax_nn_softmax(monkeypatch):
     context, weights = dot_product_attention(q, k, v, mask=mask)
     return jnp.sum(context ** 2) + jnp.sum(jnp.sin(weights))
 
-  ours = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-  monkeypatch.setattr(att, "_softmax", _reference_softmax)
-  theirs = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-  for a, b in zip(ours, theirs):
-    np.testing.assert_allclose(a, b, **TOL)
+  _, weights = dot_product_attention(q, k, v, mask=mask)
+  assert np.all(np.asarray(weights)[~np.asarray(mask)] == 0.0)
+  np.testing.assert_array_equal(weights[1, :, 2], 0.0)
+  grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  for grad in grads:
+    assert np.all(np.isfinite(grad))
+  np.testing.assert_array_equal(grads[0][1, 2], 0.0)  # the query's gradient
+  np.testing.assert_array_equal(grads[1][0, 3:], 0.0)  # masked keys'
 
 
 # ------------------------------------------------------------- bad input
@@ -608,25 +531,3 @@ def test_bad_shapes_raise_at_trace_time_under_jit():
   params = _init(layer, x)
   with pytest.raises(ValueError, match="head_mask"):
     jax.jit(lambda p: layer.apply(p, x, head_mask=jnp.ones(5)))(params)
-
-
-# ------------------------------------------------ QK^T's custom derivative
-
-
-def test_qk_custom_derivative_equals_autodiff_under_jit_and_vmap():
-  """The keys' gradient of QK^T comes from a rule of our own (an ordinary
-  matmul for XLA:CPU's YNNPACK): it equals autodiff of the plain einsum,
-  forward and reverse, under jit and under vmap over a stack of queries."""
-  q, k = (_inputs(3, 2, 5, 2, 4, seed=s) for s in range(2))  # [S, B, L, H, D]
-  cotangent = _inputs(3, 2, 2, 5, 5, seed=2)
-  plain = lambda q, k: jnp.einsum(att._QK_SUBSCRIPTS, q, k)
-  ours = functools.partial(att._queries_times_keys, precision=None)
-  for transform in (lambda f: f, jax.jit,
-                    lambda f: jax.jit(jax.vmap(f, in_axes=(0, 0, 0)))):
-    vjp = lambda f: lambda q, k, ct: jax.vjp(f, q, k)[1](ct)
-    np.testing.assert_allclose(transform(vjp(ours))(q, k, cotangent),
-                               transform(vjp(plain))(q, k, cotangent), **TOL)
-  tangents = (_inputs(3, 2, 5, 2, 4, seed=3), _inputs(3, 2, 5, 2, 4, seed=4))
-  for a, b in zip(jax.jvp(ours, (q, k), tangents),
-                  jax.jvp(plain, (q, k), tangents)):
-    np.testing.assert_allclose(a, b, **TOL)

@@ -15,7 +15,7 @@ from configs import default
 
 from conftest import gpu_deterministic_ops
 from mha import build
-from mha import config_validation
+from mha.run import config_validation
 from mha import data
 from mha import train
 
@@ -77,7 +77,8 @@ import jax, numpy as np
 import mha
 assert mha.__file__.startswith(sys.argv[1]), mha.__file__
 from configs import default
-from mha import build, config_validation
+from mha import build
+from mha.run import config_validation
 
 config = default.get_config("tiny")
 assert build.model_config(config).embed_scale == 3.0

@@ -1,4 +1,4 @@
-"""Tests for mha.cli: every command line reports a mistake as one line on
+"""Tests for mha.run.cli: every command line reports a mistake as one line on
 stderr and exits with code 2 (the scripts' own tests run one such mistake
 through a real process; these cover the shared helpers in-process)."""
 
@@ -11,7 +11,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from mha import cli
+from mha.run import cli
 
 CONFIG_FILE = os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "configs", "default.py")
@@ -156,7 +156,7 @@ def test_quiet_ending_leaves_absl_logging_one_line_per_record():
   # when its stream is not sys.stderr (--alsologtostderr here), so the
   # handler must write through the wrapper.
   code = ("from absl import app, logging\n"
-          "from mha import cli\n"
+          "from mha.run import cli\n"
           "def main(argv):\n"
           "  logging.warning('the one record')\n"
           "cli.end_quietly_on_broken_pipe()\n"

@@ -68,9 +68,17 @@ def test_train_step_lowers_for_cuda_and_tpu(tiny):
                           rng)
   np.testing.assert_allclose(got["loss_sum"][1], want["loss_sum"], rtol=1e-6)
   assert got["loss_sum"][2] == 0  # the block's third batch is not used
+  # Equal to float32 rounding, the attention's key bias aside: its true
+  # gradient is 0 (softmax does not change when a constant is added to a
+  # row of logits) and Adam turns rounding noise into steps of either sign.
+  got_params, want_params = (jax.tree.map(np.asarray, s.params)
+                             for s in (got_state, want_state))
+  for params in (got_params, want_params):
+    for layer in params.values():
+      if isinstance(layer, dict) and "attention" in layer:
+        layer["attention"]["key"].pop("bias")
   jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5,
-                                 atol=1e-7),
-               got_state.params, want_state.params)
+                                 atol=1e-7), got_params, want_params)
 
 
 def test_eval_step_lowers_for_cuda_and_tpu(tiny):
@@ -101,9 +109,8 @@ def test_layer_lowers_for_cuda_and_tpu(return_weights):
 
 
 def test_streamed_oracle_lowers_for_cuda_and_tpu():
-  # On CPU the last layer goes a prefix at a time, its masks in groups
-  # (loops, for the cache: oracle.MASKS_PER_STEP); for GPU and TPU it
-  # evaluates every subset at once (no loop).
+  # One program for every platform: the last layer goes a prefix at a time,
+  # its masks in groups (oracle.MASKS_PER_STEP), with no backend branch.
   # pylint: disable=import-outside-toplevel
   from mha import data
   from mha.model import Transformer, TransformerConfig
@@ -122,9 +129,9 @@ def test_streamed_oracle_lowers_for_cuda_and_tpu():
       model, p, i, t, True, positions=positions, position_weights=w))
   args = (params, split.inputs, split.targets, weights)
   exported = _exported(fn, *args)
-  for platform, loops in (("cpu", 2), ("cuda", 0), ("tpu", 0)):
+  for platform in ("cpu", "cuda", "tpu"):
     one = export.export(fn, platforms=[platform])(*args)
-    assert one.mlir_module().count("stablehlo.while") == loops, platform
+    assert one.mlir_module().count("stablehlo.while") == 2, platform
   got, want = exported.call(*args), fn(*args)
   for key in want:
     np.testing.assert_array_equal(got[key], want[key])

@@ -9,7 +9,7 @@ import pytest
 
 import mha
 from conftest import tiny_config
-from mha import config_validation
+from mha.run import config_validation
 from mha import finetune
 from mha import train
 from mha.pruning import export

@@ -171,28 +171,3 @@ def test_bfloat16_compute_dtype():
                            ).dtype == "bfloat16"
   with pytest.raises(ValueError, match="dtype must be one of"):
     TransformerConfig(**{**CFG.__dict__, "dtype": "float16"})
-
-
-def test_dense_custom_derivative_equals_autodiff_under_jit_and_vmap():
-  """The Dense layers' weight gradient comes from a rule of our own (an
-  ordinary matmul for XLA:CPU's YNNPACK): it equals autodiff of the plain
-  dot, forward and reverse, under jit and under vmap over stacked kernels."""
-  from mha import model as model_lib  # pylint: disable=import-outside-toplevel
-  keys = jax.random.split(jax.random.key(0), 4)
-  x = jax.random.normal(keys[0], (3, 2, 5, 6))  # [S, B, L, D_in]
-  kernel = jax.random.normal(keys[1], (3, 6, 4))
-  cotangent = jax.random.normal(keys[2], (3, 2, 5, 4))
-  plain = lambda x, w: jnp.einsum("...i,io->...o", x, w)
-  ours = model_lib._dense_matmul
-  vjp = lambda f: lambda x, w, ct: jax.vjp(f, x, w)[1](ct)
-  batched = lambda f: jax.jit(jax.vmap(f))
-  for a, b in zip(batched(vjp(ours))(x, kernel, cotangent),
-                  batched(vjp(plain))(x, kernel, cotangent)):
-    np.testing.assert_allclose(a, b, **TOL)
-  for a, b in zip(jax.jit(vjp(ours))(x[0], kernel[0], cotangent[0]),
-                  vjp(plain)(x[0], kernel[0], cotangent[0])):
-    np.testing.assert_allclose(a, b, **TOL)
-  tangents = (jax.random.normal(keys[3], x.shape[1:]), kernel[1])
-  for a, b in zip(jax.jvp(ours, (x[0], kernel[0]), tangents),
-                  jax.jvp(plain, (x[0], kernel[0]), tangents)):
-    np.testing.assert_allclose(a, b, **TOL)

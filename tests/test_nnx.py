@@ -281,9 +281,9 @@ def test_bad_head_counts_raise_value_error(kwargs, match):
 
 @pytest.mark.slow  # trains the tiny run: the full suite only
 def test_transformer_from_checkpoint_equals_the_linen_model(tiny_run):
-  from mha.checkpoint import load_checkpoint
+  from mha.checkpoint import load_checkpoint, transformer_from_checkpoint
   loaded = load_checkpoint(tiny_run.workdir)
-  model = mha_nnx.transformer_from_checkpoint(tiny_run.workdir)
+  model = transformer_from_checkpoint(tiny_run.workdir)
   jax.tree.map(np.testing.assert_array_equal,
                nnx.to_pure_dict(nnx.state(model, nnx.Param)), loaded.params)
   tokens = jnp.array([[3, 4, 5, 0], [5, 6, 0, 0]])

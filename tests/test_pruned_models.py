@@ -19,11 +19,11 @@ from conftest import run
 
 import mha
 from mha import build
-from mha import cli
-from mha import config_validation
+from mha.run import cli
+from mha.run import config_validation
 from mha import data
 from mha import head_masks
-from mha import workdir_lock
+from mha.run import workdir_lock
 from mha.pruning import ablation
 from mha.pruning import core
 from mha.pruning import export

@@ -15,11 +15,11 @@ import pytest
 
 from mha import build
 from mha import checkpoint as ckpt_lib
-from mha import config_validation
+from mha.run import config_validation
 from mha import data
 from mha import head_masks
 from mha import pruning
-from mha import workdir_lock
+from mha.run import workdir_lock
 from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
 from mha.pruning import study

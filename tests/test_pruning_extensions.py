@@ -13,7 +13,7 @@ import pytest
 import mha
 from configs import default
 from mha import build
-from mha import config_validation
+from mha.run import config_validation
 from mha import data
 from mha.model import Transformer, TransformerConfig
 from mha import head_masks

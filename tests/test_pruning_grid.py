@@ -13,7 +13,7 @@ import pytest
 
 from conftest import start
 
-from mha import workdir_lock
+from mha.run import workdir_lock
 from mha.pruning.study import StudyOptions
 from mha.pruning.study import grid
 

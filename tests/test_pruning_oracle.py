@@ -81,27 +81,6 @@ def test_subsets_equal_masked_models(kwargs):
                                 examples["correct"].sum(-1))
 
 
-def test_streamed_program_falls_back_where_an_option_is_unknown(monkeypatch):
-  """Where XLA does not know one of STREAMED_COMPILER_OPTIONS (another
-  jaxlib), the streamed program is compiled with STREAMED_FALLBACK_OPTIONS
-  (a stand-in for the program, to keep it quick)."""
-
-  def program(model, inputs, per_example):
-    del model, per_example
-    return inputs * 2
-
-  monkeypatch.setattr(oracle, "_sums", program)
-  unknown = jax.jit(program, static_argnames=("model", "per_example"),
-                    compiler_options={"xla_no_such_option_anywhere": True})
-  monkeypatch.setattr(oracle, "_streamed_subset_sums", unknown)
-  monkeypatch.setattr(oracle, "_streamed", {"program": unknown})
-  np.testing.assert_array_equal(oracle._streamed_call(None, jnp.ones(3), True),
-                                [2, 2, 2])
-  assert oracle._streamed["program"] is not unknown
-  np.testing.assert_array_equal(oracle._streamed_call(None, jnp.ones(3), True),
-                                [2, 2, 2])
-
-
 @pytest.mark.slow  # seconds of compiling: the full suite only
 def test_streamed_oracle_equals_the_per_example_table():
   """The streamed oracle (sums over the examples only, O(2**N) memory, the

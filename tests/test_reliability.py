@@ -22,12 +22,12 @@ from configs import default
 from conftest import assert_same_bits, copy_workdir, run, tiny_config
 import mha
 from mha import checkpoint as ckpt_lib
-from mha import cli
-from mha import config_validation
-from mha import metric_writers
+from mha.run import cli
+from mha.run import config_validation
+from mha.run import metric_writers
 from mha import train
-from mha import workdir_lock
-from mha import write_failures
+from mha.run import workdir_lock
+from mha.run import write_failures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = os.path.join(ROOT, "configs", "default.py")
@@ -516,7 +516,7 @@ def test_only_the_standard_streams_end_the_process_on_a_closed_pipe(
   # from another thread into the closed stdout still ends the process.
   code = textwrap.dedent("""
       import socket, sys, threading
-      from mha import cli
+      from mha.run import cli
       cli.end_quietly_on_broken_pipe()
       ours, theirs = socket.socketpair()
       theirs.close()

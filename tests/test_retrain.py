@@ -117,8 +117,8 @@ def test_each_stacked_model_trains_as_it_would_alone():
                             batch["targets"],
                             jax.random.fold_in(jax.random.key(run.seed), s))
     # Equal to float32 rounding: the two programs are compiled apart, and
-    # XLA:CPU may fuse the custom derivatives (mha.model._dense_matmul)
-    # differently inside the stacked program's loop. The key bias aside: its
+    # XLA:CPU may fuse the products differently inside the stacked program's
+    # loop. The key bias aside: its
     # true gradient is 0 and Adam turns rounding noise into steps of either
     # sign (see above).
     got = jax.tree.map(lambda a, r=r: np.asarray(a[r]), trained)

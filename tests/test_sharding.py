@@ -21,11 +21,11 @@ from jax.sharding import PartitionSpec as P
 from configs import default
 from conftest import copy_workdir
 import mha
-from mha import config_validation
+from mha.run import config_validation
 from mha import data
-from mha import sharding
+from mha.run import sharding
 from mha import train
-from mha import workdir_lock
+from mha.run import workdir_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = os.path.join(ROOT, "configs", "default.py")
@@ -42,8 +42,8 @@ RTOL, ATOL = 1e-4, 1e-5
 EIGHT_DEVICES = r"""
 import json, os, sys
 import jax
-from mha import collector, config_validation, checkpoint, train
-collector.tune_for_tracing()  # As the entry points do.
+from mha import checkpoint, train
+from mha.run import config_validation
 from configs import default as configs
 args = json.loads(sys.argv[2])
 get = lambda *o: configs.get_config(",".join(args["overrides"] + list(o)))

@@ -8,7 +8,7 @@ from configs import default
 from conftest import tiny_config
 import mha
 from mha import build
-from mha import config_validation
+from mha.run import config_validation
 from mha import data
 from mha import evaluate
 from mha import plotting

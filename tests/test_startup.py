@@ -4,7 +4,6 @@ imports and the end-to-end benchmark. No test asserts a time."""
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -16,11 +15,10 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from tensorflow_datasets.proto import tf_example_pb2
 
 from conftest import ROOT, assert_same_bits, tiny_config
-from mha import compilation_cache
+from mha.run import compilation_cache
 from mha import data
-from mha import executables
 from mha import train
-from mha.compilation_cache import CompileCounts
+from mha.run.compilation_cache import CompileCounts
 
 # sha256 (first 16 hex digits) of every split's inputs and targets, as the
 # per-example reading of builder version 1.1.0 returned them (measured before
@@ -94,158 +92,37 @@ def jax_cache_settings():
   jax_cache.reset_cache()
 
 
-def test_cache_directory_rule(monkeypatch):
-  default_dir = "~/.cache/mha/jax"
-  monkeypatch.delenv(compilation_cache.ENV_VAR, raising=False)
-  assert compilation_cache.resolve_dir(default_dir) == os.path.expanduser(
-      default_dir)
-  monkeypatch.setenv(compilation_cache.ENV_VAR, "/env/cache")
-  assert compilation_cache.resolve_dir(default_dir) == "/env/cache"
-  assert compilation_cache.resolve_dir("/mine") == "/mine"  # explicit wins
-  assert compilation_cache.resolve_dir("") == ""  # off, whatever the env
+def test_cache_directory_default(monkeypatch):
+  from configs import default  # pylint: disable=import-outside-toplevel
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  assert default.get_config().compilation_cache_dir == "~/.cache/mha/jax"
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/env/cache")
+  assert default.get_config().compilation_cache_dir == "/env/cache"
+  assert compilation_cache.resolve_dir("~/x") == os.path.expanduser("~/x")
+  assert compilation_cache.resolve_dir("") == ""  # off
 
 
-def test_second_run_loads_every_program_and_ends_bitwise_equal(
-    tmp_path, data_dir, jax_cache_settings, monkeypatch):
+def test_second_run_loads_every_program_from_the_cache_bitwise_equal(
+    tmp_path, data_dir, jax_cache_settings):
   del jax_cache_settings
   config = tiny_config(data_dir, "num_train_steps=4", "eval_every_steps=2",
                        "checkpoint_every_steps=4")
-  monkeypatch.setitem(executables._enabled, "on", True)  # as train.py does
   cache = str(tmp_path / "cache")
   assert compilation_cache.configure(cache) == cache
-  store = os.path.join(cache, executables.SUBDIRECTORY)
   counts = []
-  stored = []
   finals = []
-  for name in ("compiled", "whole", "cached"):
-    if name == "cached":
-      shutil.rmtree(store)  # The programs remain in the compilation cache.
+  for name in ("compiled", "cached"):
     jax.clear_caches()  # Only the persistent cache may save compiling.
     before = compilation_cache.counts()
     finals.append(train.train_and_evaluate(config, tmp_path / name))
     counts.append(compilation_cache.counts() - before)
-    stored.append(len(os.listdir(store)) if os.path.isdir(store) else 0)
-  # A run compiles three programs: the initial state, the train step and the
-  # evaluation step (for every split and batch), and stores the last two
-  # whole and the initial state's outputs (its program calls back into
-  # Python for its random numbers: mha.host_prng); the second loads all
-  # three, tracing nothing. With the store emptied, the third loads the two
-  # steps from the compilation cache (traced, not compiled) and stores
-  # neither (an XLA:CPU executable loaded from that cache serializes
-  # incomplete); the initial state, which that cache does not keep either,
-  # is compiled again and its outputs stored.
-  assert counts == [CompileCounts(3, 0), CompileCounts(0, 0, 3),
-                    CompileCounts(3, 2)]
-  assert stored == [3, 3, 1]
-  # On CPU, the runs on loaded programs end with bitwise the parameters and
-  # optimizer state of the runs on compiled ones.
-  for final in finals[1:]:
-    assert_same_bits(finals[0], final)
-
-
-def test_executable_key_covers_what_makes_the_program(monkeypatch):
-  args = (jax.ShapeDtypeStruct((2, 3), np.float32),)
-  key = executables.key("p", args, {"config": "a"})
-  assert key == executables.key("p", args, {"config": "a"})
-  assert len({key, executables.key("q", args, {"config": "a"}),
-              executables.key("p", args, {"config": "b"}),
-              executables.key("p", (jax.ShapeDtypeStruct((2, 4), np.float32),),
-                              {"config": "a"})}) == 4
-  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --x")
-  assert executables.key("p", args, {"config": "a"}) != key
-  monkeypatch.undo()
-  monkeypatch.setattr(executables, "source_digest", lambda: "edited")
-  assert executables.key("p", args, {"config": "a"}) != key
-
-
-def test_damaged_store_entry_is_compiled_again_and_replaced(
-    tmp_path, jax_cache_settings):
-  del jax_cache_settings
-  assert compilation_cache.configure("") == ""  # so compiled here, not loaded
-  jitted = jax.jit(lambda x: x * 2 + 1)
-  args = (jax.ShapeDtypeStruct((3,), np.float32),)
-  folder = str(tmp_path / "store")
-  entry = executables.key("f", args, {})
-  os.makedirs(folder)
-  with open(os.path.join(folder, entry + executables._SUFFIX), "wb") as f:
-    f.write(b"not an executable")
-  assert executables.load(folder, entry) is None
-  x = np.arange(3, dtype=np.float32)
-  compiled = executables.compile_or_load("f", jitted, args, parts={},
-                                         folder=folder)
-  np.testing.assert_array_equal(compiled(x), [1, 3, 5])
-  before = compilation_cache.counts()
-  np.testing.assert_array_equal(executables.load(folder, entry)(x), [1, 3, 5])
-  assert compilation_cache.counts() - before == CompileCounts(0, 0, 1)
-  with pytest.raises(TypeError):  # a loaded program checks its arguments
-    executables.load(folder, entry)(np.arange(4, dtype=np.float32))
-
-
-def jnp_ones():
-  return jax.numpy.ones(2)
-
-
-def test_outputs_of_a_program_run_once_are_kept_and_loaded_as_they_were(
-    tmp_path, jax_cache_settings):
-  # executables.run_or_load keeps a nullary program's outputs: arrays,
-  # a weak-typed scalar and a PRNG key come back with their bits, types and
-  # shardings, with nothing compiled; a damaged entry is run again and
-  # replaced; outputs with a weak-typed array are not kept.
-  del jax_cache_settings
-  assert compilation_cache.configure("") == ""  # so compiled here, not loaded
-  mesh = jax.make_mesh((1,), ("data",))
-  put = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  shardings = ([put, put], put)
-
-  def outputs():
-    key = jax.random.key(3)
-    return [jax.random.normal(key, (4, 2)), 0], jax.random.split(key)[1]
-
-  jitted = jax.jit(outputs, out_shardings=shardings)
-  folder = str(tmp_path / "store")
-  first = executables.run_or_load("init", jitted, parts={"c": 1},
-                                  out_shardings=shardings, folder=folder)
-  # The outputs, not the program.
-  (outputs_entry,) = os.listdir(folder)
-  assert ".outputs." in outputs_entry
-  before = compilation_cache.counts()
-  second = executables.run_or_load("init", jitted, parts={"c": 1},
-                                   out_shardings=shardings, folder=folder)
-  assert compilation_cache.counts() - before == CompileCounts(0, 0, 1)
-  (normal, step), key = second
-  assert step.weak_type and step.dtype == first[0][1].dtype
-  assert str(jax.random.key_impl(key)) == "threefry2x32"
-  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second),
-                  strict=True):
-    assert a.sharding == b.sharding
-  np.testing.assert_array_equal(normal, first[0][0])
-  np.testing.assert_array_equal(jax.random.key_data(key),
-                                jax.random.key_data(first[1]))
-  # Damaged: run again, replaced.
-  path = os.path.join(folder, outputs_entry)
-  with open(path, "wb") as f:
-    f.write(b"damaged")
-  third = executables.run_or_load("init", jitted, parts={"c": 1},
-                                  out_shardings=shardings, folder=folder)
-  np.testing.assert_array_equal(third[0][0], first[0][0])
-  assert os.path.getsize(path) > len(b"damaged")
-  # A weak-typed array cannot be put back weak: not kept.
-  weak = jax.jit(lambda: jax.lax.broadcast(1.0, (3,)), out_shardings=put)
-  weak_folder = str(tmp_path / "weak")
-  assert executables.run_or_load("weak", weak, parts={}, out_shardings=put,
-                                 folder=weak_folder).weak_type
-  assert not os.path.exists(weak_folder)
-  # Nor are a key of a custom implementation (its name is not found again)
-  # or outputs without a sharding each (None for one, or a prefix).
-  from mha import host_prng
-  for name, fn, out in (
-      ("custom", lambda: jax.random.key(0, impl=host_prng.impl()), put),
-      ("none", lambda: (jnp_ones(), jnp_ones()), (put, None)),
-      ("prefix", lambda: (jnp_ones(), jnp_ones()), put)):
-    other = str(tmp_path / name)
-    executables.run_or_load(name, jax.jit(fn, out_shardings=out), parts={},
-                            out_shardings=out, folder=other)
-    assert not os.path.exists(other), name
+  # A run compiles four programs (the initial state, the dropout key, the
+  # train program and the evaluation step); the second run loads all four
+  # from JAX's persistent compilation cache.
+  assert counts == [CompileCounts(4, 0), CompileCounts(4, 4)]
+  # On CPU, the run on loaded programs ends with bitwise the parameters and
+  # optimizer state of the run on compiled ones.
+  assert_same_bits(finals[0], finals[1])
 
 
 def test_unusable_cache_directory_is_one_warning_and_compiling_goes_on(
@@ -334,33 +211,3 @@ def test_end_to_end_benchmark_quick(tmp_path, data_dir, subprocess_env):
       result.stdout)
   assert results["summary"]["ratios"]["warm_first_step_over_floor"] > 0
   assert "peer" not in runs
-
-
-def test_run_only_keys_leave_the_train_and_eval_programs_unchanged(data_dir):
-  """The executable store's key of the train and evaluation steps leaves out
-  ``train.RUN_ONLY_KEYS``: changing them all must not change the programs
-  (a key that does, learning_rate say, fails this)."""
-  from mha import build
-  from mha import sharding as sharding_lib
-  texts = []
-  for overrides in ([], ["seed=7", "log_every_steps=3", "eval_every_steps=5",
-                         "checkpoint_every_steps=9",
-                         "max_checkpoints_to_keep=1",
-                         "compilation_cache_dir=/elsewhere",
-                         "init_from=/some/run",
-                         f"data.data_dir={data_dir}/other"]):
-    if overrides:  # every run-only key is changed
-      assert {o.split("=")[0] for o in overrides} == set(train.RUN_ONLY_KEYS)
-    config = tiny_config(data_dir, *overrides)
-    model = build.make_model(config)
-    mesh = sharding_lib.make_mesh()
-    _, abstract_state = train._fresh_state(config, model)
-    shardings = sharding_lib.state_shardings(
-        abstract_state, mesh, shard_params=config.mesh.shard_params)
-    texts.append([
-        jitted.lower(*args).as_text() for jitted, args in (
-            train.train_step_program(config, model, mesh, shardings,
-                                     abstract_state),
-            train.eval_step_program(config, model, mesh, shardings,
-                                    abstract_state))])
-  assert texts[0] == texts[1]

@@ -1,6 +1,6 @@
 """End-to-end tests of training, checkpoints, resume and eval.py."""
 
-import gc
+import functools
 import glob
 import json
 import os
@@ -11,6 +11,7 @@ import time
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl import flags
@@ -21,10 +22,10 @@ from configs import default
 from conftest import assert_same_bits, copy_workdir, run, start, tiny_config
 import mha
 from mha import build
-from mha import config_validation
+from mha.run import config_validation
 from mha import data
 from mha import evaluate
-from mha import sharding
+from mha.run import sharding
 from mha import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,14 +94,6 @@ def test_train_writes_metrics_checkpoints_and_events(tiny_run):
     evaluate.evaluate(build.make_model(config), state.params,
                       data.Split(splits["test"].inputs[:0],
                                  splits["test"].targets[:0]), 64)
-  huge = tiny_config(config.data.data_dir, "eval_batch_size=100000000")
-  mesh = sharding.make_mesh()
-  _, (_, _, batch) = train.eval_step_program(
-      huge, build.make_model(huge), mesh,
-      jax.tree.map(lambda _: sharding.replicated(mesh), state),
-      jax.eval_shape(lambda: state))
-  assert batch["inputs"].shape == (config.data.num_eval_examples,
-                                   config.data.max_len)
   # The loss goes down on this tiny problem.
   assert train_rows[-1]["loss"] < train_rows[0]["loss"]
 
@@ -171,7 +164,6 @@ def test_second_call_resumes_and_continues(tiny_run, tmp_path, data_dir,
   longer = tiny_config(data_dir, "num_train_steps=30")
   new_state = train.train_and_evaluate(longer, resumed_dir)
   assert int(new_state.step) == 30
-  assert gc.isenabled()  # Paused during start-up only.
   steps = [r["step"] for r in _read_jsonl(resumed_dir) if "loss" in r]
   assert steps == [5, 10, 15, 20, 25, 30]  # 5..20 from the first call
   assert "30" in os.listdir(os.path.join(resumed_dir, "checkpoints"))
@@ -216,22 +208,27 @@ def _parse_flags(argv):
   return fv.config
 
 
+def test_train_step_says_whether_the_new_state_is_finite():
+  config = _get_config("tiny")
+  model = build.make_model(config)
+  state = build.create_train_state(config, model, build.run_rngs(config)[0])
+  step = jax.jit(functools.partial(
+      train.train_step, model=model,
+      schedule=build.learning_rate_schedule(config)))
+  tokens = np.ones((config.batch_size, config.data.max_len), np.int32)
+  batch = {"inputs": tokens, "targets": tokens}
+  rng = jax.random.key(0)
+  assert bool(step(state, batch, rng)[1]["state_finite"])
+  # A non-finite moment of the optimizer (not a parameter) is seen too.
+  broken = state.replace(opt_state=jax.tree.map(
+      lambda x: x.at[...].set(np.inf) if x.ndim == 2 else x, state.opt_state))
+  assert not bool(step(broken, batch, rng)[1]["state_finite"])
+
+
 # ml_collections' config_flags loads a config file with the deprecated
 # loader.load_module() (config_flags.py, version 1.x); nothing of ours does.
 @pytest.mark.filterwarnings(
     "ignore:the load_module\\(\\) method is deprecated:DeprecationWarning")
-def test_all_finite_sees_every_leaf_of_every_float_dtype():
-  tree = {"a": np.zeros((2, 3), np.float32), "b": np.ones(4, jax.numpy.bfloat16),
-          "c": np.arange(3), "d": (np.float32(1.0),)}
-  assert bool(jax.jit(train._all_finite)(tree))
-  for key, index, bad in [("a", (1, 2), np.nan), ("b", 3, np.inf),
-                          ("a", (0, 0), -np.inf)]:
-    broken = jax.tree.map(np.array, tree)
-    broken[key][index] = bad
-    assert not bool(jax.jit(train._all_finite)(broken)), (key, bad)
-  assert not bool(train._all_finite({"x": np.float32(np.nan)}))
-
-
 def test_config_overrides_from_the_command_line():
   config = _parse_flags([
       "train.py", f"--config={CONFIG_FILE}:sort,tiny",
@@ -361,125 +358,51 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
   assert (tmp_path / "a_file").read_text() == "kept"
 
 
-def _tiny_start(*overrides):
-  """The tiny config (with ``overrides``), its model, mesh, abstract state
-  and shardings, and a fresh state's leaves and dropout key (made with
-  optimizations off: any start will do for comparing two compilations)."""
-  config = _get_config(",".join(("tiny",) + overrides))
-  model = build.make_model(config)
-  mesh = sharding.make_mesh(config.mesh.data)
-  initial, abstract_state = train._fresh_state(config, model)
-  shardings = sharding.state_shardings(abstract_state, mesh,
-                                       shard_params=False)
-  return (config, model, mesh, abstract_state, shardings,
-          jax.jit(initial)())
-
-
-def test_train_step_compiled_with_its_options_matches_the_plain_one():
-  # train.STEP_FUSION_OPTIONS (matrix products fused with the additions
-  # after them) must not change a bit of the state: 5 steps of the tiny
-  # model at the optimization level of real runs, against the step compiled
-  # without options (the default, deep, wide and spell configs were checked
-  # over 30 steps by hand: scripts/step_ab_benchmark.py --ab=options). The
-  # whole of train.STEP_COMPILER_OPTIONS adds LLVM's optimization level 1,
-  # which may round the global norm's sums differently in the last bit: the
-  # same state within a relative 1e-5. An option this jaxlib does not know
-  # falls back to none.
-  if jax.default_backend() != "cpu":
-    pytest.skip("the option is XLA:CPU's")
-  config, model, mesh, abstract_state, shardings, (leaves, rng) = (
-      _tiny_start())
-  jax.config.update("jax_disable_most_optimizations", False)
-  try:
-    options = train.step_compiler_options()
-    assert options == train.STEP_COMPILER_OPTIONS  # CPU, optimizations on
-    jitted, args = train.train_step_program(config, model, mesh, shardings,
-                                            abstract_state)
-    lowered = jitted.lower(*args)
-    try:
-      programs = [lowered.compile(train.STEP_FUSION_OPTIONS),
-                  lowered.compile(options), lowered.compile()]
-    except Exception as e:  # pylint: disable=broad-except
-      if not train.unknown_compiler_option(e):
-        raise
-      pytest.skip(f"this jaxlib does not know the option: {e}")
-    split = data.Split(*(np.asarray(np.random.default_rng(0).integers(
-        1, config.data.num_symbols + 1,
-        (config.batch_size, config.data.max_len)), np.int32),) * 2)
-    block = train._host_block(split, config, 0, 5,  # pylint: disable=protected-access
-                              slice(0, config.batch_size))
-    finals = [program([np.asarray(x) for x in leaves], block, np.int32(5),
-                      rng)[0] for program in programs]
-    fused, optioned, plain = finals
-    for a, b, c in zip(fused, optioned, plain, strict=True):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
-      np.testing.assert_allclose(np.asarray(b), np.asarray(c), rtol=1e-5,
-                                 atol=1e-6)
-  finally:
-    jax.config.update("jax_disable_most_optimizations", True)
-  # What _StepFunction takes for an option this jaxlib does not know (and
-  # then compiles without), from XLA itself.
-  lowered = jax.jit(lambda x: x + 1).lower(np.ones(3, np.float32))
-  for options in ({"xla_cpu_experimental_ynn_fusion_type":
-                   "LIBRARY_FUSION_TYPE_NONE"}, {"xla_no_such_option": 1}):
-    with pytest.raises(Exception) as refused:
-      lowered.compile(options)
-    assert train.unknown_compiler_option(refused.value), refused.value
-  assert not train.unknown_compiler_option(ValueError("While setting option"))
-
-
 def test_a_call_of_steps_is_bitwise_the_steps_one_at_a_time():
   # The run's train program (train.train_steps: up to STEPS_PER_CALL steps a
   # call, their count an argument) against train.train_step called once a
-  # step, both compiled as a run compiles its train program: calls of 1, 50
-  # and 3 steps, with dropout (a mask a step, from the step's number), give
-  # every step's metrics and the final state bitwise (the default, deep,
-  # wide, spell and eleven more configs were checked over 20 steps by hand,
-  # docs/performance.md).
-  config, model, mesh, abstract_state, shardings, (leaves, rng) = (
-      _tiny_start("model.dropout_rate=0.1", "model.attention_dropout_rate=0.1"))
+  # step, both compiled at the optimization level of real runs: calls of 1,
+  # 50 and 3 steps, with dropout (a mask a step, from the step's number),
+  # give every step's metrics and the final state bitwise.
+  config = _get_config(
+      "tiny,model.dropout_rate=0.1,model.attention_dropout_rate=0.1")
+  model = build.make_model(config)
+  mesh = sharding.make_mesh(config.mesh.data)
+  tx = build.make_optimizer(config)
+  rng = build.run_rngs(config)
+  state = build.create_train_state(config, model, rng[0], tx)
+  shardings = sharding.state_shardings(jax.eval_shape(lambda: state), mesh,
+                                       shard_params=False)
   jax.config.update("jax_disable_most_optimizations", False)
   try:
-    jitted, args = train.train_step_program(config, model, mesh, shardings,
-                                            abstract_state)
-    steps = jitted.lower(*args).compile(train.step_compiler_options())
-    state_tree = jax.tree.structure(abstract_state)
-    schedule = build.learning_rate_schedule(config)
-
-    def one_step(leaves, batch, rng):
-      state, metrics = train.train_step(
-          jax.tree.unflatten(state_tree, leaves), batch, rng, model=model,
-          schedule=schedule)
-      return jax.tree.leaves(state), metrics
-
-    one = jax.jit(one_step).lower(
-        args[0], jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), args[1]),
-        args[3]).compile(
-            train.step_compiler_options())
+    steps = train._train_program(config, model, mesh, shardings)  # pylint: disable=protected-access
+    one = jax.jit(functools.partial(
+        train.train_step, model=model,
+        schedule=build.learning_rate_schedule(config)))
+    split = data.Split(*(np.asarray(np.random.default_rng(0).integers(
+        1, config.data.num_symbols + 1, (100, config.data.max_len)),
+                                    np.int32),) * 2)
+    rows = slice(0, config.batch_size)
+    by_step = by_call = state
+    done = 0
+    for count in (1, train.STEPS_PER_CALL, 3):
+      block = train._host_block(split, config, done, count, rows)  # pylint: disable=protected-access
+      by_call, stacked = steps(jax.tree.map(jnp.copy, by_call), block,
+                               np.int32(count), rng[1])
+      stacked = jax.device_get(stacked)
+      for i in range(count):
+        batch = data.train_batch(split, seed=config.seed, step=done + i,
+                                 batch_size=config.batch_size)
+        by_step, metrics = one(by_step, batch, rng[1])
+        for key, value in jax.device_get(metrics).items():
+          np.testing.assert_array_equal(stacked[key][i], value, err_msg=key)
+      # The rows after the call's steps are zero.
+      assert not any(np.any(value[count:]) for value in stacked.values())
+      done += count
   finally:
     jax.config.update("jax_disable_most_optimizations", True)
-  split = data.Split(*(np.asarray(np.random.default_rng(0).integers(
-      1, config.data.num_symbols + 1, (100, config.data.max_len)),
-                                  np.int32),) * 2)
-  rows = slice(0, config.batch_size)
-  by_step = [np.asarray(x) for x in leaves]
-  by_call = [np.asarray(x) for x in leaves]
-  done = 0
-  for count in (1, train.STEPS_PER_CALL, 3):
-    block = train._host_block(split, config, done, count, rows)  # pylint: disable=protected-access
-    by_call, stacked = steps(by_call, block, np.int32(count), rng)
-    stacked = jax.device_get(stacked)
-    for i in range(count):
-      batch = data.train_batch(split, seed=config.seed, step=done + i,
-                               batch_size=config.batch_size)
-      by_step, metrics = one(by_step, batch, rng)
-      for key, value in jax.device_get(metrics).items():
-        np.testing.assert_array_equal(stacked[key][i], value, err_msg=key)
-    # The rows after the call's steps are zero.
-    assert not any(np.any(value[count:]) for value in stacked.values())
-    done += count
-  for a, b in zip(by_call, by_step, strict=True):
+  for a, b in zip(jax.tree.leaves(by_call), jax.tree.leaves(by_step),
+                  strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -534,69 +457,3 @@ def test_a_logging_window_is_timed_from_fetch_to_fetch(monkeypatch):
   for first, steps in ((1, 1), (2, 4), (6, 5)):
     progress.record(first, steps, metrics(steps))
   assert written == [(5, 5 / 2.0), (10, 5 / 2.5)]
-
-
-def test_evaluation_compiled_with_its_options_is_bitwise_the_plain_one():
-  # train.EVAL_COMPILER_OPTIONS (a lower LLVM optimization level) must not
-  # change a bit of the metric sums: the tiny model at the optimization
-  # level of real runs, against the program compiled without options (ten
-  # other configs and the trained default model were checked by hand).
-  if jax.default_backend() != "cpu":
-    pytest.skip("the option is for XLA:CPU")
-  config, model, mesh, abstract_state, shardings, (leaves, _) = (
-      _tiny_start())
-  params = jax.tree.unflatten(jax.tree.structure(abstract_state), leaves).params
-  jitted, args = train.eval_step_program(config, model, mesh, shardings,
-                                         abstract_state)
-  rows = args[2]["inputs"].shape[0]
-  tokens = np.random.default_rng(0).integers(
-      0, config.data.num_symbols + 1, (rows, config.data.max_len), np.int32)
-  batch = {"inputs": tokens, "targets": np.sort(tokens, axis=1)}
-  jax.config.update("jax_disable_most_optimizations", False)
-  try:
-    options = train.eval_compiler_options()
-    assert options == train.EVAL_COMPILER_OPTIONS  # CPU, optimizations on
-    # eval_step is shared: a lowering cached with optimizations off (by a
-    # run in this process) would carry their compile options.
-    jax.clear_caches()
-    lowered = jitted.lower(*args)
-    sums = [program(params, batch) for program in
-            (lowered.compile(options), lowered.compile())]
-  finally:
-    jax.config.update("jax_disable_most_optimizations", True)
-  assert train.eval_compiler_options() is None  # as the suite compiles
-  for a, b in zip(*map(jax.tree.leaves, sums), strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-# The README's default model; tiny, deep8 and a bfloat16 model were checked
-# by hand (issue 26), and cost 19 s of the suite.
-@pytest.mark.parametrize("arg", [""])
-def test_initial_state_compiled_once_cheaply_is_bitwise_the_plain_one(arg):
-  # train._run_once compiles with RUN_ONCE_COMPILER_OPTIONS (a lower LLVM
-  # optimization level), and the state comes out as flat leaves of a function
-  # traced once (train._fresh_state): the parameters, optimizer state and
-  # dropout key must not change. At the optimization level of real runs (the
-  # suite compiles with most optimizations off, where _run_once adds nothing).
-  config = _get_config(arg)
-  model = build.make_model(config)
-  create = lambda: build.create_train_state(config, model,
-                                            build.run_rngs(config)[0])
-  initial, abstract_state = train._fresh_state(config, model)
-  mesh = sharding.make_mesh(config.mesh.data)
-  shardings = sharding.state_shardings(abstract_state, mesh,
-                                       shard_params=False)
-  jax.config.update("jax_disable_most_optimizations", False)
-  try:
-    plain = jax.jit(create)()
-    cheap, dropout_rng = train._initial_state(config, initial, None, mesh,
-                                              shardings)
-  finally:
-    jax.config.update("jax_disable_most_optimizations", True)
-  assert jax.tree.structure(cheap) == jax.tree.structure(abstract_state)
-  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(cheap),
-                  strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  np.testing.assert_array_equal(
-      jax.random.key_data(dropout_rng),
-      jax.random.key_data(build.run_rngs(config)[1]))

@@ -43,7 +43,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from mha import lazy
+from mha.run import lazy
 
 if TYPE_CHECKING:  # For type checkers and IDEs; at run time, on first use.
   from mha.head_masks import *  # noqa: F401,F403

@@ -49,7 +49,7 @@ from flax import struct
 from mha import data
 from mha import evaluate as eval_lib
 from mha import head_masks
-from mha import sharding as sharding_lib
+from mha.run import sharding as sharding_lib
 from mha.aliases import Array, Params
 from mha.model import Transformer
 from mha.pruning.constants import ABLATION_MODES

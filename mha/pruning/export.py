@@ -49,12 +49,12 @@ import numpy as np
 
 from mha import build
 from mha import checkpoint as ckpt_lib
-from mha import cli
-from mha import config_validation
+from mha.run import cli
+from mha.run import config_validation
 from mha import data
 from mha import head_masks
-from mha import workdir_lock
-from mha import write_failures
+from mha.run import workdir_lock
+from mha.run import write_failures
 from mha.aliases import HeadSpec
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import core

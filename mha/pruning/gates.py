@@ -65,7 +65,7 @@ import optax
 from mha import data
 from mha import evaluate as eval_lib
 from mha import head_masks
-from mha import sharding as sharding_lib
+from mha.run import sharding as sharding_lib
 from mha.aliases import Array, Params
 from mha.model import Transformer, TransformerConfig
 from mha.pruning.constants import EXACT_K_METHODS

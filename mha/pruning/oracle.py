@@ -47,12 +47,11 @@ import optax
 
 from mha import data
 from mha import evaluate as eval_lib
-from mha import executables
 from mha import head_masks
 from mha.aliases import Array, Log, Params
 from mha.attention import MultiHeadAttention, padding_mask_from_tokens
 from mha.model import EncoderBlock, Transformer, TransformerConfig
-from mha.progress import Tenths, quiet, timed
+from mha.run.progress import Tenths, quiet, timed
 from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
 
@@ -376,16 +375,11 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
                                      ).astype(jnp.int32)
     return per_mask
 
-  def grouped(xs):  # On CPU: a prefix at a time, masks in groups (cache).
-    def one(x):
-      if codes.shape[0] > MASKS_PER_STEP:
-        return jax.lax.map(for_prefix(x), codes, batch_size=MASKS_PER_STEP)
-      return jax.vmap(for_prefix(x))(codes)
-    return jax.lax.map(one, xs)
-
-  def batched(xs):  # Elsewhere (GPU, TPU): everything at once.
-    return jax.vmap(lambda x: jax.vmap(for_prefix(x))(codes))(xs)
-  return jax.lax.platform_dependent(xs, cpu=grouped, default=batched)
+  def one(x):  # A prefix at a time, its masks in groups.
+    if codes.shape[0] > MASKS_PER_STEP:
+      return jax.lax.map(for_prefix(x), codes, batch_size=MASKS_PER_STEP)
+    return jax.vmap(for_prefix(x))(codes)
+  return jax.lax.map(one, xs)
 
 
 def _readout(model: Transformer, params: Params, x: Array) -> Array:
@@ -488,51 +482,6 @@ def _sums(model, params, inputs, targets, per_example, bias_shifts=None,
 
 
 _subset_sums = jax.jit(_sums, static_argnames=("model", "per_example"))
-#: Compiler options of the streamed oracle's program (:func:`subset_totals`),
-#: as ``mha.train.RUN_ONCE_COMPILER_OPTIONS``: XLA's LLVM backend at
-#: optimization level 1 compiled the 12-head program in 0.94 s of CPU instead
-#: of 1.34 s, bitwise the same sums (20 calls each on the trained `deep` and
-#: `reverse` models), calls within noise (17 ms of CPU each; the matrix
-#: products are library kernels at either level). XLA's older loop emitters
-#: (``xla_cpu_use_fusion_emitters`` off) compile it in 0.71-0.86 s of CPU
-#: instead of 1.07-1.25 s (3 rounds each, alternating, on 2 busy cores; the
-#: program after the per-head change of the last layer), bitwise the same
-#: sums on `deep`, calls within noise (the median of 7 alternating rounds'
-#: fastest 20 calls 15.8 ms of CPU a call against 16.0 ms).
-STREAMED_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1,
-                             "xla_cpu_use_fusion_emitters": False}
-#: The options used where this jaxlib does not know one of
-#: :data:`STREAMED_COMPILER_OPTIONS` (XLA's debug options come and go).
-STREAMED_FALLBACK_OPTIONS = {"xla_backend_optimization_level": 1}
-_streamed_subset_sums = jax.jit(_sums, static_argnames=("model", "per_example"),
-                                compiler_options=STREAMED_COMPILER_OPTIONS)
-_streamed = {"program": _streamed_subset_sums}
-
-
-def _streamed_call(*args):
-  """:data:`_streamed_subset_sums` on ``args``; if XLA refuses one of its
-  options (another jaxlib), the program compiled with
-  :data:`STREAMED_FALLBACK_OPTIONS` from then on."""
-  try:
-    return _streamed["program"](*args)
-  except jax.errors.JaxRuntimeError as e:
-    if (not executables.unknown_compiler_option(e)
-        or _streamed["program"] is not _streamed_subset_sums):
-      raise
-    _streamed["program"] = jax.jit(
-        _sums, static_argnames=("model", "per_example"),
-        compiler_options=STREAMED_FALLBACK_OPTIONS)
-    return _streamed["program"](*args)
-
-
-def _streamed_program():
-  """The program of :func:`subset_totals`: compiled with
-  :data:`STREAMED_COMPILER_OPTIONS` (:func:`_streamed_call`), unless
-  ``jax_disable_most_optimizations`` already asks for less (as the tests
-  do)."""
-  if jax.config.read("jax_disable_most_optimizations"):
-    return _subset_sums
-  return _streamed_call
 
 
 # --------------------------------------------------------------------------
@@ -665,10 +614,9 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
       block = np.sum(np.asarray(out[key], np.float64), axis=-1)
       total[:, start:start + chunk] += block.reshape(rest, chunk)
 
-  program = _streamed_program()
+  program = _subset_sums
   run = lambda args: jax.device_get(program(*args))
-  # The first call compiles (and settles _streamed_call's fallback) alone;
-  # then DISPATCH_THREADS threads run that very executable (_pinned), IN_FLIGHT
+  # The first call compiles alone; then DISPATCH_THREADS threads run that very executable (_pinned), IN_FLIGHT
   # each ahead of the oldest call, whose sums the host adds in call order
   # (the totals do not depend on the threads).
   pending: collections.deque = collections.deque()
@@ -703,9 +651,7 @@ def _pinned(program, args: tuple) -> Callable[[tuple], dict[str, np.ndarray]]:
   :func:`subset_totals` call it, so they run exactly that program whatever
   their own thread-local JAX settings (``jax.enable_x64``,
   ``jax.default_device`` and the like do not reach other threads)."""
-  # _streamed_call's jit, as its first call settled it (the fallback).
-  jitted = _streamed["program"] if program is _streamed_call else program
-  compiled = jitted.lower(*args).compile()
+  compiled = program.lower(*args).compile()
   # An executable takes the arguments but the static ones (_sums' model and
   # per_example, at positions 0 and 4).
   return lambda a: jax.device_get(compiled(*a[1:4], *a[5:]))

@@ -29,7 +29,7 @@ from mha import data
 from mha import evaluate as eval_lib
 from mha.aliases import Log, Params
 from mha.model import Transformer
-from mha.progress import quiet, timed
+from mha.run.progress import quiet, timed
 from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
 from mha.pruning import kwon

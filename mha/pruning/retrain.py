@@ -60,7 +60,7 @@ import optax
 from mha import build
 from mha import data
 from mha import evaluate as eval_lib
-from mha import sharding as sharding_lib
+from mha.run import sharding as sharding_lib
 from mha.aliases import Params
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import core

@@ -30,7 +30,7 @@ import numpy as np
 from mha import head_masks
 from mha.aliases import Log
 from mha.model import TransformerConfig
-from mha.progress import Tenths, quiet
+from mha.run.progress import Tenths, quiet
 
 #: Seconds after which a search reports its progress (a line per tenth of
 #: its sizes ``k``).

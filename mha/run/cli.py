@@ -277,3 +277,72 @@ def writable_dir(prog: str, path: str) -> str:
     fail(prog, f"cannot write to {path}: {write_failures.os_error_reason(e)}"
          "; choose a folder this process can write")
   return path
+
+
+def output_path(out: str, example: str = "results.json") -> str:
+  """``out`` (a script's ``--out``) expanded and made absolute, checked
+  before any work.
+
+  Raises:
+    ValueError: ``out`` is empty or a directory, ends in ``.md`` or ``.png``
+      (the table and plot go beside the JSON, under the same name with
+      those: one would replace the JSON), or its folder cannot be made or
+      written (a file in the way, no permission).
+  """
+  if not out or not out.strip():
+    raise ValueError(f"--out is empty; give a file path such as {example}")
+  path = os.path.abspath(os.path.expanduser(out))
+  if os.path.isdir(path):
+    raise ValueError(f"--out {path} is a directory; give a file path such as "
+                     f"{os.path.join(path, example)}")
+  suffix = os.path.splitext(path)[1].lower()
+  if suffix in (".md", ".png"):
+    raise ValueError(f"--out {path} ends in {suffix}, the name of the table or "
+                     "plot written beside the results: give a .json path")
+  existing = os.path.dirname(path)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise ValueError(f"--out {path}: {existing} is a file, not a folder")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ValueError(f"--out {path}: {existing} is not writable")
+  return path
+
+
+def checked_output_path(prog: str, out: str,
+                        example: str = "results.json") -> str:
+  """:func:`output_path`, a mistake in it one line and exit 2 (:func:`fail`)."""
+  try:
+    return output_path(out, example)
+  except ValueError as e:
+    fail(prog, e)
+
+
+def checked_workdirs_and_out(prog: str, workdirs: Sequence[str] | None,
+                             out: str, example: str = "results.json",
+                             *, load: bool = False) -> str:
+  """The checks of a script over trained runs, before any work: at least
+  one workdir, each holding checkpoints (with ``load``, one that loads: not
+  every one damaged), and ``out`` not a directory (``example``: the file
+  name a message suggests). A mistake is one line and exit 2 (:func:`fail`).
+  Returns ``out`` made absolute (:func:`output_path`)."""
+  if not workdirs:
+    fail(prog, "give at least one --workdir")
+  for workdir in workdirs:
+    checkpoints = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(checkpoints) or not any(
+        name.isdigit() for name in os.listdir(checkpoints)):
+      fail(prog, f"--workdir {workdir} holds no checkpoints")
+  out = checked_output_path(prog, out, example)
+  if load:
+    # pylint: disable=import-outside-toplevel
+    from mha import checkpoint
+    from mha.run import config_validation
+    # pylint: enable=import-outside-toplevel
+    for workdir in workdirs:
+      try:
+        checkpoint.load_checkpoint(workdir)
+      except (checkpoint.DamagedCheckpointError,
+              config_validation.ConfigError) as e:
+        fail(prog, f"--workdir {workdir}: {e}")
+  return out

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mha import lazy
+from mha.run import lazy
 
 if TYPE_CHECKING:  # For type checkers and IDEs; at run time, on first use.
   from mha.pruning.study.experiment import check_inputs, check_out_dir, run

@@ -23,7 +23,7 @@ from mha import head_masks
 from mha import head_roles
 from mha.aliases import Log, Params
 from mha.model import Transformer, TransformerConfig
-from mha.progress import timed
+from mha.run.progress import timed
 from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
 from mha.pruning import gates as gates_lib

@@ -31,11 +31,11 @@ import numpy as np
 
 from mha import build
 from mha import checkpoint as ckpt_lib
-from mha import cli
-from mha import config_validation
+from mha.run import cli
+from mha.run import config_validation
 from mha import data
 from mha.aliases import Log
-from mha.progress import timed
+from mha.run.progress import timed
 from mha.pruning import core
 from mha.pruning import export
 from mha.pruning import gates

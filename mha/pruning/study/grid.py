@@ -15,7 +15,7 @@ cells' ``results.json`` only: the study's output is the boundary.
   trained. A failed cell is marked in the table and tried again on the next
   run (its error may have been fixed).
 * **Several processes.** A process claims a cell through the cell folder's
-  :class:`mha.workdir_lock.WorkdirLock` (``flock``, released by the kernel
+  :class:`mha.run.workdir_lock.WorkdirLock` (``flock``, released by the kernel
   however the process ends) and skips a cell that another one holds; so
   several shells, a SLURM job array or hosts sharing a filesystem can run
   one grid together. Each process writes the table from the cells finished
@@ -50,8 +50,8 @@ from typing import (TYPE_CHECKING, Any, Callable, Iterator, Mapping,
 
 import numpy as np
 
-from mha import config_validation
-from mha import workdir_lock
+from mha.run import config_validation
+from mha.run import workdir_lock
 from mha.pruning.study import markdown as md
 from mha.pruning.study.options import StudyOptions
 

@@ -16,8 +16,8 @@ from typing import Any, Mapping
 
 from absl import flags
 
-from mha import cli
-from mha.figures import PLOT_FORMATS
+from mha.run import cli
+from mha.run.figures import PLOT_FORMATS
 from mha.pruning.constants import (ABLATION_MODES, ADAPTIVE_MIN_SECONDS,
                                    EXACT_K_METHODS, MAX_REPEATS, ORDERINGS,
                                    REPEATS, TARGET_WIDTH)

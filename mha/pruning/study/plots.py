@@ -36,7 +36,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
-from mha import figures
+from mha.run import figures
 
 __all__ = [
     "pruning_curves_figure",
@@ -113,7 +113,7 @@ _TICK_SIZE = 9.0
 
 def _save(fig: Figure, path: str | os.PathLike) -> str:
   """Writes ``fig`` at ``path`` (creating its parent), as PNG, SVG or PDF
-  by its suffix (:func:`mha.figures.figure_format`); returns it."""
+  by its suffix (:func:`mha.run.figures.figure_format`); returns it."""
   path = os.fspath(path)
   fmt = figures.figure_format(path)
   parent = os.path.dirname(path)

@@ -1049,6 +1049,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  from mha import cli  # pylint: disable=import-outside-toplevel
+  from mha.run import cli  # pylint: disable=import-outside-toplevel
   cli.end_quietly_on_broken_pipe()
   raise SystemExit(main())

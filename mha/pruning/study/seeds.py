@@ -17,7 +17,7 @@ import shutil
 from typing import Any
 
 from mha import checkpoint as ckpt_lib
-from mha import config_validation
+from mha.run import config_validation
 from mha import train
 from mha.aliases import Log
 
