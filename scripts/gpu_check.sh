@@ -7,12 +7,12 @@
 # tests+train (the fast tests on 6 workers while the default config trains
 # and its one-seed study runs beside them; GPU_CHECK_TESTS=all runs the whole
 # suite instead, on 8 workers, within GPU_CHECK_TESTS_LIMIT seconds, default
-# 200), accel (scripts/accelerator_benchmark.py, alone), oracle (the 16-head
+# 200), accel (benchmarks/accelerator_benchmark.py, alone), oracle (the 16-head
 # `wide` oracle of the workdir runs/wide, alone, when it is there). Not in
 # the default: tests (the tests alone, selected as in tests+train, on
 # GPU_CHECK_WORKERS workers, default 14, within GPU_CHECK_TESTS_LIMIT
 # seconds, default 200, or 450 for the whole suite), determinism
-# (scripts/determinism_check.py: two runs and a resumed one, bitwise or not,
+# (benchmarks/determinism_check.py: two runs and a resumed one, bitwise or not,
 # without and with XLA_FLAGS=--xla_gpu_deterministic_ops=true). Each part has
 # its own time limit, so one that hangs costs only its own minutes; all of
 # them take about 8 minutes on an H100 (2026-11-26). Logs and JSON go to
@@ -76,11 +76,11 @@ print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__versi
       grep -E "^(FAILED|ERROR) |^=+ .*(passed|failed)" "$out/tests.log" | tail -40 | sed 's/^/  /' | tee -a "$summary"
       ;;
     determinism)
-      timed determinism 180 python3 scripts/determinism_check.py \
+      timed determinism 180 python3 benchmarks/determinism_check.py \
         --out "$out/determinism.json"
       grep -E "^backend|vs the first" "$out/determinism.log" | sed 's/^/  /' | tee -a "$summary"
       XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_deterministic_ops=true" \
-        timed determinism_ops 180 python3 scripts/determinism_check.py \
+        timed determinism_ops 180 python3 benchmarks/determinism_check.py \
         --out "$out/determinism_ops.json"
       grep -E "^backend|vs the first" "$out/determinism_ops.log" | sed 's/^/  /' | tee -a "$summary"
       ;;
@@ -107,13 +107,13 @@ print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__versi
     accel)
       # 5 repeats: the plan's 20 did not finish in 180 s on an H100 (5 took
       # about 260 s, compiles included).
-      timed accel 300 python3 scripts/accelerator_benchmark.py --repeats 5 \
+      timed accel 300 python3 benchmarks/accelerator_benchmark.py --repeats 5 \
         --out "$out/accel.json"
       tail -45 "$out/accel.log" | sed 's/^/  /' >>"$summary"
       ;;
     oracle)
       if [ -d runs/wide ]; then
-        timed oracle 75 python3 scripts/oracle_benchmark.py --workdir runs/wide \
+        timed oracle 75 python3 benchmarks/oracle_benchmark.py --workdir runs/wide \
           --rounds 1 --nobaseline --out "$out/oracle.json"
         tail -6 "$out/oracle.log" | sed 's/^/  /' | tee -a "$summary"
       else

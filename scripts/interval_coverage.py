@@ -40,8 +40,7 @@ from absl import app
 from absl import flags
 import numpy as np
 
-from mha import benchmarking
-from mha import cli
+from mha.run import cli
 
 _PROG = "interval_coverage.py"
 TRUTH = 0.5
@@ -204,8 +203,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
 def main(argv: Sequence[str]) -> None:
   del argv
   args = flags.FLAGS
-  out = benchmarking.checked_output_path(_PROG, args.out,
-                                         "interval_coverage.json")
+  out = cli.checked_output_path(_PROG, args.out, "interval_coverage.json")
   rng = np.random.default_rng(args.seed)
   start = time.perf_counter()
   sd = example_sd(args.examples, args.pilot, rng)

@@ -32,8 +32,7 @@ from absl import flags
 from absl import logging
 import numpy as np
 
-from mha import benchmarking
-from mha import cli
+from mha.run import cli
 
 _PROG = "shapley_coverage.py"
 
@@ -120,8 +119,8 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
   args = flags.FLAGS
-  out = benchmarking.checked_workdirs_and_out(_PROG, args.workdir, args.out,
-                                             "shapley_coverage.json", load=True)
+  out = cli.checked_workdirs_and_out(_PROG, args.workdir, args.out,
+                                     "shapley_coverage.json", load=True)
   rows = []
   for workdir in args.workdir:
     result = coverage(workdir, args.repeats, args.pairs, args.examples)

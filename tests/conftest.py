@@ -68,7 +68,7 @@ def _jax_has_cuda() -> bool:
 
 # Where jax has CUDA, also XLA's deterministic GPU ops: without them two
 # training runs on a GPU differ (an H100, 2026-11-27,
-# scripts/determinism_check.py: 114 of 117 leaves, by up to 0.23 after 200
+# benchmarks/determinism_check.py: 114 of 117 leaves, by up to 0.23 after 200
 # steps); with them, two runs and a resumed one (in one process) were
 # bitwise equal, so the suite checks those bits on a GPU too
 # (``assert_same_bits``; its comparisons are within this process). So on a

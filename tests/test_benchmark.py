@@ -1,8 +1,10 @@
-"""Tests of the benchmark scripts (scripts/benchmark.py dispatches to them):
+"""Tests of the benchmarks (benchmarks/benchmark.py dispatches to them):
 they run and report; none asserts a time."""
 
+import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,18 +14,19 @@ import pytest
 
 from conftest import run
 
+from benchmarks import benchmarking
 from mha import attention_kernels
-from mha import benchmarking
+from mha.run import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "benchmark.py")
-PROBE = os.path.join(ROOT, "scripts", "cpu_pair_probe.py")
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+SCRIPT = os.path.join(BENCHMARKS, "benchmark.py")
 
 
 @pytest.fixture(scope="module")
 def bench():
   """The CPU benchmark as a module (its flags are defined once per process)."""
-  from scripts import cpu_benchmark  # Defines its flags: import it once, here.
+  from benchmarks import cpu_benchmark  # Defines its flags: import it once.
   return cpu_benchmark
 
 
@@ -49,8 +52,8 @@ def test_quick_run_prints_and_writes_the_tables(tmp_path, subprocess_env):
   assert (tmp_path / "bench" / "result.md").read_text() == table
 
   results = json.loads(out.read_text())
-  assert results["environment"]["jax"] == jax.__version__
-  assert results["environment"]["threads"] >= 1
+  _check_record(results, "cpu_quick")
+  assert results["quick"] and results["plan"]["name"] == "quick"
   (layer,) = results["layer"]
   for kind in ("fwd_bwd_weights", "inference"):
     assert len(layer[kind]["ours_times_ms"]) == 3
@@ -127,7 +130,7 @@ def test_accelerator_section_compares_the_same_function():
   # is left out: compiling its two train steps took 20 s on the loaded
   # 2-core machine, more than the rest; `benchmark.py --vmapped_seeds` runs
   # it.)
-  from scripts import accelerator_benchmark as acc
+  from benchmarks import accelerator_benchmark as acc
   plan = acc.AcceleratorPlan(
       name="quick", shapes=(acc.LayerShape(2, 8, 16, 2),),
       dtypes=("bfloat16",), repeats=1, num_seeds=0, fused_masks=("lengths",))
@@ -160,8 +163,11 @@ def test_accelerator_section_compares_the_same_function():
   assert "seeds trained together" not in table
 
 
-@pytest.mark.parametrize("script", ["oracle_benchmark.py",
-                                    "shapley_coverage.py"])
+_COVERAGE_AND_ORACLE = [os.path.join("benchmarks", "oracle_benchmark.py"),
+                        os.path.join("scripts", "shapley_coverage.py")]
+
+
+@pytest.mark.parametrize("script", _COVERAGE_AND_ORACLE)
 @pytest.mark.parametrize("args, message", [
     ((), "give at least one --workdir"),
     (("--workdir=/nowhere",), "--workdir /nowhere holds no checkpoints"),
@@ -170,22 +176,22 @@ def test_accelerator_section_compares_the_same_function():
 def test_pruning_benchmarks_refuse_bad_input_in_one_line(script, args, message,
                                                          tmp_path):
   result = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "scripts", script), *args],
+      [sys.executable, os.path.join(ROOT, script), *args],
       cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
   lines = result.stderr.strip().splitlines()
   assert result.returncode == 2 and len(lines) == 1, result.stderr
-  assert lines[0].startswith(f"{script}: error: ") and message in lines[0]
+  prog = os.path.basename(script)
+  assert lines[0].startswith(f"{prog}: error: ") and message in lines[0]
   assert os.listdir(tmp_path) == []  # nothing written
 
 
-@pytest.mark.parametrize("script", ["oracle_benchmark.py",
-                                    "shapley_coverage.py"])
+@pytest.mark.parametrize("script", _COVERAGE_AND_ORACLE)
 def test_pruning_benchmarks_refuse_a_run_whose_checkpoints_are_all_damaged(
     script, tmp_path, subprocess_env):
   broken = tmp_path / "broken"
   (broken / "checkpoints" / "5").mkdir(parents=True)  # emptied by a crash
   out = tmp_path / "out" / "b.json"
-  result = run([sys.executable, os.path.join(ROOT, "scripts", script),
+  result = run([sys.executable, os.path.join(ROOT, script),
                 f"--workdir={broken}", f"--out={out}"], cwd=tmp_path,
                env=subprocess_env, timeout=120)
   # The warnings of the damaged checkpoints (as eval.py prints them), then
@@ -193,7 +199,8 @@ def test_pruning_benchmarks_refuse_a_run_whose_checkpoints_are_all_damaged(
   lines = result.stderr.strip().splitlines()
   assert result.returncode == 2, result.stderr[-2000:]
   assert "Traceback" not in result.stderr
-  assert lines[-1].startswith(f"{script}: error: --workdir {broken}: ")
+  prog = os.path.basename(script)
+  assert lines[-1].startswith(f"{prog}: error: --workdir {broken}: ")
   assert "damaged" in lines[-1]
   assert not out.parent.exists()
 
@@ -202,7 +209,7 @@ def test_end_to_end_benchmark_refuses_a_data_dir_that_is_a_file(
     tmp_path, subprocess_env):
   (tmp_path / "afile").write_text("kept")
   result = run([sys.executable,
-                os.path.join(ROOT, "scripts", "end_to_end_benchmark.py"),
+                os.path.join(BENCHMARKS, "end_to_end_benchmark.py"),
                 "--quick", "--nopeer", f"--data_dir={tmp_path / 'afile'}",
                 f"--out={tmp_path / 'e.json'}"], cwd=tmp_path,
                env=subprocess_env, timeout=120)
@@ -214,15 +221,15 @@ def test_end_to_end_benchmark_refuses_a_data_dir_that_is_a_file(
 
 
 def test_benchmark_refuses_flags_of_another_job(tmp_path):
-  script = os.path.join(ROOT, "scripts", "benchmark.py")
   for args, message in [
       (("--end_to_end", "--gpu"), "--end_to_end does not take --gpu"),
       (("--end_to_end", "--repeats=3"), "--end_to_end does not take --repeats"),
       (("--gpu", "--vmapped_seeds"), "not both"),
       (("--nopeer",), "--peer: only with --end_to_end"),
+      (("--peer_python=python3",), "--peer_python: only with --end_to_end"),
       (("--end_to_end_rounds=2",),
        "--end_to_end_rounds: only with --end_to_end")]:
-    result = subprocess.run([sys.executable, script, *args], cwd=tmp_path,
+    result = subprocess.run([sys.executable, SCRIPT, *args], cwd=tmp_path,
                             capture_output=True, text=True, timeout=120,
                             check=False)
     lines = result.stderr.strip().splitlines()
@@ -233,29 +240,61 @@ def test_benchmark_refuses_flags_of_another_job(tmp_path):
 
 
 def test_output_paths_are_checked_before_any_work(tmp_path, monkeypatch):
-  # Every benchmark's --out (benchmarking.output_path): the JSON goes there,
-  # the table (.md) and plot (.png) beside it under the same name.
+  # Every benchmark's and script's --out (mha.run.cli.output_path): the JSON
+  # goes there, the table (.md) and plot (.png) beside it under the same name.
   monkeypatch.chdir(tmp_path)
   (tmp_path / "afile").write_text("")
-  assert benchmarking.output_path("r/x.json") == str(tmp_path / "r" / "x.json")
+  assert cli.output_path("r/x.json") == str(tmp_path / "r" / "x.json")
   for out, message in [
       ("", "--out is empty"), (str(tmp_path), "is a directory"),
       ("x.md", "ends in .md"), ("x.PNG", "ends in .png"),
       ("afile/x.json", f"{tmp_path / 'afile'} is a file, not a folder")]:
     with pytest.raises(ValueError, match=message):
-      benchmarking.output_path(out)
+      cli.output_path(out)
   assert sorted(os.listdir(tmp_path)) == ["afile"]
   # A workdir whose checkpoints folder is empty holds no checkpoints.
   (tmp_path / "run" / "checkpoints").mkdir(parents=True)
   with pytest.raises(SystemExit) as exit_:
-    benchmarking.checked_workdirs_and_out("prog", [str(tmp_path / "run")],
-                                          "x.json")
+    cli.checked_workdirs_and_out("prog", [str(tmp_path / "run")], "x.json")
   assert exit_.value.code == 2
+
+
+def test_results_go_to_dated_files_of_the_commit(tmp_path, monkeypatch):
+  # By default benchmarks/results/<UTC date>_<name>_<short commit>.json; a
+  # second run of the same day, name and commit never overwrites the first.
+  commit = benchmarking.commit()
+  assert commit == "unknown" or (4 <= len(commit) <= 40 and commit.isalnum())
+  monkeypatch.setattr(benchmarking, "RESULTS", str(tmp_path))
+  monkeypatch.setattr(benchmarking, "commit", lambda: "abc1234")
+  day = datetime.datetime(2026, 11, 28, 23, 59, tzinfo=datetime.timezone.utc)
+  first = benchmarking.default_out("cpu", day)
+  assert first == str(tmp_path / "2026-11-28_cpu_abc1234.json")
+  open(first, "w", encoding="utf-8").close()
+  assert benchmarking.default_out("cpu", day) == str(
+      tmp_path / "2026-11-28_cpu_abc1234_2.json")
+  # Outside a git repository the commit is "unknown".
+  monkeypatch.undo()
+  monkeypatch.setattr(benchmarking, "ROOT", str(tmp_path))
+  monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+  assert benchmarking.commit() == "unknown"
+  assert benchmarking.uncommitted_changes() is None
+
+
+def _check_record(results, name):
+  """The fields every result file starts with (benchmarking.record)."""
+  assert results["benchmark"] == name
+  datetime.datetime.strptime(results["date_utc"], "%Y-%m-%dT%H:%M:%SZ")
+  assert results["commit"]
+  assert results["uncommitted_changes"] in (True, False, None)
+  assert results["environment"]["jax"] == jax.__version__
+  assert results["environment"]["backend"] == "cpu"
+  assert results["host"]["threads"] >= 1
+  assert {"load_average_start", "load_average_end"} <= set(results)
 
 
 def test_a_config_argument_mistake_is_one_line_and_exit_2(tmp_path,
                                                          subprocess_env):
-  script = os.path.join(ROOT, "scripts", "compile_benchmark.py")
+  script = os.path.join(BENCHMARKS, "compile_benchmark.py")
   for arg, message in [
       ("tny", "--config_arg=tny: unknown config variant 'tny'"),
       ("configs/default.py:tiny", "give get_config's argument (the part "
@@ -271,7 +310,7 @@ def test_a_config_argument_mistake_is_one_line_and_exit_2(tmp_path,
 
 
 def test_determinism_check_refuses_bad_input_in_one_line(tmp_path):
-  script = os.path.join(ROOT, "scripts", "determinism_check.py")
+  script = os.path.join(BENCHMARKS, "determinism_check.py")
   for args, message in [
       (("--steps=3",), "--steps must be an even number >= 2, got 3"),
       (("--dropout=1",), "--dropout must be in [0, 1), got 1.0"),
@@ -291,68 +330,111 @@ def test_determinism_check_refuses_bad_input_in_one_line(tmp_path):
   assert os.listdir(tmp_path) == []  # nothing written
 
 
-def test_compile_benchmark_reports_the_three_programs(subprocess_env):
+def test_compile_benchmark_reports_the_three_programs(tmp_path,
+                                                     subprocess_env):
+  out = tmp_path / "compile.json"
   result = run(
-      [sys.executable, os.path.join(ROOT, "scripts", "compile_benchmark.py"),
-       "--config_arg=tiny", "--rounds=1", "--steps=3", "--json"],
+      [sys.executable, os.path.join(BENCHMARKS, "compile_benchmark.py"),
+       "--config_arg=tiny", "--rounds=1", "--steps=3", f"--out={out}"],
       cwd=ROOT, env=subprocess_env, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
-  report = json.loads(result.stdout.strip().splitlines()[-1])
+  results = json.loads(out.read_text())
+  _check_record(results, "compile")
+  report = results["programs"]
   assert set(report) == {"initial state", "train step", "evaluation"}
   for program in report.values():
     assert program["compile_wall_s"] > 0 and program["compile_cpu_s"] > 0
     assert program["hlo_lines"] > 0 and program["kernels"] > 0
   assert report["train step"]["steps_per_s"] > 0
+  assert "| train step |" in result.stdout
+  assert (tmp_path / "compile.md").read_text() == result.stdout
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
-                    reason="the probe needs two CPUs")
-def test_cpu_pair_probe_quick_run_splits_its_windows(tmp_path,
-                                                     subprocess_env):
-  # The probe's smoke test: at least one window, each with the step's time
-  # and both probes of the CPU pair, split into near and far in the table.
-  out = tmp_path / "probe.json"
-  shm_before = set(os.listdir("/dev/shm"))
-  res = run([sys.executable, PROBE, "--quick", f"--out={out}"], cwd=ROOT,
-            env=subprocess_env, timeout=300)
-  assert res.returncode == 0, res.stderr
+def test_step_ab_benchmark_writes_to_results_by_default(tmp_path,
+                                                        subprocess_env):
+  # --ab=calls: one step a call against STEPS_PER_CALL. Without --out, the
+  # JSON and the table go to benchmarks/results/, named by the UTC date, the
+  # benchmark and the commit (here a copy of benchmarks/ outside git: the
+  # repository's results stay as they are, and the commit is "unknown").
+  copy = tmp_path / "repo"
+  shutil.copytree(BENCHMARKS, copy / "benchmarks",
+                  ignore=shutil.ignore_patterns("results", "__pycache__"))
+  result = run([sys.executable,
+                os.path.join("benchmarks", "step_ab_benchmark.py"),
+                "--ab=calls", "--config=tiny", "--windows=1"],
+               cwd=copy, env=subprocess_env, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  (path,) = (copy / "benchmarks" / "results").glob("*.json")
+  date, name = path.name.split("_", 1)
+  assert name == "step_ab_calls_unknown.json"
+  results = json.loads(path.read_text())
+  assert date == results["date_utc"][:10]
+  assert results["benchmark"] == "step_ab_calls"
+  assert results["commit"] == "unknown"
+  assert results["uncommitted_changes"] is None
+  assert path.with_suffix(".md").read_text() == result.stdout
+  from mha import train  # pylint: disable=import-outside-toplevel
+  ab = results["calls"]
+  one, many = ab["variants"].values()
+  assert (one["steps_per_call"], many["steps_per_call"]) == (
+      1, train.STEPS_PER_CALL)
+  assert one["step_ms"] > 0 and many["step_ms"] > 0
+  # The same steps, one a call or many: bitwise the same state (XLA:CPU).
+  assert ab["bitwise_equal"] and ab["max_abs_difference"] == 0
+  assert f"| {train.STEPS_PER_CALL} a call | {train.STEPS_PER_CALL} |" in (
+      result.stdout)
+
+
+def test_end_to_end_benchmark_quick_with_the_peer(tmp_path, data_dir,
+                                                  subprocess_env):
+  # The PyTorch peer runs under --peer_python (torch is no dependency of
+  # mha: MHA_PEER_PYTHON names an interpreter with torch, by default this
+  # one); without torch, --nopeer leaves it out.
+  out = tmp_path / "e2e.json"
+  peer_python = os.environ.get("MHA_PEER_PYTHON", sys.executable)
+  with_peer = subprocess.run([peer_python, "-c", "import torch, numpy"],
+                             capture_output=True, check=False).returncode == 0
+  result = run([sys.executable, SCRIPT, "--end_to_end", "--quick",
+                f"--out={out}", f"--data_dir={data_dir}",
+                *([f"--peer_python={peer_python}"] if with_peer
+                  else ["--nopeer"])],
+               cwd=ROOT, env=subprocess_env, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
   results = json.loads(out.read_text())
-  windows = results["windows"]
-  assert windows
-  for window in windows:
-    assert window["step_ms"] > 0 and window["round_trip_us"] > 0
-    assert window["cross_over_local"] == pytest.approx(
-        window["cross_read_us"] / window["local_read_us"])
-  summary = results["summary"]
-  assert summary["near"]["windows"] + summary["far"]["windows"] == len(
-      windows)
-  assert "| near | " in res.stdout and "| far | " in res.stdout
-  assert (tmp_path / "probe.md").read_text() == res.stdout.split(
-      "Wrote ")[0]
-  # Its partner process and shared buffer are gone.
-  assert not [name for name in os.listdir("/dev/shm")
-              if name.startswith("psm_") and name not in shm_before]
+  _check_record(results, "end_to_end_quick")
+  e2e = results["end_to_end"]
+  runs = e2e["runs"]
+  (cold,), (warm,) = runs["cold"], runs["warm"]
+  # The warm run loads every program the cold run compiled from the
+  # compilation cache.
+  assert cold["run"]["from_cache"] == 0
+  assert warm["run"]["from_cache"] == warm["run"]["programs"] > 0
+  for one in (cold, warm, *runs.get("peer", [])):
+    assert 0 < one["first_step_s"] < one["exit_s"]
+    assert one["step_ms"] > 0  # the progress windows' ms a step
+  assert "| train.py, warm (same config again) |" in result.stdout
+  assert results["end_to_end"]["summary"]["ratios"][
+      "warm_first_step_over_floor"] > 0
+  if with_peer:
+    (peer,) = runs["peer"]
+    assert peer["environment"]["torch"]
+    assert "| PyTorch peer (`nn.TransformerEncoder`) |" in result.stdout
+  else:
+    assert "peer" not in runs and e2e["peer_note"] == "--nopeer"
 
 
-# Runs the script (its path, then its flags) on one CPU of this machine.
-_ON_ONE_CPU = [sys.executable, "-c",
-               "import os, runpy, sys; "
-               "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-               "sys.argv = sys.argv[1:]; "
-               "runpy.run_path(sys.argv[0], run_name='__main__')"]
-
-
-@pytest.mark.parametrize("launcher, args, message", [
-    ([sys.executable], ["--seconds=-1"], "--seconds"),
-    ([sys.executable], ["--out=x.md"], "ends in .md"),
-    (_ON_ONE_CPU, ["--quick"], "needs two CPUs"),
-])
-def test_cpu_pair_probe_bad_input_is_one_line_and_exit_2(
-    launcher, args, message, tmp_path, subprocess_env):
-  out = tmp_path / "probe.json"
-  # A later --out in ``args`` replaces this one (absl keeps the last).
-  res = run([*launcher, PROBE, f"--out={out}", *args], cwd=ROOT,
-            env=subprocess_env, timeout=120)
-  assert res.returncode == 2
-  assert len(res.stderr.strip().splitlines()) == 1 and message in res.stderr
-  assert not out.exists()
+def test_end_to_end_benchmark_refuses_a_peer_python_without_torch(
+    tmp_path, subprocess_env):
+  # A --peer_python named that cannot import torch is a mistake, found before
+  # any run (here: an interpreter that does not exist).
+  missing = tmp_path / "no" / "python"
+  result = run([sys.executable, os.path.join(BENCHMARKS,
+                                             "end_to_end_benchmark.py"),
+                "--quick", f"--peer_python={missing}",
+                f"--out={tmp_path / 'e.json'}"], cwd=tmp_path,
+               env=subprocess_env, timeout=120)
+  lines = result.stderr.strip().splitlines()
+  assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+  assert lines[0].startswith(f"end_to_end_benchmark.py: error: --peer_python "
+                             f"{missing}")
+  assert os.listdir(tmp_path) == []

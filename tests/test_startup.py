@@ -1,5 +1,5 @@
-"""Start-up: the compilation cache, bulk data loading, compile counts, lazy
-imports and the end-to-end benchmark. No test asserts a time."""
+"""Start-up: the compilation cache, bulk data loading, compile counts
+and lazy imports. No test asserts a time."""
 
 import hashlib
 import json
@@ -182,32 +182,3 @@ def test_no_heavy_imports(args, needs_jax, subprocess_env):
   else:
     assert "jax" in modules
   assert not heavy & modules
-
-
-# ---------------------------------------------------------------- benchmark
-
-
-def test_end_to_end_benchmark_quick(tmp_path, data_dir, subprocess_env):
-  out = tmp_path / "e2e.json"
-  result = subprocess.run(
-      [sys.executable, os.path.join("scripts", "benchmark.py"),
-       "--end_to_end", "--quick", "--nopeer", f"--out={out}",
-       f"--data_dir={data_dir}"],
-      cwd=ROOT, env=subprocess_env, capture_output=True, text=True,
-      timeout=300)
-  assert result.returncode == 0, result.stderr
-  results = json.loads(out.read_text())["end_to_end"]
-  runs = results["runs"]
-  (cold,), (warm,) = runs["cold"], runs["warm"]
-  # The warm run compiled nothing: every program was loaded whole (neither
-  # traced nor compiled) from the executable store the cold run wrote.
-  assert cold["run"] == {"programs": 3, "from_cache": 0, "whole": 0}
-  assert warm["run"] == {"programs": 0, "from_cache": 0, "whole": 3}
-  for run in (cold, warm, *runs.get("peer", [])):
-    assert 0 < run["first_step_s"] < run["exit_s"]
-    assert run["step_ms"] > 0  # the progress windows' ms a step
-  assert ("| train.py, warm (same config again) |" in result.stdout)
-  assert "Quick run (the tiny config, one round): a smoke test" in (
-      result.stdout)
-  assert results["summary"]["ratios"]["warm_first_step_over_floor"] > 0
-  assert "peer" not in runs

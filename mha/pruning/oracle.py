@@ -327,9 +327,8 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
   with ``weights`` 0): the block's own code, with its attention replaced by
   the combined output (``nn.intercept_methods``). The prefixes run one at
   a time and the masks in groups of :data:`MASKS_PER_STEP`
-  (``jax.lax.map``), so that a group's activations stay in the cache, on
-  CPU; a program lowered for GPU or TPU evaluates them all at once
-  (``jax.lax.platform_dependent``).
+  (``jax.lax.map``), so that a group's activations stay small: one program
+  on every backend.
   """
   cfg = model.config
   layer = cfg.num_layers - 1
@@ -790,7 +789,7 @@ def shapley_values(values: np.ndarray, config: TransformerConfig) -> np.ndarray:
 ORACLE_CANDIDATES = 5
 #: The cost of one subset in :func:`evaluate_subsets` relative to one mask
 #: of ``core.evaluate_masks`` (0.85 measured on 2 CPU cores when the study
-#: was written; ``scripts/benchmark.py`` measures it again:
+#: was written; ``benchmarks/benchmark.py`` measures it again:
 #: ``pruning_masks``, ``subsets.speedup`` is its inverse). Every subset is
 #: evaluated instead of ``M`` masks when ``M >= SUBSET_COST * 2**N``.
 SUBSET_COST = 0.85

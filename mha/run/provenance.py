@@ -39,8 +39,11 @@ def environment() -> dict[str, Any]:
   devices = jax.devices()
   settings: dict[str, Any] = {}
   for name in _NUMERIC_OPTIONS:
-    if hasattr(jax.config, name):  # Options come and go between releases.
-      settings[name] = getattr(jax.config, name)
+    try:  # Options come and go between releases.
+      settings[name] = jax.config.read(name)
+    except (AttributeError, KeyError, ValueError):
+      if hasattr(jax.config, name):
+        settings[name] = getattr(jax.config, name)
   if os.environ.get("XLA_FLAGS"):
     settings["XLA_FLAGS"] = os.environ["XLA_FLAGS"]
   return {

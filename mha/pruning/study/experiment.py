@@ -33,6 +33,7 @@ from mha import build
 from mha import checkpoint as ckpt_lib
 from mha.run import cli
 from mha.run import config_validation
+from mha.run import provenance
 from mha import data
 from mha.aliases import Log
 from mha.run.progress import timed
@@ -224,6 +225,9 @@ def _header(workdir: str, first: ckpt_lib.LoadedCheckpoint,
       "model": dataclasses.asdict(first.model_config) | {"dtype": str(
           first.model_config.dtype)},
       "options": dataclasses.asdict(options),
+      # The versions, backend and numeric settings that produced the
+      # figures (the code passes no compiler option to any program).
+      "provenance": provenance.environment(),
       "orderings": orderings.ORDERINGS,
       "curve_labels": analysis.CURVE_LABELS,
       "splits": {"importance": "validation", "accuracy": "test",

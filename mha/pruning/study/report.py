@@ -1006,7 +1006,7 @@ def _timings_section(results: Mapping[str, Any]) -> list[str]:
        "re-estimated", "masks (val.)", "masks (test)", "total"], rows) + [
       f"First seed with the speed table: {tt['first_seed_with_speed_s']:.1f} "
       f"s; the whole run: {tt['total_s']:.1f} s. The loop-vs-vmap comparison "
-      "of leave-one-out is a benchmark: `python scripts/benchmark.py`.", ""]
+      "of leave-one-out is a benchmark: `python benchmarks/benchmark.py`.", ""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

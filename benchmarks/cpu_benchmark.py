@@ -1,9 +1,9 @@
 r"""Speed of the attention layer and the train step, side by side with Flax.
 
-    python scripts/cpu_benchmark.py           # about 2 minutes on 2 CPU cores
-    python scripts/cpu_benchmark.py --quick   # tiny shapes, seconds (for tests)
+    python benchmarks/cpu_benchmark.py           # about 2 minutes on 2 CPU cores
+    python benchmarks/cpu_benchmark.py --quick   # tiny shapes, seconds (for tests)
 
-(``python scripts/benchmark.py`` with no section flag runs this.)
+(``python benchmarks/benchmark.py`` with no section flag runs this.)
 
 Measures in one process, float32, on JAX's default device:
 
@@ -27,9 +27,10 @@ Measures in one process, float32, on JAX's default device:
 Machines are noisy, so the compared functions run interleaved, in alternating
 order (ours first in even rounds, Flax first in odd ones), and the figures are
 medians; a ratio is ours / Flax of the medians (below 1: ours is faster).
-Prints the tables (markdown) to stdout, writes them to ``<out>.md`` and every
-number, raw timings included, to ``--out`` (JSON). A bad flag is one line on
-stderr and exit code 2.
+Prints the tables (markdown) to stdout, writes every number, raw timings
+included, to ``--out`` (JSON; by default ``benchmarks/results/<UTC
+date>_cpu_<commit>.json``, ``cpu_quick`` with ``--quick``) and the tables
+beside it (``.md``). A bad flag is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -37,10 +38,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import statistics
 import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
+
+# Run as a file, the path holds this folder, not the repository's root: put
+# it first, for the ``benchmarks`` package (which is not installed) and this
+# checkout's ``mha`` (whose commit the results record).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# pylint: disable=wrong-import-position
 
 from absl import app
 from absl import flags
@@ -52,23 +60,24 @@ import numpy as np
 
 from configs import default
 from mha import build
-from mha import cli
 from mha import data
 from mha import train
 from mha.attention import MultiHeadAttention
-from mha.benchmarking import (LayerShape, environment, header_lines,
-                              load_average, median_ms, output_path,
-                              time_interleaved, write_results)
 from mha.pruning import core as pruning
 from mha.pruning import oracle
 from mha.pruning import speed
+from mha.run import cli
+
+from benchmarks.benchmarking import (
+    LayerShape, checked_out, header_lines, load_average, median_ms, record,
+    time_interleaved, write_results)
 
 _QUICK = flags.DEFINE_bool(
     "quick", False, "Tiny shapes, few repeats and XLA optimizations off: a "
     "smoke test of seconds whose numbers mean nothing.")
 _OUT = flags.DEFINE_string(
-    "out", "runs/benchmark/benchmark.json",
-    "JSON output path; the markdown tables go next to it (.md).")
+    "out", None, "JSON output path (default: benchmarks/results/<UTC "
+    "date>_cpu_<commit>.json); the markdown tables go next to it (.md).")
 _REPEATS = flags.DEFINE_integer(
     "repeats", None, "Timed rounds per comparison (default 20; 3 with "
     "--quick).", lower_bound=1)
@@ -435,9 +444,7 @@ def pruning_masks(arg: str, examples: int, repeats: int) -> dict[str, Any]:
 def run(plan: Plan, log: Callable[[str], None] = lambda _: None
         ) -> dict[str, Any]:
   """Every measurement of ``plan``; ``log`` hears what is being timed."""
-  results = {"environment": environment(), "load_average_start": load_average(),
-             "plan": dataclasses.asdict(plan), "repeats": plan.repeats}
-  results["layer"] = []
+  results = {"layer": []}
   for shape in plan.layer_shapes:
     log(f"layer {shape} (B / L / D / H): ours vs Flax")
     results["layer"].append(compare_layer(shape, plan.repeats))
@@ -454,7 +461,6 @@ def run(plan: Plan, log: Callable[[str], None] = lambda _: None
       f"{plan.pruning_examples} examples")
   results["pruning_masks"] = pruning_masks(
       plan.pruning_config, plan.pruning_examples, plan.pruning_repeats)
-  results["load_average_end"] = load_average()
   return results
 
 
@@ -546,10 +552,8 @@ def _pruning_lines(p: Mapping[str, Any]) -> list[str]:
 
 def main(argv: list[str]) -> None:
   del argv
-  try:
-    out = output_path(_OUT.value)
-  except ValueError as e:
-    cli.fail(_PROG, e)
+  name = "cpu_quick" if _QUICK.value else "cpu"
+  out = checked_out(_PROG, _OUT.value, name)
   logging.set_verbosity(logging.WARNING)
   plan = QUICK if _QUICK.value else FULL
   if _QUICK.value:
@@ -557,7 +561,10 @@ def main(argv: list[str]) -> None:
   if _REPEATS.value is not None:
     plan = dataclasses.replace(plan, repeats=_REPEATS.value)
   log = lambda message: print(message, file=sys.stderr, flush=True)
-  results = run(plan, log)
+  results = record(name, quick=_QUICK.value, plan=dataclasses.asdict(plan),
+                   repeats=plan.repeats)
+  results |= run(plan, log)
+  results["load_average_end"] = load_average()
   write_results(out, results, format_tables(results), log)
 
 

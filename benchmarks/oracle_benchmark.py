@@ -1,7 +1,7 @@
 r"""Time and memory of the exhaustive oracle: streamed against the table.
 
-    python scripts/oracle_benchmark.py --workdir runs/deep --workdir runs/wide
-    python scripts/oracle_benchmark.py --workdir runs/wide --rounds 1 --nobaseline
+    python benchmarks/oracle_benchmark.py --workdir runs/deep --workdir runs/wide
+    python benchmarks/oracle_benchmark.py --workdir runs/wide --rounds 1 --nobaseline
 
 For each workdir's model, on its validation split, every subset of heads is
 evaluated once per round by each method, each run in a process of its own
@@ -20,7 +20,9 @@ the study's ``timings.oracle_s``), the median peak resident memory of the
 whole process (``ru_maxrss``), the median CPU seconds of the process over the
 same span (``time.process_time``, all its threads), and for ``streamed`` the
 seconds per subset and example, the number that says how the cost grows with ``N`` (it is ``2**N``
-times that per example). Writes everything to ``--out`` (JSON) and the table beside it (.md).
+times that per example). Writes everything to ``--out`` (JSON; by default
+``benchmarks/results/<UTC date>_oracle_<commit>.json``) and the table beside
+it (.md).
 """
 
 from __future__ import annotations
@@ -33,11 +35,18 @@ import subprocess
 import sys
 import time
 
+# Run as a file, the path holds this folder, not the repository's root: put
+# it first, for the ``benchmarks`` package (which is not installed) and this
+# checkout's ``mha`` (whose commit the results record).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# pylint: disable=wrong-import-position
+
 from absl import app
 from absl import flags
 
-from mha import benchmarking
-from mha import cli
+from mha.run import cli
+
+from benchmarks import benchmarking
 
 _PROG = "oracle_benchmark.py"
 
@@ -48,9 +57,10 @@ _ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds (a process per method "
                                lower_bound=1)
 _BASELINE = flags.DEFINE_boolean(
     "baseline", True, "Also time the per-example table (the peer).")
-_OUT = flags.DEFINE_string("out", "runs/benchmarks/oracle.json",
-                           "Results file (JSON); the table goes beside it "
-                           "(.md).")
+_OUT = flags.DEFINE_string("out", None,
+                           "Results file (JSON; default: benchmarks/results/"
+                           "<UTC date>_oracle_<commit>.json); the table goes "
+                           "beside it (.md).")
 _ONE = flags.DEFINE_string("one", None, "Internal: run one method, print "
                            "JSON (method:workdir).")
 
@@ -67,8 +77,6 @@ def _one(method: str, workdir: str) -> dict:
   from mha import evaluate as eval_lib
   from mha.pruning import core
   from mha.pruning import oracle
-  from mha import collector
-  collector.tune_for_tracing()  # As scripts/prune_heads.py runs the study.
   ckpt = checkpoint.load_checkpoint(workdir)
   splits = data.load_splits(build.data_spec(ckpt.config),
                             ckpt.config.data.data_dir)
@@ -110,8 +118,11 @@ def main(argv):
     method, workdir = _ONE.value.split(":", 1)
     print(json.dumps(_one(method, workdir)))
     return
-  out = benchmarking.checked_workdirs_and_out(_PROG, _WORKDIRS.value,
-                                             _OUT.value, "oracle.json", load=True)
+  out = cli.checked_workdirs_and_out(
+      _PROG, _WORKDIRS.value,
+      _OUT.value or benchmarking.default_out("oracle"), "oracle.json",
+      load=True)
+  results = benchmarking.record("oracle", rounds=_ROUNDS.value)
   methods = METHODS if _BASELINE.value else METHODS[:1]
   runs: list[dict] = []
   for workdir in _WORKDIRS.value:
@@ -143,16 +154,13 @@ def main(argv):
                   f"{method} | {s:.1f} | "
                   f"{' / '.join(format(r['seconds'], '.1f') for r in mine)} | "
                   f"{cpu:.1f} | {mem:.0f} | {per:.2f} |")
-  results = {"environment": benchmarking.environment(), "runs": runs,
-             "summary": summary}
-  env = results["environment"]
-  header = [f"Device: {env['platform']} ({env['cpu']}, {env['threads']} "
-            f"threads); JAX {env['jax']}; {env['date_utc']} UTC; 1-min load "
-            f"{benchmarking.load_average()}. Medians of {_ROUNDS.value} "
-            "rounds, a process per method and round, methods alternating.",
-            ""]
+  results["oracle"] = {"runs": runs, "summary": summary}
+  results["load_average_end"] = benchmarking.load_average()
+  header = benchmarking.header_lines(
+      results, rounds=f"Medians of {_ROUNDS.value} rounds, a process per "
+      "method and round, methods alternating.") + [""]
   table = "\n".join(header + rows) + "\n"
-  benchmarking.write_results(out, {"oracle": results}, table, print)
+  benchmarking.write_results(out, results, table, print)
 
 
 if __name__ == "__main__":

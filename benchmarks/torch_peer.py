@@ -1,6 +1,7 @@
 r"""The PyTorch peer of ``train.py`` for the end-to-end benchmark.
 
-    python scripts/torch_peer.py --data peer.npz --config peer.json --out DIR
+    /path/to/venv/bin/python benchmarks/torch_peer.py --data peer.npz \
+        --config peer.json --out DIR
 
 A plain ``torch.nn.TransformerEncoder`` (pre-LayerNorm, GELU, learned
 positions, a final LayerNorm and a linear readout: the shape of
@@ -9,13 +10,15 @@ positions, a final LayerNorm and a linear readout: the shape of
 ``np.random.default_rng([seed, epoch])`` permutation), AdamW with the same
 peak learning rate, linear warmup and cosine decay, b2 and weight decay on the
 Linear weights only, gradient clipping, and validation every
-``eval_every_steps``. ``scripts/benchmark.py --end_to_end`` writes the data
+``eval_every_steps``. ``benchmarks/end_to_end_benchmark.py`` writes the data
 (``.npz``: ``<split>_inputs``, ``<split>_targets``) and the config (JSON)
-and spawns this script; it is not part of the ``mha`` package, and torch is
-no dependency of it.
+and spawns this script under its ``--peer_python``; it imports nothing of
+``mha``, and torch is no dependency of ``mha``: any interpreter with torch
+and NumPy runs it.
 
-Writes ``DIR/metrics.jsonl`` as ``train.py`` does: a row at the end of the
-first step (``startup/seconds_since_process_start``), one per evaluation
+Writes ``DIR/metrics.jsonl`` as ``train.py`` does: first a row of the
+peer's versions (``environment``: Python, torch, NumPy, torch's threads),
+then a row at the end of the first step (``startup/seconds_since_process_start``), one per evaluation
 (``validation/exact_match``, ``test/...`` at the end), and before each
 evaluation the ``steps_per_sec`` of the steps since the last one (its time
 left out, as in ``train.py``'s progress lines), each with ``time``.
@@ -139,6 +142,9 @@ def train(arrays: dict, config: dict, out: str, start_time: float) -> None:
   with open(os.path.join(out, "metrics.jsonl"), "w", encoding="utf-8") as f:
     write = lambda row: f.write(json.dumps({**row, "time": time.time()})
                                 + "\n") or f.flush()
+    write({"step": 0, "environment": {
+        "python": sys.version.split()[0], "torch": torch.__version__,
+        "numpy": np.__version__, "torch_threads": torch.get_num_threads()}})
     total = config["num_train_steps"]
     # Steps/s of each stretch between evaluations, timed as train.py's
     # progress lines are (the evaluations left out).

@@ -1,25 +1,33 @@
 r"""The default run end to end, from process start, beside the PyTorch peer.
 
-    python scripts/end_to_end_benchmark.py            # 3 rounds, about 2 minutes
-    python scripts/end_to_end_benchmark.py --quick    # the tiny config, one round
+    python benchmarks/end_to_end_benchmark.py            # 3 rounds, about 2 minutes
+    python benchmarks/end_to_end_benchmark.py --quick    # the tiny config, one round
+    python benchmarks/end_to_end_benchmark.py --peer_python=/path/to/venv/bin/python
 
 Spawns ``train.py`` processes, cold (a fresh compilation cache) and warm (the
-same config again), beside the import floor (a process that imports JAX,
-Flax, optax and orbax) and the PyTorch peer (``scripts/torch_peer.py``, run
-when torch can be imported: a plain ``nn.TransformerEncoder`` of the same
-shape on the same arrays, batches, optimizer, schedule and evaluation
+same config again, its programs loaded from that cache), beside the import
+floor (a process that imports JAX, Flax, optax and orbax) and the PyTorch
+peer (``benchmarks/torch_peer.py``: a plain ``nn.TransformerEncoder`` of the
+same shape on the same arrays, batches, optimizer, schedule and evaluation
 cadence), and times them from process start: to the end of the first step, to
 the first validation with exact match >= 99%, and to exit; and the
 milliseconds a train step takes between evaluations, as ``train.py``'s
-progress lines time it (the peer's the same way). Prints the tables,
-writes them to ``<out>.md`` and every run to ``--out`` (JSON). A bad flag is
-one line on stderr and exit code 2. (``python scripts/benchmark.py
---end_to_end`` runs this.)
+progress lines time it (the peer's the same way).
+
+torch is no dependency of ``mha``: the peer runs under ``--peer_python``
+(default: this interpreter), an interpreter that can import torch and NumPy,
+e.g. a virtual environment of its own. Where the default cannot import
+torch the peer is left out (said on stderr and in the results); a
+``--peer_python`` given that cannot is a mistake.
+
+Prints the tables, writes every run to ``--out`` (JSON; by default
+``benchmarks/results/<UTC date>_end_to_end_<commit>.json``) and the tables
+beside it (``.md``). A bad flag is one line on stderr and exit code 2.
+(``python benchmarks/benchmark.py --end_to_end`` runs this.)
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -30,6 +38,12 @@ import tempfile
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+# Run as a file, the path holds this folder, not the repository's root: put
+# it first, for the ``benchmarks`` package (which is not installed) and this
+# checkout's ``mha`` (whose commit the results record).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# pylint: disable=wrong-import-position
+
 from absl import app
 from absl import flags
 from absl import logging
@@ -37,23 +51,30 @@ import numpy as np
 
 from configs import default
 from mha import build
-from mha import cli
 from mha import data
-from mha.benchmarking import (checked_output_path, environment,
-                              header_lines, load_average, write_results)
+from mha.run import cli
+
+from benchmarks.benchmarking import (
+    checked_out, header_lines, load_average, record, write_results)
 
 _QUICK = flags.DEFINE_bool(
     "quick", False, "The tiny config, one round: a smoke test of seconds "
     "whose numbers mean nothing.")
 _OUT = flags.DEFINE_string(
-    "out", "runs/benchmark/end_to_end.json",
-    "JSON output path; the markdown tables go next to it (.md).")
+    "out", None, "JSON output path (default: benchmarks/results/<UTC "
+    "date>_end_to_end_<commit>.json); the markdown tables go next to it "
+    "(.md).")
 _ROUNDS = flags.DEFINE_integer(
     "end_to_end_rounds", None, "Rounds (default 3; 1 with --quick); the "
     "figures are medians over them.", lower_bound=1)
 _PEER = flags.DEFINE_bool(
-    "peer", True, "Also run the PyTorch peer (scripts/torch_peer.py) when "
-    "torch can be imported.")
+    "peer", True, "Also run the PyTorch peer (benchmarks/torch_peer.py) "
+    "under --peer_python.")
+_PEER_PYTHON = flags.DEFINE_string(
+    "peer_python", sys.executable, "The Python interpreter that runs the "
+    "PyTorch peer: one that imports torch and NumPy (torch is no dependency "
+    "of mha). Default: this interpreter, the peer left out if it cannot "
+    "import torch.")
 _DATA_DIR = flags.DEFINE_string(
     "data_dir", None, "The TFDS data directory (default: the config's "
     "data.data_dir); the data is prepared before any run is timed.")
@@ -65,6 +86,7 @@ _PROG = "end_to_end_benchmark.py"
 # --------------------------------------------------------------------------
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PEER_SCRIPT = os.path.join(_ROOT, "benchmarks", "torch_peer.py")
 EXACT_MATCH_GOAL = 0.99  # "trained": validation exact match at least this
 
 
@@ -101,25 +123,21 @@ def _timeline(start: float, end: float, workdir: str) -> dict[str, Any]:
       "step_ms": statistics.median(windows) if windows else None,
       "programs": first.get("startup/programs_compiled"),
       "programs_from_cache": first.get("startup/programs_from_cache"),
-      "programs_loaded_whole": first.get("startup/programs_loaded_whole"),
   }
 
 
 def _compiled(stdout: str) -> dict[str, int] | None:
   """The counts of train.py's line "Compiled in this run: ...": programs
-  compiled (``from_cache`` of them loaded from the compilation cache), and
-  ``whole``, programs loaded whole from the executable store."""
+  compiled, ``from_cache`` of them loaded from the compilation cache."""
   line = re.search(r"Compiled in this run: (.*)", stdout)
   if line is None:
     return None
-  text = line.group(1)
-  match = re.match(r"(\d+) programs?(?:, (all|\d+) of them loaded)?", text)
-  whole = re.search(r"(\d+) loaded whole", text)
+  match = re.match(r"(\d+) programs?(?:, (all|\d+) of them loaded)?",
+                   line.group(1))
   programs = int(match.group(1)) if match else 0
   hits = match.group(2) if match else None
   return {"programs": programs,
-          "from_cache": programs if hits == "all" else int(hits or 0),
-          "whole": int(whole.group(1)) if whole else 0}
+          "from_cache": programs if hits == "all" else int(hits or 0)}
 
 
 def _train_run(arg: str, workdir: str, cache_dir: str,
@@ -161,13 +179,36 @@ def _peer_inputs(config, splits: Mapping[str, Any], directory: str
   return data_path, config_path
 
 
-def _peer_run(inputs: tuple[str, str], out: str) -> dict[str, Any]:
-  """One run of ``scripts/torch_peer.py``, timed like ``train.py``."""
+def peer_problem(python: str) -> str | None:
+  """Why ``python`` cannot run the peer (it cannot import torch and NumPy,
+  or is no interpreter), or None when it can."""
+  try:
+    result = subprocess.run([python, "-c", "import numpy, torch"],
+                            capture_output=True, text=True, timeout=300,
+                            check=False)
+  except OSError as e:
+    return f"--peer_python {python}: {e.strerror or e}"
+  except subprocess.TimeoutExpired:
+    return f"--peer_python {python}: importing torch took over 300 s"
+  if result.returncode:
+    last = (result.stderr.strip().splitlines() or ["exit code "
+                                                   f"{result.returncode}"])
+    return f"--peer_python {python} cannot import torch: {last[-1]}"
+  return None
+
+
+def _peer_run(python: str, inputs: tuple[str, str], out: str
+              ) -> dict[str, Any]:
+  """One run of ``benchmarks/torch_peer.py`` under ``python``, timed like
+  ``train.py``; with the peer's versions (``environment``)."""
   data_path, config_path = inputs
-  start, _ = _spawn([sys.executable, os.path.join("scripts", "torch_peer.py"),
-                     f"--data={data_path}", f"--config={config_path}",
-                     f"--out={out}"], "torch_peer.py")
-  return _timeline(start, time.time(), out)
+  start, _ = _spawn([python, _PEER_SCRIPT, f"--data={data_path}",
+                     f"--config={config_path}", f"--out={out}"],
+                    "torch_peer.py")
+  timeline = _timeline(start, time.time(), out)
+  with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
+    header = json.loads(f.readline())
+  return {**timeline, "environment": header.get("environment")}
 
 
 def _median(runs: Sequence[Mapping[str, Any]], key: str) -> float | None:
@@ -175,10 +216,11 @@ def _median(runs: Sequence[Mapping[str, Any]], key: str) -> float | None:
   return statistics.median(values) if len(values) == len(runs) else None
 
 
-def end_to_end(arg: str, rounds: int, data_dir: str | None, peer: bool,
+def end_to_end(arg: str, rounds: int, data_dir: str | None,
+               peer_python: str | None,
                log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
   """Cold and warm ``train.py`` runs of ``get_config(arg)``, the import floor
-  and (``peer`` and torch importable) the PyTorch peer, ``rounds`` times.
+  and (with a ``peer_python``) the PyTorch peer, ``rounds`` times.
 
   The data is prepared first. A cold run gets a fresh compilation cache
   directory, the warm run right after it the same one; every run a fresh
@@ -188,7 +230,7 @@ def end_to_end(arg: str, rounds: int, data_dir: str | None, peer: bool,
   config = default.get_config(arg)
   data_dir = data_dir or config.data.data_dir
   splits = data.load_splits(build.data_spec(config), data_dir)
-  peer = peer and importlib.util.find_spec("torch") is not None
+  peer = peer_python is not None
   runs: dict[str, list[dict[str, Any]]] = {
       "floor": [], "cold": [], "warm": [], **({"peer": []} if peer else {})}
   with tempfile.TemporaryDirectory(prefix="mha-end-to-end-") as tmp:
@@ -201,7 +243,8 @@ def end_to_end(arg: str, rounds: int, data_dir: str | None, peer: bool,
                                      cache, data_dir),
           "warm": lambda: _train_run(arg, os.path.join(tmp, f"warm{r}"),
                                      cache, data_dir),
-          "peer": lambda: _peer_run(inputs, os.path.join(tmp, f"peer{r}")),
+          "peer": lambda: _peer_run(peer_python, inputs,
+                                    os.path.join(tmp, f"peer{r}")),
       }
       # A warm run right after its cold one; the rest in turns.
       blocks = [["floor"], ["cold", "warm"], *([["peer"]] if peer else [])]
@@ -244,8 +287,7 @@ def format_end_to_end(results: Mapping[str, Any]) -> str:
   """The markdown report of :func:`end_to_end` (header from ``run``'s)."""
   e2e = results["end_to_end"]
   summary = e2e["summary"]
-  lines = header_lines({**results, "plan": {"name": results["plan_name"]},
-                         "repeats": e2e["rounds"]})[:1] + [
+  lines = header_lines(results, rounds="")[:1] + [
       f"End to end: `python train.py --config configs/default.py:"
       f"{e2e['config_arg']}`, data prepared; medians of {e2e['rounds']} "
       f"rounds, seconds from process start. Trained = the first validation "
@@ -253,7 +295,7 @@ def format_end_to_end(results: Mapping[str, Any]) -> str:
       f"progress windows between evaluations (their time left out, as in "
       f"train.py's steps/s), the first window (start-up) aside.", *(
           ["Quick run (the tiny config, one round): a smoke test, not a "
-           "measurement."] if results["plan_name"] == "quick" else []), "",
+           "measurement."] if results["quick"] else []), "",
       "| process | to end of first step | to trained | to exit | ms a step "
       "| each run (to trained; floor: to exit) |",
       "| --- | ---: | ---: | ---: | ---: | --- |"]
@@ -277,26 +319,43 @@ def format_end_to_end(results: Mapping[str, Any]) -> str:
               for r in e2e["runs"][kind][:1]]
   lines += ["", "Programs compiled: " + "; ".join(
       f"{kind} {c['programs']} ({c['from_cache']} from the cache)"
-      + (f", {c['whole']} loaded whole" if c.get("whole") else "")
       for kind, c in compiled if c) + "."]
+  if e2e.get("peer_note"):
+    lines.append(f"No PyTorch peer: {e2e['peer_note']}.")
+  elif e2e["runs"].get("peer"):
+    env = e2e["runs"]["peer"][0].get("environment") or {}
+    lines.append(f"PyTorch peer: torch {env.get('torch')}, "
+                 f"{env.get('torch_threads')} threads, Python "
+                 f"{env.get('python')}.")
   return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str]) -> None:
   del argv
-  out = checked_output_path(_PROG, _OUT.value, "end_to_end.json")
+  name = "end_to_end_quick" if _QUICK.value else "end_to_end"
+  out = checked_out(_PROG, _OUT.value, name)
   data_dir = cli.data_dir(_PROG, _DATA_DIR.value)
   logging.set_verbosity(logging.WARNING)
   log = lambda message: print(message, file=sys.stderr, flush=True)
+  peer_python, peer_note = None, "--nopeer"
+  if _PEER.value:
+    peer_note = peer_problem(_PEER_PYTHON.value)
+    if peer_note is None:
+      peer_python = _PEER_PYTHON.value
+    elif _PEER_PYTHON.present:
+      cli.fail(_PROG, peer_note)
+    else:
+      log(f"Leaving out the PyTorch peer: {peer_note} (name an interpreter "
+          "that can with --peer_python)")
   rounds = _ROUNDS.value or (1 if _QUICK.value else 3)
-  results = {"environment": environment(), "load_average_start":
-             load_average(), "plan_name": "quick" if _QUICK.value else "full"}
+  results = record(name, quick=_QUICK.value)
   try:
     results["end_to_end"] = end_to_end(
-        "tiny" if _QUICK.value else "", rounds, data_dir, _PEER.value,
-        log)
+        "tiny" if _QUICK.value else "", rounds, data_dir, peer_python, log)
   except data.DataDirError as e:  # One that cannot be used: before any run.
     cli.fail(_PROG, e)
+  results["end_to_end"]["peer_python"] = peer_python
+  results["end_to_end"]["peer_note"] = peer_note
   results["load_average_end"] = load_average()
   write_results(out, results, format_end_to_end(results), log)
 

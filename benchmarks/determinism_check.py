@@ -1,18 +1,20 @@
 r"""Are two training runs, and a resumed one, bitwise equal on this backend?
 
     # The default config with dropout, 200 steps:
-    python scripts/determinism_check.py
+    python benchmarks/determinism_check.py
     # The same under XLA's deterministic GPU ops:
     XLA_FLAGS=--xla_gpu_deterministic_ops=true \
-        python scripts/determinism_check.py
+        python benchmarks/determinism_check.py
 
 Trains the default config (with dropout, so that resuming must redraw the
 masks of the steps after its checkpoint) three times in one process on the
 default device: twice from scratch, and once resumed from the first run's
 middle checkpoint. Prints, for "second run" and "resumed run", whether every
 parameter and optimizer-state leaf is bitwise equal to the first run's, and
-otherwise how many leaves differ and the largest absolute difference. Exit
-code 0 either way: this measures, it does not judge.
+otherwise how many leaves differ and the largest absolute difference, and
+writes the result to ``--out`` (JSON; by default ``benchmarks/results/<UTC
+date>_determinism_<commit>.json``). Exit code 0 either way: this measures, it
+does not judge.
 
 Those three runs share one process, so they share its compiled programs
 (and, on a GPU, XLA's autotuning choices). A fourth, "resumed in a new
@@ -29,7 +31,6 @@ runs on a GPU, where reductions may use atomics; ``XLA_FLAGS=
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -37,11 +38,18 @@ import tempfile
 import time
 from typing import Any, Sequence
 
+# Run as a file, the path holds this folder, not the repository's root: put
+# it first, for the ``benchmarks`` package (which is not installed) and this
+# checkout's ``mha`` (whose commit the results record).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# pylint: disable=wrong-import-position
+
 from absl import app
 from absl import flags
 
-from mha import benchmarking
-from mha import cli
+from mha.run import cli
+
+from benchmarks import benchmarking
 
 _PROG = "determinism_check.py"
 _STEPS = flags.DEFINE_integer("steps", 200, "Training steps of each run "
@@ -50,7 +58,9 @@ _DROPOUT = flags.DEFINE_float("dropout", 0.1, "Dropout and attention "
                               "dropout rate of the three runs.")
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "TFDS data directory "
                                 "(default: the config's).")
-_OUT = flags.DEFINE_string("out", None, "Also write the result as JSON here.")
+_OUT = flags.DEFINE_string("out", None, "The result's JSON path (default: "
+                           "benchmarks/results/<UTC date>_determinism_"
+                           "<commit>.json).")
 _NEW_PROCESS = flags.DEFINE_bool(
     "new_process", True, "Also resume in a new process (train.py, no "
     "compilation cache) and compare its parameters.")
@@ -113,8 +123,7 @@ def main(argv: Sequence[str]) -> None:
     cli.fail(_PROG, f"--steps must be an even number >= 2, got {_STEPS.value}")
   if not 0.0 <= _DROPOUT.value < 1.0:
     cli.fail(_PROG, f"--dropout must be in [0, 1), got {_DROPOUT.value}")
-  out = (None if _OUT.value is None else benchmarking.checked_output_path(
-      _PROG, _OUT.value, "determinism.json"))
+  out = benchmarking.checked_out(_PROG, _OUT.value, "determinism")
   data_dir = cli.data_dir(_PROG, _DATA_DIR.value)
   import jax  # pylint: disable=import-outside-toplevel
   from configs import default  # pylint: disable=import-outside-toplevel
@@ -131,6 +140,7 @@ def main(argv: Sequence[str]) -> None:
   print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), "
         f"jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
         flush=True)
+  result = benchmarking.record("determinism", steps=steps, dropout=rate)
   root = tempfile.mkdtemp(prefix="determinism_")
   try:
     t0 = time.perf_counter()
@@ -143,24 +153,20 @@ def main(argv: Sequence[str]) -> None:
     if _NEW_PROCESS.value:
       legs["resumed_in_a_new_process"] = _resume_in_a_new_process(
           root, steps, overrides, config.data.data_dir, first)
-    result = {"backend": jax.default_backend(),
-              "device": jax.devices()[0].device_kind,
-              "jax": jax.__version__,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""),
-              "steps": steps, "dropout": rate,
-              **legs, "seconds": round(time.perf_counter() - t0, 1)}
+    result |= {**legs, "seconds": round(time.perf_counter() - t0, 1)}
   finally:
     shutil.rmtree(root, ignore_errors=True)
+  result["load_average_end"] = benchmarking.load_average()
+  lines = benchmarking.header_lines(
+      result, rounds=f"The default config, dropout {rate}, {steps} steps "
+      "a run.")
   for name in legs:
     r = result[name]
     verdict = ("bitwise equal" if r["bitwise_equal"] else
                f"{r['leaves_differing']} of {r['leaves']} leaves differ, "
                f"largest by {r['max_abs_difference']:.3g}")
-    print(f"{name.replace('_', ' ')} vs the first: {verdict}", flush=True)
-  if out:
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=2)
+    lines.append(f"{name.replace('_', ' ')} vs the first: {verdict}")
+  benchmarking.write_results(out, result, "\n".join(lines) + "\n", print)
 
 
 if __name__ == "__main__":

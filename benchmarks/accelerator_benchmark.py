@@ -1,10 +1,10 @@
 r"""The accelerator benchmark: the layer on a GPU, the fused path, vmapped seeds.
 
-    python scripts/accelerator_benchmark.py                  # on a GPU: everything below
-    python scripts/accelerator_benchmark.py --quick          # tiny shapes, any device
-    python scripts/accelerator_benchmark.py --vmapped_seeds  # the vmapped-seeds rows only
+    python benchmarks/accelerator_benchmark.py                  # on a GPU: everything below
+    python benchmarks/accelerator_benchmark.py --quick          # tiny shapes, any device
+    python benchmarks/accelerator_benchmark.py --vmapped_seeds  # the vmapped-seeds rows only
 
-(``python scripts/benchmark.py --gpu`` and ``--vmapped_seeds`` run this.)
+(``python benchmarks/benchmark.py --gpu`` and ``--vmapped_seeds`` run this.)
 
 On the default device, for float32 and bfloat16 and self-attention lengths up
 to 4096 (width 512, 8 heads of 64, batch x length = 16384 tokens):
@@ -24,18 +24,28 @@ to 4096 (width 512, 8 heads of 64, batch x length = 16384 tokens):
    against ``num_seeds`` models trained together in one vmapped program
    (stacked parameters and optimizer states, one batch each).
 
-The compared functions run interleaved (``mha.benchmarking.time_interleaved``,
-passed in as ``timer``); figures are medians; a ratio is ours / theirs.
+The compared functions run interleaved (``benchmarking.time_interleaved``,
+passed in as ``timer``); figures are medians; a ratio is ours / theirs. The
+results go to ``--out`` (JSON; by default ``benchmarks/results/<UTC
+date>_accelerator_<commit>.json``: ``accelerator_quick``, ``seeds``), the
+tables beside it (``.md``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import statistics
 import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
+
+# Run as a file, the path holds this folder, not the repository's root: put
+# it first, for the ``benchmarks`` package (which is not installed) and this
+# checkout's ``mha`` (whose commit the results record).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# pylint: disable=wrong-import-position
 
 from absl import app
 from absl import flags
@@ -47,15 +57,15 @@ import numpy as np
 
 from configs import default
 from mha import attention_kernels
-from mha import cli
 from mha import build
 from mha import train
 from mha.aliases import Log
 from mha.attention import MultiHeadAttention, fused_dot_product_attention
-from mha.benchmarking import (LayerShape, Timer, environment, header_lines,
-                              load_average, max_relative_diff, median_ms,
-                              output_path, time_interleaved, write_results)
+from mha.run import cli
 
+from benchmarks.benchmarking import (
+    LayerShape, Timer, checked_out, header_lines, load_average,
+    max_relative_diff, median_ms, record, time_interleaved, write_results)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,8 +458,9 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
           "quick", False, "Tiny shapes on any device: a smoke test of "
           "seconds whose numbers mean nothing."),
       "out": flags.DEFINE_string(
-          "out", "runs/benchmark/benchmark.json",
-          "JSON output path; the markdown tables go next to it (.md)."),
+          "out", None, "JSON output path (default: benchmarks/results/<UTC "
+          "date>_accelerator_<commit>.json); the markdown tables go next to "
+          "it (.md)."),
       "repeats": flags.DEFINE_integer(
           "repeats", None, "Timed rounds per comparison (default: the "
           "plan's).", lower_bound=1),
@@ -463,10 +474,9 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
 def main(argv: list[str], flag: Mapping[str, flags.FlagHolder]) -> None:
   """Runs the plan the flags choose; writes and prints its tables."""
   del argv
-  try:
-    out = output_path(flag["out"].value)
-  except ValueError as e:
-    cli.fail(_PROG, e)
+  name = ("seeds" if flag["vmapped_seeds"].value else "accelerator") + (
+      "_quick" if flag["quick"].value else "")
+  out = checked_out(_PROG, flag["out"].value, name)
   logging.set_verbosity(logging.WARNING)
   if not flag["vmapped_seeds"].value and not flag["quick"].value and (
       jax.devices()[0].platform != "gpu"):
@@ -483,16 +493,15 @@ def main(argv: list[str], flag: Mapping[str, flags.FlagHolder]) -> None:
   if flag["repeats"].value is not None:
     plan = dataclasses.replace(plan, repeats=flag["repeats"].value)
   log = lambda message: print(message, file=sys.stderr, flush=True)
-  results = {"environment": environment() | {
-      "dtype": ", ".join(plan.dtypes) or "float32"},
-             "load_average_start": load_average(), "plan": {"name": plan.name},
-             "repeats": plan.repeats}
+  results = record(name, quick=flag["quick"].value,
+                   plan=dataclasses.asdict(plan), repeats=plan.repeats)
   results["accelerator"] = run(plan, time_interleaved, log)
   results["load_average_end"] = load_average()
-  lines = header_lines(results)
-  if not plan.shapes:  # The vmapped-seeds rows alone.
-    lines[1] = (f"Train steps/s: medians of {plan.seeds_windows} windows of "
-                f"about {plan.seeds_window_s:g} s.")
+  lines = header_lines(
+      results, ", ".join(plan.dtypes) or "float32",
+      None if plan.shapes else  # The vmapped-seeds rows alone.
+      f"Train steps/s: medians of {plan.seeds_windows} windows of about "
+      f"{plan.seeds_window_s:g} s.")
   lines += format_tables(results["accelerator"])
   write_results(out, results, "\n".join(lines) + "\n", log)
 

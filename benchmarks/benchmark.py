@@ -1,15 +1,16 @@
 r"""The benchmarks, one command: dispatches to the script of each job.
 
-    python scripts/benchmark.py                  # scripts/cpu_benchmark.py
-    python scripts/benchmark.py --quick          # the same, tiny shapes (a smoke test)
-    python scripts/benchmark.py --end_to_end     # scripts/end_to_end_benchmark.py
-    python scripts/benchmark.py --gpu            # scripts/accelerator_benchmark.py
-    python scripts/benchmark.py --vmapped_seeds  # scripts/accelerator_benchmark.py --vmapped_seeds
+    python benchmarks/benchmark.py                  # benchmarks/cpu_benchmark.py
+    python benchmarks/benchmark.py --quick          # the same, tiny shapes (a smoke test)
+    python benchmarks/benchmark.py --end_to_end     # benchmarks/end_to_end_benchmark.py
+    python benchmarks/benchmark.py --gpu            # benchmarks/accelerator_benchmark.py
+    python benchmarks/benchmark.py --vmapped_seeds  # benchmarks/accelerator_benchmark.py --vmapped_seeds
 
 Each job is its own script (run it directly for its own flags); the shared
-timing helpers are :mod:`mha.benchmarking`. This file keeps the flags the
-benchmark always had, checks them (a bad one is one line on stderr and exit
-code 2) and replaces itself with the job's script.
+helpers are ``benchmarks/benchmarking.py``. Each writes its results to
+``benchmarks/results/`` unless ``--out`` says otherwise. This file checks
+the flags (a bad one is one line on stderr and exit code 2) and replaces
+itself with the job's script.
 """
 
 from __future__ import annotations
@@ -20,21 +21,20 @@ import sys
 from absl import app
 from absl import flags
 
-from mha import benchmarking
-from mha import cli
+from mha.run import cli
 
 _QUICK = flags.DEFINE_bool(
     "quick", False, "Tiny shapes, few repeats and XLA optimizations off: a "
     "smoke test of seconds whose numbers mean nothing.")
 _OUT = flags.DEFINE_string(
-    "out", "runs/benchmark/benchmark.json",
-    "JSON output path; the markdown tables go next to it (.md).")
+    "out", None, "JSON output path (default: benchmarks/results/<UTC "
+    "date>_<job>_<commit>.json); the markdown tables go next to it (.md).")
 _REPEATS = flags.DEFINE_integer(
     "repeats", None, "Timed rounds per comparison (default 20; 3 with "
     "--quick).", lower_bound=1)
 _GPU = flags.DEFINE_bool(
     "gpu", False, "Run the accelerator section instead "
-    "(scripts/accelerator_benchmark.py): ours vs Flax vs torch in float32 and "
+    "(benchmarks/accelerator_benchmark.py): ours vs Flax vs torch in float32 and "
     "bfloat16 up to length 4096, the fused path vs a direct cuDNN call, "
     "vmapped seeds. Needs a GPU; with --quick, tiny shapes on any device.")
 _VMAPPED_SEEDS = flags.DEFINE_bool(
@@ -50,7 +50,11 @@ _ROUNDS = flags.DEFINE_integer(
     "--quick); the figures are medians over them.", lower_bound=1)
 _PEER = flags.DEFINE_bool(
     "peer", True, "--end_to_end: also run the PyTorch peer "
-    "(scripts/torch_peer.py) when torch can be imported.")
+    "(benchmarks/torch_peer.py) under --peer_python.")
+_PEER_PYTHON = flags.DEFINE_string(
+    "peer_python", None, "--end_to_end: the Python interpreter that runs the "
+    "PyTorch peer, one that imports torch (default: this one, the peer left "
+    "out if it cannot).")
 _DATA_DIR = flags.DEFINE_string(
     "data_dir", None, "--end_to_end: the TFDS data directory (default: the "
     "config's data.data_dir); the data is prepared before any run is timed.")
@@ -65,16 +69,14 @@ def command() -> list[str]:
                            if flags.FLAGS[n].present]
   quick = ["--quick"] if _QUICK.value else []
   if _END_TO_END.value:
-    out = passed("out") or []
-    return ["end_to_end_benchmark.py", *quick, *out,
-            *passed("end_to_end_rounds", "data_dir"),
+    return ["end_to_end_benchmark.py", *quick,
+            *passed("out", "end_to_end_rounds", "data_dir", "peer_python"),
             *([] if _PEER.value else ["--nopeer"])]
   if _GPU.value or _VMAPPED_SEEDS.value:
     seeds = [] if _GPU.value else ["--vmapped_seeds"]
-    return ["accelerator_benchmark.py", *quick, *seeds, f"--out={_OUT.value}",
-            *passed("repeats")]
-  return ["cpu_benchmark.py", *quick, f"--out={_OUT.value}",
-          *passed("repeats")]
+    return ["accelerator_benchmark.py", *quick, *seeds,
+            *passed("out", "repeats")]
+  return ["cpu_benchmark.py", *quick, *passed("out", "repeats")]
 
 
 def _check_combination() -> None:
@@ -86,7 +88,7 @@ def _check_combination() -> None:
     if other:
       cli.fail(_PROG, f"--end_to_end does not take {', '.join(other)}")
   else:
-    other = given("end_to_end_rounds", "peer", "data_dir")
+    other = given("end_to_end_rounds", "peer", "peer_python", "data_dir")
     if other:
       cli.fail(_PROG, f"{', '.join(other)}: only with --end_to_end")
   if _GPU.value and _VMAPPED_SEEDS.value:
@@ -97,7 +99,8 @@ def _check_combination() -> None:
 def main(argv: list[str]) -> None:
   del argv
   _check_combination()
-  benchmarking.checked_output_path(_PROG, _OUT.value)
+  if _OUT.present:
+    cli.checked_output_path(_PROG, _OUT.value, "benchmark.json")
   script, *args = command()
   sys.stdout.flush()
   sys.stderr.flush()

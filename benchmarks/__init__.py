@@ -1,0 +1,1 @@
+"""Speed benchmarks of mha, outside the package (see README.md)."""
