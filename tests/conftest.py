@@ -145,10 +145,14 @@ def subprocess_env(_jit_cache) -> dict[str, str]:
              JAX_COMPILATION_CACHE_DIR=_jit_cache,
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-  _SERVER = preloaded.Server(ROOT, env)
+  # MHA_TESTS_NO_FORK_SERVER=1: every entry point as a real subprocess (to
+  # measure what the server buys: docs/performance.md).
+  if not os.environ.get("MHA_TESTS_NO_FORK_SERVER"):
+    _SERVER = preloaded.Server(ROOT, env)
   yield env
   server, _SERVER = _SERVER, None
-  server.close()
+  if server is not None:
+    server.close()
 
 
 # This test process's server of preloaded entry points (tests/preloaded.py),
