@@ -615,9 +615,10 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
 
   program = _subset_sums
   run = lambda args: jax.device_get(program(*args))
-  # The first call compiles alone; then DISPATCH_THREADS threads run that very executable (_pinned), IN_FLIGHT
-  # each ahead of the oldest call, whose sums the host adds in call order
-  # (the totals do not depend on the threads).
+  # The first call compiles alone; then DISPATCH_THREADS threads run that
+  # very executable (_pinned), IN_FLIGHT each ahead of the oldest call, whose
+  # sums the host adds in call order (the totals do not depend on the
+  # threads).
   pending: collections.deque = collections.deque()
   with concurrent.futures.ThreadPoolExecutor(DISPATCH_THREADS) as pool:
     for b, (inputs, targets, abl) in enumerate(
