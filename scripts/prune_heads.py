@@ -40,6 +40,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
+import sys
 import time
 
 from absl import app
@@ -47,6 +49,7 @@ from absl import flags
 from absl import logging
 
 from mha.run import cli
+from mha.run import interrupt
 # The flags need only the options, which import no JAX: --help, a mistyped
 # flag, most bad options and a missing workdir answer at once. What runs the
 # study (JAX, Flax, orbax, TFDS) is imported by _import_the_study, once the
@@ -95,6 +98,21 @@ def _options() -> StudyOptions:
 
 def main(argv: list[str]) -> None:
   del argv
+  # SIGINT and SIGTERM mean one thing at any moment: one line, 130 / 143.
+  with interrupt.stop_on_signals():
+    try:
+      _main()
+    except interrupt.Interrupted as e:
+      out = _OUT.value or os.path.join(_WORKDIR.value or ".", "pruning")
+      print(f"{_PROG}: stopped by {e}; kept: the seeds trained so far in "
+            f"{os.path.join(out, 'seeds')} and any earlier results in "
+            f"{out}; the same command resumes (trained seeds are reused, "
+            f"the one under way resumes from its checkpoint): python "
+            f"{shlex.join(sys.argv)}", file=sys.stderr, flush=True)
+      sys.exit(e.exit_code)
+
+
+def _main() -> None:
   logging.set_verbosity(logging.WARNING)
   if _OUT.value is not None:  # "" is no folder at all.
     cli.nonempty_path(_PROG, _OUT.value.strip(), "out")

@@ -27,6 +27,7 @@ anything is trained.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 
@@ -35,6 +36,7 @@ from absl import flags
 from absl import logging
 
 from mha.run import cli
+from mha.run import interrupt
 from mha.run import write_failures
 # The grid's module and the options import no JAX: --help, a mistyped flag
 # or a bad option answer at once.
@@ -122,6 +124,19 @@ def _checked_cells(overrides: list[str]) -> list[grid.Cell]:
 
 def main(argv: list[str]) -> None:
   del argv
+  # SIGINT and SIGTERM mean one thing at any moment: one line, 130 / 143.
+  with interrupt.stop_on_signals():
+    try:
+      _main()
+    except interrupt.Interrupted as e:
+      print(f"{_PROG}: stopped by {e}; finished cells are kept and never "
+            "redone; the same command resumes (a cell under way goes on "
+            "from its checkpoint and trained seeds): python "
+            f"{shlex.join(sys.argv)}", file=sys.stderr, flush=True)
+      sys.exit(e.exit_code)
+
+
+def _main() -> None:
   logging.set_verbosity(logging.WARNING)
   root = os.path.abspath(os.path.expanduser(
       cli.nonempty_path(_PROG, _WORKDIR.value)))

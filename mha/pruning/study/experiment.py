@@ -33,6 +33,7 @@ from mha import build
 from mha import checkpoint as ckpt_lib
 from mha.run import cli
 from mha.run import config_validation
+from mha.run import interrupt
 from mha.run import provenance
 from mha import data
 from mha.aliases import Log
@@ -198,6 +199,7 @@ def _analyze_all(checkpoints: Sequence[ckpt_lib.LoadedCheckpoint],
     log(f"Seed {ckpt.config.seed} (step {ckpt.step}, "
         f"{core.count_params(ckpt.params):,} parameters):")
     seed_start = time.perf_counter()
+    interrupt.reached("analysis")  # A test's signal during the analysis.
     result, stat = analysis.analyze_seed(ckpt.model, ckpt.params, splits, options,
                                 rng, resamples, log, run_config=ckpt.config)
     result["seed"] = int(ckpt.config.seed)

@@ -51,6 +51,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Iterator, Mapping,
 import numpy as np
 
 from mha.run import config_validation
+from mha.run import interrupt
 from mha.run import workdir_lock
 from mha.pruning.study import markdown as md
 from mha.pruning.study.options import StudyOptions
@@ -273,11 +274,12 @@ def _run_cell(root: str, cell: Cell, options: StudyOptions,
   """Trains the cell's first seed (resuming) and runs its study."""
   # pylint: disable=import-outside-toplevel
   from configs import default
-  from mha import train
   from mha.pruning import study
+  from mha.pruning.study import seeds
   config = default.get_config(cell.config_arg(overrides))
   directory = os.path.join(root, cell.name)
-  train.train_and_evaluate(config, os.path.join(directory, "train"))
+  seeds.train_seed(config, os.path.join(directory, "train"),
+                   "its first seed")
   study.run(os.path.join(directory, "train"),
             os.path.join(directory, "pruning"), options, log=log)
 
@@ -329,7 +331,12 @@ def run_grid(root: str, grid_cells: Sequence[Cell], options: StudyOptions,
                 "config": cell.config_arg(overrides), "pid": os.getpid(),
                 "host": socket.gethostname()}
       try:
+        interrupt.reached("cell")  # A test's signal as a cell starts.
         run_cell(root, cell, options, overrides, log)
+      except interrupt.Interrupted as e:  # Pending: the next run resumes it.
+        raise interrupt.Interrupted(e.signum, f"cell {cell.name} under way"
+                                    + (f"; {e.detail}" if e.detail else "")
+                                    ) from None
       except Exception as e:  # pylint: disable=broad-except
         counts["failed"] += 1
         last = str(e).strip().splitlines()[-1:]

@@ -1,0 +1,98 @@
+"""Faults a user meets in the study and the grid (issue 59): SIGINT and
+SIGTERM at any moment are one line and 128 + signum, and a rerun redoes at
+most what was under way; estimates before long work; arguments checked
+before any work; warnings explained or scoped.
+
+The signals are sent by the process to itself at a named point
+(``MHA_TEST_SIGNAL_AT``, :func:`mha.run.interrupt.reached`): no sleep, no
+timing, no race."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import run
+
+from mha.run import interrupt
+from mha.pruning.study import grid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STUDY = os.path.join(ROOT, "scripts", "prune_heads.py")
+GRID = os.path.join(ROOT, "scripts", "pruning_benchmark.py")
+# A one-seed study as small as it goes: seconds.
+_SMALL = ["--num_seeds=1", "--num_random_orders=3", "--num_bootstrap=20",
+          "--nospeed", "--noplots", "--nokwon", "--noattribution"]
+
+
+def _signal_at(env, phase: str) -> dict[str, str]:
+  return dict(env, **{interrupt.TEST_ENV: phase})
+
+
+def _one_line_no_traceback(stderr: str, prog: str, signame: str) -> None:
+  assert "Traceback" not in stderr, stderr[-3000:]
+  lines = [l for l in stderr.splitlines() if l.startswith(f"{prog}: ")]
+  assert len(lines) == 1, stderr[-3000:]
+  assert lines[0].startswith(f"{prog}: stopped by {signame}"), lines
+  assert "the same command resumes" in lines[0], lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase, signame, code", [
+    ("analysis", "SIGTERM", 143), ("report:SIGINT", "SIGINT", 130)])
+def test_a_signal_during_the_study_is_one_line_and_a_rerun_ends_it(
+    tiny_run, tmp_path, subprocess_env, phase, signame, code):
+  out = tmp_path / "pruning"
+  args = [sys.executable, STUDY, f"--workdir={tiny_run.workdir}",
+          f"--out={out}", *_SMALL]
+  stopped = run(args, env=_signal_at(subprocess_env, phase), timeout=300)
+  assert stopped.returncode == code, stopped.stderr[-3000:]
+  _one_line_no_traceback(stopped.stderr, "prune_heads.py", signame)
+  assert not (out / "run.lock").exists() or not _held(out)
+  again = run(args, env=subprocess_env, timeout=300)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert json.loads((out / "results.json").read_text())["seeds"]
+  assert (out / "report.md").exists()
+
+
+def _held(folder) -> bool:
+  return grid._is_held(str(folder))  # pylint: disable=protected-access
+
+
+def _grid_args(root, data_dir) -> list[str]:
+  return [sys.executable, GRID, f"--workdir={root}", "--tasks=reverse,sort",
+          "--models=tiny", "--num_seeds=1", "--num_bootstrap=20",
+          "--num_random_orders=4", "--noplots", "--nokwon", "--noattribution",
+          f"--overrides=data.data_dir={data_dir}"]
+
+
+@pytest.mark.slow
+def test_a_signal_in_a_grid_cell_redoes_only_that_cell(
+    tmp_path, data_dir, subprocess_env):
+  root = tmp_path / "grid"
+  args = _grid_args(root, data_dir)
+  # Stopped while the second cell's first seed trains: the tiny config's
+  # 20 steps are 5 calls of the train program (a first call of one step,
+  # then one per logging step), so the 6th call is the second cell's first.
+  stopped = run(args, env=_signal_at(subprocess_env, "train#6"),
+                timeout=600)
+  assert stopped.returncode == 143, stopped.stderr[-3000:]
+  _one_line_no_traceback(stopped.stderr, "pruning_benchmark.py", "SIGTERM")
+  statuses = {c.name: grid.cell_status(str(root), c)
+              for c in grid.cells(["reverse", "sort"], ["tiny"])}
+  assert sorted(statuses.values()) == ["done", "pending"], statuses
+  (done,) = [n for n, s in statuses.items() if s == "done"]
+  (pending,) = [n for n, s in statuses.items() if s == "pending"]
+  assert f"cell {pending} under way" in stopped.stderr
+  # The training under way kept its checkpoint.
+  assert os.listdir(root / pending / "train" / "checkpoints")
+  done_file = root / done / "pruning" / "results.json"
+  before = done_file.stat().st_mtime_ns
+  again = run(args, env=subprocess_env, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert done_file.stat().st_mtime_ns == before  # Not redone.
+  assert f"{done}: training and study" not in again.stdout
+  assert grid.cell_status(str(root), grid.Cell(*pending.split("-"))) == "done"
