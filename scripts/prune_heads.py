@@ -74,6 +74,9 @@ _OPTIONS = study_options.define_flags()
 flags.adopt_module_key_flags(study_options)
 _FULL = flags.DEFINE_bool(
     "full", False, "All of the above: --gates --retrain --mean_ablation.")
+_ACCEPT_ESTIMATE = flags.DEFINE_bool(
+    "accept_estimate", False, "Run an oracle estimated above 30 minutes "
+    "(all seeds); needs --oracle_max_heads given explicitly.")
 _SAVE_PRUNED = flags.DEFINE_string(
     "save_pruned", None, "Instead of the study: save the model with "
     "--remove_heads (or --prune_fraction of --order) removed as a workdir "
@@ -124,6 +127,10 @@ def _main() -> None:
       options = _options()
     except cli.UsageError as e:
       cli.fail(_PROG, e)
+    if _ACCEPT_ESTIMATE.value and not flags.FLAGS["oracle_max_heads"].present:
+      cli.fail(_PROG, "--accept_estimate needs --oracle_max_heads given "
+                      "explicitly (the number of heads whose oracle you "
+                      "accept)")
   _import_the_study()
   try:
     _configure_compilation_cache(workdir)
@@ -136,7 +143,8 @@ def _main() -> None:
       _OUT.value or os.path.join(workdir, "pruning")))
 
   try:  # Every user error is found before the long work starts.
-    first = study.check_inputs(workdir, out, options, _STEP.value)
+    first = study.check_inputs(workdir, out, options, _STEP.value,
+                               accept_estimate=_ACCEPT_ESTIMATE.value)
   except (FileNotFoundError, ValueError) as e:
     cli.fail(_PROG, str(e).splitlines()[0] if str(e) else type(e).__name__)
 
@@ -150,7 +158,8 @@ def _main() -> None:
     print(f"Pruning experiment on {workdir} -> {out}", flush=True)
     try:  # Checked again under the lock, the checkpoint not read again.
       results = study.run(workdir, out, options, _STEP.value,
-                          checkpoint=first)
+                          checkpoint=first,
+                          accept_estimate=_ACCEPT_ESTIMATE.value)
     except config_validation.ConfigError as e:
       cli.fail(_PROG, e)
   finally:

@@ -174,8 +174,11 @@ def _main() -> None:
   order = ", ".join(
       f"{c.name} (~{grid.expected_seconds(c, options, overrides) / 60:.0f} "
       "min)" for c in grid.schedule(cells, options, overrides))
-  print(f"Pruning benchmark: {len(cells)} cells in {root}, the longest "
-        f"expected first: {order}", flush=True)
+  total = sum(grid.expected_seconds(c, options, overrides) for c in cells)
+  print(f"Pruning benchmark: {len(cells)} cells in {root}, about "
+        f"{total / 60:.0f} min in all (estimate, 2 CPU cores; the oracle "
+        f"needs up to {_oracle_gib(cells, options, overrides):.2f} GiB), the "
+        f"longest expected first: {order}", flush=True)
   counts = grid.run_grid(root, cells, options, overrides,
                          log=lambda m: print(m, flush=True),
                          max_cells=_MAX_CELLS.value)
@@ -185,6 +188,21 @@ def _main() -> None:
         f"{time.time() - start:.0f} s", flush=True)
   if counts["failed"]:
     sys.exit(1)
+
+
+def _oracle_gib(cells: list[grid.Cell], options, overrides: list[str]
+                ) -> float:
+  """The most memory the oracle of one cell needs (GiB; 0 without one)."""
+  # pylint: disable=import-outside-toplevel
+  from configs import default
+  from mha import build
+  from mha.pruning import oracle
+  # pylint: enable=import-outside-toplevel
+  models = [build.model_config(default.get_config(c.config_arg(overrides)))
+            for c in cells]
+  return max([oracle.oracle_bytes(m) / 2**30 for m in models
+              if oracle.oracle_applies(m, options.oracle_max_heads)],
+             default=0.0)
 
 
 def _check_writable(root: str, cells: list[grid.Cell]) -> None:

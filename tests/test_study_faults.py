@@ -96,3 +96,36 @@ def test_a_signal_in_a_grid_cell_redoes_only_that_cell(
   assert done_file.stat().st_mtime_ns == before  # Not redone.
   assert f"{done}: training and study" not in again.stdout
   assert grid.cell_status(str(root), grid.Cell(*pending.split("-"))) == "done"
+
+
+def test_an_oracle_estimated_above_30_minutes_is_refused_unless_accepted(
+    tiny_run, tmp_path, monkeypatch):
+  from mha.pruning import oracle  # pylint: disable=import-outside-toplevel
+  from mha.pruning.study import StudyOptions  # pylint: disable=import-outside-toplevel
+  from mha.pruning.study import experiment  # pylint: disable=import-outside-toplevel
+  # The tiny model's 16 subsets, each as slow as a 20-head model's 2**20.
+  monkeypatch.setattr(oracle, "SECONDS_PER_SUBSET", 3.5e-3 * 2**16)
+  out = str(tmp_path / "pruning")
+  options = StudyOptions(num_seeds=1)
+  with pytest.raises(ValueError, match=(
+      r"--oracle_max_heads=16: the oracle is every subset of 4 heads "
+      r"\(2\*\*4 = 16\) for 1 model: about 1.0 h \(estimate, 2 CPU cores\) "
+      r"and [0-9.]+ GiB, over 30 min; to run it, give --oracle_max_heads "
+      r"explicitly with --accept_estimate, or lower --oracle_max_heads "
+      r"below 4")):
+    experiment.check_inputs(tiny_run.workdir, out, options)
+  first = experiment.check_inputs(tiny_run.workdir, out, options,
+                                  accept_estimate=True)
+  assert experiment.estimate(first, options).startswith(
+      "Estimate: the oracle is every subset of 4 heads")
+  assert not os.path.exists(out)  # Nothing written.
+
+
+def test_accept_estimate_needs_an_explicit_oracle_max_heads(
+    tmp_path, subprocess_env):
+  result = run([sys.executable, STUDY, f"--workdir={tmp_path}",
+                "--accept_estimate"], env=subprocess_env, timeout=120)
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.strip() == (
+      "prune_heads.py: error: --accept_estimate needs --oracle_max_heads "
+      "given explicitly (the number of heads whose oracle you accept)")

@@ -109,9 +109,8 @@ def cells(tasks: Sequence[str], models: Sequence[str]) -> list[Cell]:
 # _SECONDS_PER_STEP_AND_LAYER a training step and a layer (at these sizes a
 # step is bound by launches, not arithmetic); for the study,
 # _SECONDS_PER_POSITION_AND_PARAMETER a position of the longest sequence and
-# a parameter of the blocks; and _SECONDS_PER_ORACLE_SUBSET a subset of
-# heads for the exhaustive oracle (14 s at 12 heads in that grid; 155-250 s
-# at 16 heads alone on 2 cores). Fitted to the grid of 2026-11-27 06:53 UTC
+# a parameter of the blocks; and the oracle's own guess,
+# mha.pruning.oracle.expected_seconds (3.5 ms a subset of heads). Fitted to the grid of 2026-11-27 06:53 UTC
 # (two processes sharing 2 cores, 3 seeds, the default study options): its
 # eight cells took 338-934 s and are guessed at 322-1,111 s, each within 23%
 # in sample (four distinct configs: reverse, sort and histogram look alike
@@ -120,7 +119,6 @@ def cells(tasks: Sequence[str], models: Sequence[str]) -> list[Cell]:
 # split of those cells between two processes (38.4 against 37.1 min).
 _SECONDS_PER_STEP_AND_LAYER = 0.020
 _SECONDS_PER_POSITION_AND_PARAMETER = 1.6e-4
-_SECONDS_PER_ORACLE_SUBSET = 3.5e-3
 
 
 def expected_seconds(cell: Cell, options: StudyOptions,
@@ -138,6 +136,7 @@ def expected_seconds(cell: Cell, options: StudyOptions,
   # pylint: disable=import-outside-toplevel
   from configs import default
   from mha import build
+  from mha.pruning import oracle
   # pylint: enable=import-outside-toplevel
   try:
     config = default.get_config(cell.config_arg(overrides))
@@ -153,7 +152,7 @@ def expected_seconds(cell: Cell, options: StudyOptions,
               + _SECONDS_PER_POSITION_AND_PARAMETER * config.data.max_len
               * parameters)
   if heads <= options.oracle_max_heads:
-    per_seed += _SECONDS_PER_ORACLE_SUBSET * 2.0 ** heads
+    per_seed += oracle.expected_seconds(model)
   return options.num_seeds * per_seed
 
 
