@@ -129,3 +129,23 @@ def test_accept_estimate_needs_an_explicit_oracle_max_heads(
   assert result.stderr.strip() == (
       "prune_heads.py: error: --accept_estimate needs --oracle_max_heads "
       "given explicitly (the number of heads whose oracle you accept)")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"split": "trian"}, "split must be one of train, validation, test; got "
+                         "'trian'"),
+    ({"height": "big"}, "height must be an int >= 1 (pixels); got 'big'"),
+    ({"num_examples": 0}, "num_examples must be an int >= 1; got 0"),
+    ({"step": -1}, "step must be None (the newest) or an int >= 0; got -1"),
+])
+def test_show_checks_its_arguments_before_loading_anything(
+    tmp_path, monkeypatch, kwargs, message):
+  from mha import checkpoint  # pylint: disable=import-outside-toplevel
+  from mha import explorer  # pylint: disable=import-outside-toplevel
+
+  def no_loading(*args, **kw):
+    raise AssertionError("loaded a checkpoint before checking arguments")
+  monkeypatch.setattr(checkpoint, "load_checkpoint", no_loading)
+  with pytest.raises(ValueError) as e:
+    explorer.show(str(tmp_path), **kwargs)
+  assert str(e.value) == message
