@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import run
@@ -149,3 +150,15 @@ def test_show_checks_its_arguments_before_loading_anything(
   with pytest.raises(ValueError) as e:
     explorer.show(str(tmp_path), **kwargs)
   assert str(e.value) == message
+
+
+def test_a_constant_shift_gives_p_0_without_a_warning():
+  import warnings  # pylint: disable=import-outside-toplevel
+  from mha.pruning import stats  # pylint: disable=import-outside-toplevel
+  base = np.random.default_rng(0).random(50)
+  shifted = base + 0.1
+  shifted[0] += 1e-12  # Nearly identical differences: scipy's precision loss.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    p = stats.paired_ttest_pvalues(base, shifted[None])
+  assert p[0] == pytest.approx(0.0, abs=1e-12)
