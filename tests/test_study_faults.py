@@ -97,6 +97,8 @@ def test_a_signal_in_a_grid_cell_redoes_only_that_cell(
   assert done_file.stat().st_mtime_ns == before  # Not redone.
   assert f"{done}: training and study" not in again.stdout
   assert grid.cell_status(str(root), grid.Cell(*pending.split("-"))) == "done"
+  assert json.loads((root / "results.json").read_text())["interim"] is False
+  assert not (root / "leaderboard.md").read_text().startswith("# INTERIM")
 
 
 def test_an_oracle_estimated_above_30_minutes_is_refused_unless_accepted(
@@ -162,3 +164,15 @@ def test_a_constant_shift_gives_p_0_without_a_warning():
     warnings.simplefilter("error")
     p = stats.paired_ttest_pvalues(base, shifted[None])
   assert p[0] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_table_written_before_the_last_cell_ends_says_interim(tmp_path):
+  from mha.pruning.study import StudyOptions  # pylint: disable=import-outside-toplevel
+  root = str(tmp_path / "grid")
+  cells = grid.cells(["reverse"], ["tiny"])
+  grid.run_grid(root, cells, StudyOptions(num_seeds=1), log=lambda m: None,
+                max_cells=0)
+  table = json.loads((tmp_path / "grid" / "results.json").read_text())
+  assert table["interim"] is True
+  first = (tmp_path / "grid" / "leaderboard.md").read_text().splitlines()[0]
+  assert first.startswith("# INTERIM table (0 of 1 cells finished")

@@ -19,8 +19,9 @@ cells' ``results.json`` only: the study's output is the boundary.
   however the process ends) and skips a cell that another one holds; so
   several shells, a SLURM job array or hosts sharing a filesystem can run
   one grid together. Each process writes the table from the cells finished
-  when it ends (atomically: a reader never sees half a file), so the last
-  one to end writes the whole table.
+  when it ends (atomically: a reader never sees half a file); while a cell
+  is pending or running elsewhere that table says INTERIM in its first
+  line, and the process that finishes the last cell writes the final one.
 * **One grid per folder.** ``<root>/grid.json`` records the settings every
   cell must share (the study's options and the config overrides); a run
   with other settings is refused (:class:`GridMismatchError`). Tasks and
@@ -504,8 +505,13 @@ def table_markdown(grid: Mapping[str, Any],
   labels = grid["labels"]
   done = {k: v for k, v in cells_.items() if v["status"] == "done"}
   options = settings["options"]
+  title = "# Head-pruning methods against the exact oracle"
+  if grid.get("interim"):
+    title = (f"# INTERIM table ({len(done)} of {len(cells_)} cells "
+             "finished; written again when the last cell ends): "
+             "head-pruning methods against the exact oracle")
   lines = [
-      "# Head-pruning methods against the exact oracle", "",
+      title, "",
       f"{len(done)} of {len(cells_)} cells finished; "
       f"{options['num_seeds']} seeds per cell, tolerance "
       f"{options['tolerance']:g} (token accuracy), config overrides "
@@ -620,7 +626,10 @@ def leaderboard_figure(grid: Mapping[str, Any]) -> Figure:
 def write_table(root: str, grid_cells: Sequence[Cell], log: Log = print
                 ) -> dict[str, Any]:
   """Writes ``results.json``, ``leaderboard.md`` and ``leaderboard.png`` in
-  ``root`` from the cells finished now; returns the grid's results."""
+  ``root`` from the cells finished now; returns the grid's results. While
+  a cell is pending or running elsewhere the table is interim: its
+  ``results.json`` says ``"interim": true`` and ``leaderboard.md``'s first
+  line says INTERIM."""
   with _table_lock(root):  # The last writer reads the newest cells.
     return _write_table(root, grid_cells, log)
 
@@ -641,6 +650,10 @@ def _write_table(root: str, grid_cells: Sequence[Cell], log: Log
                  ) -> dict[str, Any]:
   settings = _read_json(os.path.join(root, GRID_FILE)) or {}
   grid = collect(root, grid_cells)
+  # Final once no cell is pending or running: the process that finishes
+  # the last cell writes it; one that ends before writes an interim table.
+  grid["interim"] = any(c["status"] in ("pending", "running")
+                        for c in grid["cells"].values())
   grid["settings"] = settings
   _write_json(os.path.join(root, "results.json"), grid)
   with _replacing(os.path.join(root, "leaderboard.md")) as tmp, open(
@@ -652,7 +665,9 @@ def _write_table(root: str, grid_cells: Sequence[Cell], log: Log
       leaderboard_figure(grid).savefig(tmp, format="png",
                                        bbox_inches="tight", pad_inches=0.1)
     written.append("leaderboard.png")
-  log(f"Wrote {', '.join(os.path.join(root, w) for w in written)}")
+  log(f"Wrote {', '.join(os.path.join(root, w) for w in written)}"
+      + (" (an interim table: cells are pending or running elsewhere)"
+         if grid["interim"] else ""))
   return grid
 
 
