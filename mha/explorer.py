@@ -327,6 +327,33 @@ class Explorer:
     return _write_text(self.page, path)
 
 
+#: The split names :func:`show` takes with a workdir.
+SPLIT_NAMES = ("train", "validation", "test")
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_show_arguments(params: Any, split: Any, step: Any,
+                          num_examples: Any, height: Any) -> None:
+  """Raises ValueError naming the first argument of :func:`show` that no
+  call could take (before anything is loaded); the range of
+  ``num_examples`` against the split's size is checked once it is known."""
+  name = params if isinstance(params, str) else split
+  if isinstance(name, str) and name not in SPLIT_NAMES:
+    raise ValueError(f"split must be one of {', '.join(SPLIT_NAMES)}; got "
+                     f"{name!r}")
+  if not _is_int(num_examples) or num_examples < 1:
+    raise ValueError(f"num_examples must be an int >= 1; got "
+                     f"{num_examples!r}")
+  if not _is_int(height) or height < 1:
+    raise ValueError(f"height must be an int >= 1 (pixels); got {height!r}")
+  if step is not None and (not _is_int(step) or step < 0):
+    raise ValueError(f"step must be None (the newest) or an int >= 0; got "
+                     f"{step!r}")
+
+
 def show(source: str | os.PathLike | Transformer, params: Any = None,
          split: data.Split | str = "test", *, step: int | None = None,
          num_examples: int = 8, roles: Mapping[str, Any] | None = None,
@@ -348,10 +375,13 @@ def show(source: str | os.PathLike | Transformer, params: Any = None,
     ``.page`` is the HTML, ``.save(path)`` writes it.
 
   Raises:
-    ValueError: ``num_examples`` out of range, or the arguments of neither
-      form.
+    ValueError: ``num_examples`` out of range, a split name that is not
+      ``train``, ``validation`` or ``test``, a ``height`` or ``step`` that
+      is not a positive (for ``step``: non-negative) int, or the arguments
+      of neither form; all before anything is loaded or computed.
     FileNotFoundError: the workdir has no checkpoint (or not ``step``).
   """
+  _check_show_arguments(params, split, step, num_examples, height)
   if isinstance(source, Transformer):
     if params is None or not isinstance(split, data.Split):
       raise ValueError("show(model, params, split) needs the parameters and "

@@ -64,6 +64,7 @@ from mha.aliases import Array
 from mha.model import Transformer
 from mha.run import compilation_cache
 from mha.run import config_validation
+from mha.run import interrupt
 from mha.run import metric_writers
 from mha.run import provenance
 from mha.run import sharding as sharding_lib
@@ -574,6 +575,7 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
       progress.record(*unfetched)  # waits for that call, the newest runs on
     unfetched = (done + 1, num_steps, metrics)
     done += num_steps
+    interrupt.reached("train")  # A test's signal while steps run.
 
     # Read after that wait: a signal stops the run once the call running
     # then has ended.

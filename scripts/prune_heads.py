@@ -40,6 +40,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
+import sys
 import time
 
 from absl import app
@@ -47,6 +49,7 @@ from absl import flags
 from absl import logging
 
 from mha.run import cli
+from mha.run import interrupt
 # The flags need only the options, which import no JAX: --help, a mistyped
 # flag, most bad options and a missing workdir answer at once. What runs the
 # study (JAX, Flax, orbax, TFDS) is imported by _import_the_study, once the
@@ -71,6 +74,9 @@ _OPTIONS = study_options.define_flags()
 flags.adopt_module_key_flags(study_options)
 _FULL = flags.DEFINE_bool(
     "full", False, "All of the above: --gates --retrain --mean_ablation.")
+_ACCEPT_ESTIMATE = flags.DEFINE_bool(
+    "accept_estimate", False, "Run an oracle estimated above 30 minutes "
+    "(all seeds); needs --oracle_max_heads given explicitly.")
 _SAVE_PRUNED = flags.DEFINE_string(
     "save_pruned", None, "Instead of the study: save the model with "
     "--remove_heads (or --prune_fraction of --order) removed as a workdir "
@@ -95,6 +101,21 @@ def _options() -> StudyOptions:
 
 def main(argv: list[str]) -> None:
   del argv
+  # SIGINT and SIGTERM mean one thing at any moment: one line, 130 / 143.
+  with interrupt.stop_on_signals():
+    try:
+      _main()
+    except interrupt.Interrupted as e:
+      out = _OUT.value or os.path.join(_WORKDIR.value or ".", "pruning")
+      print(f"{_PROG}: stopped by {e}; kept: the seeds trained so far in "
+            f"{os.path.join(out, 'seeds')} and any earlier results in "
+            f"{out}; the same command resumes (trained seeds are reused, "
+            f"the one under way resumes from its checkpoint): python "
+            f"{shlex.join(sys.argv)}", file=sys.stderr, flush=True)
+      sys.exit(e.exit_code)
+
+
+def _main() -> None:
   logging.set_verbosity(logging.WARNING)
   if _OUT.value is not None:  # "" is no folder at all.
     cli.nonempty_path(_PROG, _OUT.value.strip(), "out")
@@ -106,6 +127,10 @@ def main(argv: list[str]) -> None:
       options = _options()
     except cli.UsageError as e:
       cli.fail(_PROG, e)
+    if _ACCEPT_ESTIMATE.value and not flags.FLAGS["oracle_max_heads"].present:
+      cli.fail(_PROG, "--accept_estimate needs --oracle_max_heads given "
+                      "explicitly (the number of heads whose oracle you "
+                      "accept)")
   _import_the_study()
   try:
     _configure_compilation_cache(workdir)
@@ -118,7 +143,8 @@ def main(argv: list[str]) -> None:
       _OUT.value or os.path.join(workdir, "pruning")))
 
   try:  # Every user error is found before the long work starts.
-    first = study.check_inputs(workdir, out, options, _STEP.value)
+    first = study.check_inputs(workdir, out, options, _STEP.value,
+                               accept_estimate=_ACCEPT_ESTIMATE.value)
   except (FileNotFoundError, ValueError) as e:
     cli.fail(_PROG, str(e).splitlines()[0] if str(e) else type(e).__name__)
 
@@ -132,7 +158,8 @@ def main(argv: list[str]) -> None:
     print(f"Pruning experiment on {workdir} -> {out}", flush=True)
     try:  # Checked again under the lock, the checkpoint not read again.
       results = study.run(workdir, out, options, _STEP.value,
-                          checkpoint=first)
+                          checkpoint=first,
+                          accept_estimate=_ACCEPT_ESTIMATE.value)
     except config_validation.ConfigError as e:
       cli.fail(_PROG, e)
   finally:

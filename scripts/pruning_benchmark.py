@@ -27,6 +27,7 @@ anything is trained.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 
@@ -35,6 +36,7 @@ from absl import flags
 from absl import logging
 
 from mha.run import cli
+from mha.run import interrupt
 from mha.run import write_failures
 # The grid's module and the options import no JAX: --help, a mistyped flag
 # or a bad option answer at once.
@@ -122,6 +124,19 @@ def _checked_cells(overrides: list[str]) -> list[grid.Cell]:
 
 def main(argv: list[str]) -> None:
   del argv
+  # SIGINT and SIGTERM mean one thing at any moment: one line, 130 / 143.
+  with interrupt.stop_on_signals():
+    try:
+      _main()
+    except interrupt.Interrupted as e:
+      print(f"{_PROG}: stopped by {e}; finished cells are kept and never "
+            "redone; the same command resumes (a cell under way goes on "
+            "from its checkpoint and trained seeds): python "
+            f"{shlex.join(sys.argv)}", file=sys.stderr, flush=True)
+      sys.exit(e.exit_code)
+
+
+def _main() -> None:
   logging.set_verbosity(logging.WARNING)
   root = os.path.abspath(os.path.expanduser(
       cli.nonempty_path(_PROG, _WORKDIR.value)))
@@ -159,8 +174,11 @@ def main(argv: list[str]) -> None:
   order = ", ".join(
       f"{c.name} (~{grid.expected_seconds(c, options, overrides) / 60:.0f} "
       "min)" for c in grid.schedule(cells, options, overrides))
-  print(f"Pruning benchmark: {len(cells)} cells in {root}, the longest "
-        f"expected first: {order}", flush=True)
+  total = sum(grid.expected_seconds(c, options, overrides) for c in cells)
+  print(f"Pruning benchmark: {len(cells)} cells in {root}, about "
+        f"{total / 60:.0f} min in all (estimate, 2 CPU cores; the oracle "
+        f"needs up to {_oracle_gib(cells, options, overrides):.2f} GiB), the "
+        f"longest expected first: {order}", flush=True)
   counts = grid.run_grid(root, cells, options, overrides,
                          log=lambda m: print(m, flush=True),
                          max_cells=_MAX_CELLS.value)
@@ -170,6 +188,21 @@ def main(argv: list[str]) -> None:
         f"{time.time() - start:.0f} s", flush=True)
   if counts["failed"]:
     sys.exit(1)
+
+
+def _oracle_gib(cells: list[grid.Cell], options, overrides: list[str]
+                ) -> float:
+  """The most memory the oracle of one cell needs (GiB; 0 without one)."""
+  # pylint: disable=import-outside-toplevel
+  from configs import default
+  from mha import build
+  from mha.pruning import oracle
+  # pylint: enable=import-outside-toplevel
+  models = [build.model_config(default.get_config(c.config_arg(overrides)))
+            for c in cells]
+  return max([oracle.oracle_bytes(m) / 2**30 for m in models
+              if oracle.oracle_applies(m, options.oracle_max_heads)],
+             default=0.0)
 
 
 def _check_writable(root: str, cells: list[grid.Cell]) -> None:

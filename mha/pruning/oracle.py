@@ -692,6 +692,33 @@ def _valid_positions(inputs: np.ndarray, width: int) -> tuple[Array, Array]:
   return jnp.asarray(positions), jnp.asarray(weights)
 
 
+#: Seconds per subset of heads of the streamed oracle of one model on 2 CPU
+#: cores (fitted with the grid's cell times of 2026-11-27: about 14 s at 12
+#: heads; 155-250 s at 16 heads alone), a rough guess elsewhere.
+SECONDS_PER_SUBSET = 3.5e-3
+#: Above this many seconds of oracle (all seeds), the study refuses to start
+#: unless the estimate is accepted (``--accept_estimate``).
+ACCEPT_ABOVE_S = 30 * 60
+
+
+def expected_seconds(config: TransformerConfig) -> float:
+  """A rough guess of the oracle's seconds for one model of ``config`` on 2
+  CPU cores: :data:`SECONDS_PER_SUBSET` per subset, ``2**N`` subsets."""
+  return SECONDS_PER_SUBSET * 2.0 ** num_heads(config)
+
+
+def describe_cost(config: TransformerConfig, models: int = 1) -> str:
+  """``every subset of N heads (2**N) for M models: about T, G GiB``: the
+  oracle's estimate, time (on 2 CPU cores) and memory, in words."""
+  n = num_heads(config)
+  seconds = expected_seconds(config) * models
+  time_ = (f"{seconds / 3600:.1f} h" if seconds >= 3600 else
+           f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s")
+  return (f"every subset of {n} heads (2**{n} = {2**n:,}) for {models} "
+          f"model{'s' * (models != 1)}: about {time_} (estimate, 2 CPU "
+          f"cores) and {oracle_bytes(config) / 2**30:.2f} GiB")
+
+
 def oracle_bytes(config: TransformerConfig,
                  rows: int = ROWS_PER_CALL) -> int:
   """About the bytes :func:`subset_totals` and the oracle's selection need

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -210,13 +211,23 @@ def simultaneous_intervals(estimates: np.ndarray, replicates: np.ndarray
 
 def paired_ttest_pvalues(base: np.ndarray, removed: np.ndarray) -> np.ndarray:
   """Two-sided paired t-test p-values, one per row of ``removed`` ``[M, n]``
-  against ``base`` ``[n]`` (1 where the two never differ)."""
+  against ``base`` ``[n]`` (1 where the two never differ).
+
+  Where the differences are (nearly) the same non-zero value on every
+  example (a head whose removal shifts every example alike), scipy warns
+  "Precision loss occurred in moment calculation": their variance is
+  (nearly) zero, t is huge and the p-value 0 or near it, which is right.
+  That warning is silenced here, and only here."""
   base = np.asarray(base, np.float64)
   out = np.ones(len(removed))
   for i, row in enumerate(np.asarray(removed, np.float64)):
     diff = row - base
     if np.any(diff != 0):
-      out[i] = _scipy_stats().ttest_rel(row, base).pvalue
+      with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="Precision loss occurred in moment",
+            category=RuntimeWarning)
+        out[i] = _scipy_stats().ttest_rel(row, base).pvalue
   return out
 
 

@@ -283,6 +283,8 @@ def _measure_seed(model: Transformer, params: Params,
   val, test = splits["validation"], splits["test"]
   ablations, baselines = _ablations_of(model, params, splits, options, log,
                                        timings)
+  if oracle.oracle_applies(config, options.oracle_max_heads):
+    log(f"  oracle: {oracle.describe_cost(config)}")
   subsets, shapley, removals = oracle.evaluate_oracle(
       model, params, val, batch_size=options.batch_size,
       max_heads=options.oracle_max_heads, log=log, timings=timings,

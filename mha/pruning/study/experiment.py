@@ -33,6 +33,7 @@ from mha import build
 from mha import checkpoint as ckpt_lib
 from mha.run import cli
 from mha.run import config_validation
+from mha.run import interrupt
 from mha.run import provenance
 from mha import data
 from mha.aliases import Log
@@ -131,7 +132,8 @@ def check_out_dir(workdir: str, out_dir: str,
 
 def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
                  step: int | None = None,
-                 checkpoint: ckpt_lib.LoadedCheckpoint | None = None
+                 checkpoint: ckpt_lib.LoadedCheckpoint | None = None,
+                 accept_estimate: bool = False
                  ) -> ckpt_lib.LoadedCheckpoint:
   """Every check of the user's input before the long work: the options,
   the output folder (:func:`check_out_dir`), the workdir's checkpoint (of
@@ -146,6 +148,8 @@ def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
     checkpoint: what an earlier call returned for the same ``workdir`` and
       ``step``: checked again without loading it again (nor repeating a
       warning of a damaged newest step).
+    accept_estimate: run an oracle estimated above
+      ``oracle.ACCEPT_ABOVE_S`` (30 minutes, all seeds); refused otherwise.
 
   Raises:
     FileNotFoundError: no checkpoint (of ``step``) in ``workdir``.
@@ -177,6 +181,16 @@ def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
         f"{heads} subsets, streamed over the examples), more than this "
         f"machine's {memory / 2**30:.1f} GiB; lower --oracle_max_heads below "
         f"{heads}")
+  applies = oracle.oracle_applies(first.model_config,
+                                 options.oracle_max_heads)
+  seconds = oracle.expected_seconds(first.model_config) * options.num_seeds
+  if applies and seconds > oracle.ACCEPT_ABOVE_S and not accept_estimate:
+    raise ValueError(
+        f"--oracle_max_heads={options.oracle_max_heads}: the oracle is "
+        f"{oracle.describe_cost(first.model_config, options.num_seeds)}, "
+        f"over {oracle.ACCEPT_ABOVE_S // 60} min; to run it, give "
+        "--oracle_max_heads explicitly with --accept_estimate, or lower "
+        f"--oracle_max_heads below {heads}")
   if options.shapley == "exact" and not oracle.oracle_applies(
       first.model_config, options.oracle_max_heads):
     raise ValueError(
@@ -184,6 +198,18 @@ def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
         f"heads > --oracle_max_heads={options.oracle_max_heads}; use "
         "--shapley=sampled or a larger --oracle_max_heads")
   return first
+
+
+def estimate(first: ckpt_lib.LoadedCheckpoint, options: StudyOptions) -> str:
+  """One line: the study's estimated time and memory of the oracle, the
+  part whose cost grows as ``2**N`` (the rest takes seconds to minutes at
+  these sizes), or that the oracle is skipped."""
+  config = first.model_config
+  if not oracle.oracle_applies(config, options.oracle_max_heads):
+    return (f"Estimate: the oracle is skipped ({oracle.num_heads(config)} "
+            f"heads > --oracle_max_heads={options.oracle_max_heads})")
+  return ("Estimate: the oracle is "
+          + oracle.describe_cost(config, options.num_seeds))
 
 
 def _analyze_all(checkpoints: Sequence[ckpt_lib.LoadedCheckpoint],
@@ -198,6 +224,7 @@ def _analyze_all(checkpoints: Sequence[ckpt_lib.LoadedCheckpoint],
     log(f"Seed {ckpt.config.seed} (step {ckpt.step}, "
         f"{core.count_params(ckpt.params):,} parameters):")
     seed_start = time.perf_counter()
+    interrupt.reached("analysis")  # A test's signal during the analysis.
     result, stat = analysis.analyze_seed(ckpt.model, ckpt.params, splits, options,
                                 rng, resamples, log, run_config=ckpt.config)
     result["seed"] = int(ckpt.config.seed)
@@ -272,13 +299,14 @@ def _header(workdir: str, first: ckpt_lib.LoadedCheckpoint,
 
 def run(workdir: str, out_dir: str, options: StudyOptions,
         step: int | None = None, log: Log = print,
-        checkpoint: ckpt_lib.LoadedCheckpoint | None = None
-        ) -> dict[str, Any]:
+        checkpoint: ckpt_lib.LoadedCheckpoint | None = None,
+        accept_estimate: bool = False) -> dict[str, Any]:
   """The whole experiment on the checkpoint of ``workdir`` (its newest, or
   ``step``; or ``checkpoint``, what :func:`check_inputs` returned for
   them); writes ``results.json``, ``report.md``, the plots and each
   seed's per-example results (``examples_seed<s>.npz``) to ``out_dir`` and
-  returns the results (the plots only with ``options.plots``; the returned
+  returns the results (an oracle estimated above 30 minutes only with
+  ``accept_estimate``; the plots only with ``options.plots``; the returned
   results also hold each seed's per-example arrays, ``seeds[i]["examples"]``,
   which ``results.json`` leaves to the ``.npz`` files).
 
@@ -292,7 +320,9 @@ def run(workdir: str, out_dir: str, options: StudyOptions,
       study's other seeds (:func:`mha.train.train_and_evaluate`).
   """
   start = time.perf_counter()
-  first = check_inputs(workdir, out_dir, options, step, checkpoint)
+  first = check_inputs(workdir, out_dir, options, step, checkpoint,
+                       accept_estimate)
+  log(estimate(first, options))
   os.makedirs(out_dir, exist_ok=True)
   checkpoints = seeds_lib.seed_models(first, out_dir, options.num_seeds, log,
                             retrain=options.retrain_seeds)
@@ -334,4 +364,5 @@ def run(workdir: str, out_dir: str, options: StudyOptions,
   return results
 
 
-__all__ = ["RESULTS_FILE", "check_out_dir", "check_inputs", "run"]
+__all__ = ["RESULTS_FILE", "check_out_dir", "check_inputs", "estimate",
+           "run"]

@@ -19,8 +19,9 @@ cells' ``results.json`` only: the study's output is the boundary.
   however the process ends) and skips a cell that another one holds; so
   several shells, a SLURM job array or hosts sharing a filesystem can run
   one grid together. Each process writes the table from the cells finished
-  when it ends (atomically: a reader never sees half a file), so the last
-  one to end writes the whole table.
+  when it ends (atomically: a reader never sees half a file); while a cell
+  is pending or running elsewhere that table says INTERIM in its first
+  line, and the process that finishes the last cell writes the final one.
 * **One grid per folder.** ``<root>/grid.json`` records the settings every
   cell must share (the study's options and the config overrides); a run
   with other settings is refused (:class:`GridMismatchError`). Tasks and
@@ -51,6 +52,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Iterator, Mapping,
 import numpy as np
 
 from mha.run import config_validation
+from mha.run import interrupt
 from mha.run import workdir_lock
 from mha.pruning.study import markdown as md
 from mha.pruning.study.options import StudyOptions
@@ -108,9 +110,8 @@ def cells(tasks: Sequence[str], models: Sequence[str]) -> list[Cell]:
 # _SECONDS_PER_STEP_AND_LAYER a training step and a layer (at these sizes a
 # step is bound by launches, not arithmetic); for the study,
 # _SECONDS_PER_POSITION_AND_PARAMETER a position of the longest sequence and
-# a parameter of the blocks; and _SECONDS_PER_ORACLE_SUBSET a subset of
-# heads for the exhaustive oracle (14 s at 12 heads in that grid; 155-250 s
-# at 16 heads alone on 2 cores). Fitted to the grid of 2026-11-27 06:53 UTC
+# a parameter of the blocks; and the oracle's own guess,
+# mha.pruning.oracle.expected_seconds (3.5 ms a subset of heads). Fitted to the grid of 2026-11-27 06:53 UTC
 # (two processes sharing 2 cores, 3 seeds, the default study options): its
 # eight cells took 338-934 s and are guessed at 322-1,111 s, each within 23%
 # in sample (four distinct configs: reverse, sort and histogram look alike
@@ -119,7 +120,6 @@ def cells(tasks: Sequence[str], models: Sequence[str]) -> list[Cell]:
 # split of those cells between two processes (38.4 against 37.1 min).
 _SECONDS_PER_STEP_AND_LAYER = 0.020
 _SECONDS_PER_POSITION_AND_PARAMETER = 1.6e-4
-_SECONDS_PER_ORACLE_SUBSET = 3.5e-3
 
 
 def expected_seconds(cell: Cell, options: StudyOptions,
@@ -137,6 +137,7 @@ def expected_seconds(cell: Cell, options: StudyOptions,
   # pylint: disable=import-outside-toplevel
   from configs import default
   from mha import build
+  from mha.pruning import oracle
   # pylint: enable=import-outside-toplevel
   try:
     config = default.get_config(cell.config_arg(overrides))
@@ -152,7 +153,7 @@ def expected_seconds(cell: Cell, options: StudyOptions,
               + _SECONDS_PER_POSITION_AND_PARAMETER * config.data.max_len
               * parameters)
   if heads <= options.oracle_max_heads:
-    per_seed += _SECONDS_PER_ORACLE_SUBSET * 2.0 ** heads
+    per_seed += oracle.expected_seconds(model)
   return options.num_seeds * per_seed
 
 
@@ -273,11 +274,12 @@ def _run_cell(root: str, cell: Cell, options: StudyOptions,
   """Trains the cell's first seed (resuming) and runs its study."""
   # pylint: disable=import-outside-toplevel
   from configs import default
-  from mha import train
   from mha.pruning import study
+  from mha.pruning.study import seeds
   config = default.get_config(cell.config_arg(overrides))
   directory = os.path.join(root, cell.name)
-  train.train_and_evaluate(config, os.path.join(directory, "train"))
+  seeds.train_seed(config, os.path.join(directory, "train"),
+                   "its first seed")
   study.run(os.path.join(directory, "train"),
             os.path.join(directory, "pruning"), options, log=log)
 
@@ -329,7 +331,12 @@ def run_grid(root: str, grid_cells: Sequence[Cell], options: StudyOptions,
                 "config": cell.config_arg(overrides), "pid": os.getpid(),
                 "host": socket.gethostname()}
       try:
+        interrupt.reached("cell")  # A test's signal as a cell starts.
         run_cell(root, cell, options, overrides, log)
+      except interrupt.Interrupted as e:  # Pending: the next run resumes it.
+        raise interrupt.Interrupted(e.signum, f"cell {cell.name} under way"
+                                    + (f"; {e.detail}" if e.detail else "")
+                                    ) from None
       except Exception as e:  # pylint: disable=broad-except
         counts["failed"] += 1
         last = str(e).strip().splitlines()[-1:]
@@ -498,8 +505,13 @@ def table_markdown(grid: Mapping[str, Any],
   labels = grid["labels"]
   done = {k: v for k, v in cells_.items() if v["status"] == "done"}
   options = settings["options"]
+  title = "# Head-pruning methods against the exact oracle"
+  if grid.get("interim"):
+    title = (f"# INTERIM table ({len(done)} of {len(cells_)} cells "
+             "finished; written again when the last cell ends): "
+             "head-pruning methods against the exact oracle")
   lines = [
-      "# Head-pruning methods against the exact oracle", "",
+      title, "",
       f"{len(done)} of {len(cells_)} cells finished; "
       f"{options['num_seeds']} seeds per cell, tolerance "
       f"{options['tolerance']:g} (token accuracy), config overrides "
@@ -614,7 +626,10 @@ def leaderboard_figure(grid: Mapping[str, Any]) -> Figure:
 def write_table(root: str, grid_cells: Sequence[Cell], log: Log = print
                 ) -> dict[str, Any]:
   """Writes ``results.json``, ``leaderboard.md`` and ``leaderboard.png`` in
-  ``root`` from the cells finished now; returns the grid's results."""
+  ``root`` from the cells finished now; returns the grid's results. While
+  a cell is pending or running elsewhere the table is interim: its
+  ``results.json`` says ``"interim": true`` and ``leaderboard.md``'s first
+  line says INTERIM."""
   with _table_lock(root):  # The last writer reads the newest cells.
     return _write_table(root, grid_cells, log)
 
@@ -635,6 +650,10 @@ def _write_table(root: str, grid_cells: Sequence[Cell], log: Log
                  ) -> dict[str, Any]:
   settings = _read_json(os.path.join(root, GRID_FILE)) or {}
   grid = collect(root, grid_cells)
+  # Final once no cell is pending or running: the process that finishes
+  # the last cell writes it; one that ends before writes an interim table.
+  grid["interim"] = any(c["status"] in ("pending", "running")
+                        for c in grid["cells"].values())
   grid["settings"] = settings
   _write_json(os.path.join(root, "results.json"), grid)
   with _replacing(os.path.join(root, "leaderboard.md")) as tmp, open(
@@ -646,7 +665,9 @@ def _write_table(root: str, grid_cells: Sequence[Cell], log: Log
       leaderboard_figure(grid).savefig(tmp, format="png",
                                        bbox_inches="tight", pad_inches=0.1)
     written.append("leaderboard.png")
-  log(f"Wrote {', '.join(os.path.join(root, w) for w in written)}")
+  log(f"Wrote {', '.join(os.path.join(root, w) for w in written)}"
+      + (" (an interim table: cells are pending or running elsewhere)"
+         if grid["interim"] else ""))
   return grid
 
 

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from mha.run import interrupt
 from mha.pruning.study.options import StudyOptions
 
 
@@ -84,6 +85,7 @@ def write_outputs(results: Mapping[str, Any], out_dir: str) -> list[str]:
   with open(path + ".tmp", "w", encoding="utf-8") as f:
     f.write(text)
   os.replace(path + ".tmp", path)
+  interrupt.reached("report")  # A test's signal while the report is made.
   # The report reads what was written, as a re-render from the file does.
   paths = written + [path] + report.write(json.loads(text), out_dir)
   for stale in set(old_figures) - set(paths):

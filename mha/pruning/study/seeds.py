@@ -18,6 +18,7 @@ from typing import Any
 
 from mha import checkpoint as ckpt_lib
 from mha.run import config_validation
+from mha.run import interrupt
 from mha import train
 from mha.aliases import Log
 
@@ -115,6 +116,19 @@ def check_seeds(first: ckpt_lib.LoadedCheckpoint, out_dir: str,
   return conflicts
 
 
+def train_seed(config: Any, directory: str, what: str) -> None:
+  """``train.train_and_evaluate(config, directory)``; a SIGINT or SIGTERM
+  during it (the checkpoint of the steps done saved) becomes
+  :class:`mha.run.interrupt.Interrupted`, which names ``what`` was
+  training and where its checkpoint is."""
+  try:
+    train.train_and_evaluate(config, directory)
+  except train.TrainingInterrupted as e:
+    raise interrupt.Interrupted(
+        e.signum, f"{what} stopped training at step {e.step}, its "
+        f"checkpoint kept in {directory}") from None
+
+
 def seed_models(first: ckpt_lib.LoadedCheckpoint, out_dir: str,
                 num_seeds: int, log: Log = print, *,
                 retrain: bool = False) -> list[ckpt_lib.LoadedCheckpoint]:
@@ -138,10 +152,10 @@ def seed_models(first: ckpt_lib.LoadedCheckpoint, out_dir: str,
       log(f"Reusing seed {config.seed} from {directory}")
     else:
       log(f"Training seed {config.seed} in {directory} ...")
-      train.train_and_evaluate(config, directory)
+      train_seed(config, directory, f"seed {config.seed}")
     loaded.append(ckpt_lib.load_checkpoint(directory, first.step))
   return loaded
 
 
-__all__ = ["kept_steps", "check_step", "seed_dir", "seed_conflicts",
+__all__ = ["kept_steps", "train_seed", "check_step", "seed_dir", "seed_conflicts",
            "check_seeds", "seed_models"]

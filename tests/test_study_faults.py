@@ -1,0 +1,178 @@
+"""Faults a user meets in the study and the grid (issue 59): SIGINT and
+SIGTERM at any moment are one line and 128 + signum, and a rerun redoes at
+most what was under way; estimates before long work; arguments checked
+before any work; warnings explained or scoped.
+
+The signals are sent by the process to itself at a named point
+(``MHA_TEST_SIGNAL_AT``, :func:`mha.run.interrupt.reached`): no sleep, no
+timing, no race."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import run
+
+from mha.run import interrupt
+from mha.pruning.study import grid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STUDY = os.path.join(ROOT, "scripts", "prune_heads.py")
+GRID = os.path.join(ROOT, "scripts", "pruning_benchmark.py")
+# A one-seed study as small as it goes: seconds.
+_SMALL = ["--num_seeds=1", "--num_random_orders=3", "--num_bootstrap=20",
+          "--nospeed", "--noplots", "--nokwon", "--noattribution"]
+
+
+def _signal_at(env, phase: str) -> dict[str, str]:
+  return dict(env, **{interrupt.TEST_ENV: phase})
+
+
+def _one_line_no_traceback(stderr: str, prog: str, signame: str) -> None:
+  assert "Traceback" not in stderr, stderr[-3000:]
+  lines = [l for l in stderr.splitlines() if l.startswith(f"{prog}: ")]
+  assert len(lines) == 1, stderr[-3000:]
+  assert lines[0].startswith(f"{prog}: stopped by {signame}"), lines
+  assert "the same command resumes" in lines[0], lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase, signame, code", [
+    ("analysis", "SIGTERM", 143), ("report:SIGINT", "SIGINT", 130)])
+def test_a_signal_during_the_study_is_one_line_and_a_rerun_ends_it(
+    tiny_run, tmp_path, subprocess_env, phase, signame, code):
+  out = tmp_path / "pruning"
+  args = [sys.executable, STUDY, f"--workdir={tiny_run.workdir}",
+          f"--out={out}", *_SMALL]
+  stopped = run(args, env=_signal_at(subprocess_env, phase), timeout=300)
+  assert stopped.returncode == code, stopped.stderr[-3000:]
+  _one_line_no_traceback(stopped.stderr, "prune_heads.py", signame)
+  assert not (out / "run.lock").exists() or not _held(out)
+  again = run(args, env=subprocess_env, timeout=300)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert json.loads((out / "results.json").read_text())["seeds"]
+  assert (out / "report.md").exists()
+
+
+def _held(folder) -> bool:
+  return grid._is_held(str(folder))  # pylint: disable=protected-access
+
+
+def _grid_args(root, data_dir) -> list[str]:
+  return [sys.executable, GRID, f"--workdir={root}", "--tasks=reverse,sort",
+          "--models=tiny", "--num_seeds=1", "--num_bootstrap=20",
+          "--num_random_orders=4", "--noplots", "--nokwon", "--noattribution",
+          f"--overrides=data.data_dir={data_dir}"]
+
+
+@pytest.mark.slow
+def test_a_signal_in_a_grid_cell_redoes_only_that_cell(
+    tmp_path, data_dir, subprocess_env):
+  root = tmp_path / "grid"
+  args = _grid_args(root, data_dir)
+  # Stopped while the second cell's first seed trains: the tiny config's
+  # 20 steps are 5 calls of the train program (a first call of one step,
+  # then one per logging step), so the 6th call is the second cell's first.
+  stopped = run(args, env=_signal_at(subprocess_env, "train#6"),
+                timeout=600)
+  assert stopped.returncode == 143, stopped.stderr[-3000:]
+  _one_line_no_traceback(stopped.stderr, "pruning_benchmark.py", "SIGTERM")
+  statuses = {c.name: grid.cell_status(str(root), c)
+              for c in grid.cells(["reverse", "sort"], ["tiny"])}
+  assert sorted(statuses.values()) == ["done", "pending"], statuses
+  (done,) = [n for n, s in statuses.items() if s == "done"]
+  (pending,) = [n for n, s in statuses.items() if s == "pending"]
+  assert f"cell {pending} under way" in stopped.stderr
+  # The training under way kept its checkpoint.
+  assert os.listdir(root / pending / "train" / "checkpoints")
+  done_file = root / done / "pruning" / "results.json"
+  before = done_file.stat().st_mtime_ns
+  again = run(args, env=subprocess_env, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert done_file.stat().st_mtime_ns == before  # Not redone.
+  assert f"{done}: training and study" not in again.stdout
+  assert grid.cell_status(str(root), grid.Cell(*pending.split("-"))) == "done"
+  assert json.loads((root / "results.json").read_text())["interim"] is False
+  assert not (root / "leaderboard.md").read_text().startswith("# INTERIM")
+
+
+def test_an_oracle_estimated_above_30_minutes_is_refused_unless_accepted(
+    tiny_run, tmp_path, monkeypatch):
+  from mha.pruning import oracle  # pylint: disable=import-outside-toplevel
+  from mha.pruning.study import StudyOptions  # pylint: disable=import-outside-toplevel
+  from mha.pruning.study import experiment  # pylint: disable=import-outside-toplevel
+  # The tiny model's 16 subsets, each as slow as a 20-head model's 2**20.
+  monkeypatch.setattr(oracle, "SECONDS_PER_SUBSET", 3.5e-3 * 2**16)
+  out = str(tmp_path / "pruning")
+  options = StudyOptions(num_seeds=1)
+  with pytest.raises(ValueError, match=(
+      r"--oracle_max_heads=16: the oracle is every subset of 4 heads "
+      r"\(2\*\*4 = 16\) for 1 model: about 1.0 h \(estimate, 2 CPU cores\) "
+      r"and [0-9.]+ GiB, over 30 min; to run it, give --oracle_max_heads "
+      r"explicitly with --accept_estimate, or lower --oracle_max_heads "
+      r"below 4")):
+    experiment.check_inputs(tiny_run.workdir, out, options)
+  first = experiment.check_inputs(tiny_run.workdir, out, options,
+                                  accept_estimate=True)
+  assert experiment.estimate(first, options).startswith(
+      "Estimate: the oracle is every subset of 4 heads")
+  assert not os.path.exists(out)  # Nothing written.
+
+
+def test_accept_estimate_needs_an_explicit_oracle_max_heads(
+    tmp_path, subprocess_env):
+  result = run([sys.executable, STUDY, f"--workdir={tmp_path}",
+                "--accept_estimate"], env=subprocess_env, timeout=120)
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.strip() == (
+      "prune_heads.py: error: --accept_estimate needs --oracle_max_heads "
+      "given explicitly (the number of heads whose oracle you accept)")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"split": "trian"}, "split must be one of train, validation, test; got "
+                         "'trian'"),
+    ({"height": "big"}, "height must be an int >= 1 (pixels); got 'big'"),
+    ({"num_examples": 0}, "num_examples must be an int >= 1; got 0"),
+    ({"step": -1}, "step must be None (the newest) or an int >= 0; got -1"),
+])
+def test_show_checks_its_arguments_before_loading_anything(
+    tmp_path, monkeypatch, kwargs, message):
+  from mha import checkpoint  # pylint: disable=import-outside-toplevel
+  from mha import explorer  # pylint: disable=import-outside-toplevel
+
+  def no_loading(*args, **kw):
+    raise AssertionError("loaded a checkpoint before checking arguments")
+  monkeypatch.setattr(checkpoint, "load_checkpoint", no_loading)
+  with pytest.raises(ValueError) as e:
+    explorer.show(str(tmp_path), **kwargs)
+  assert str(e.value) == message
+
+
+def test_a_constant_shift_gives_p_0_without_a_warning():
+  import warnings  # pylint: disable=import-outside-toplevel
+  from mha.pruning import stats  # pylint: disable=import-outside-toplevel
+  base = np.random.default_rng(0).random(50)
+  shifted = base + 0.1
+  shifted[0] += 1e-12  # Nearly identical differences: scipy's precision loss.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    p = stats.paired_ttest_pvalues(base, shifted[None])
+  assert p[0] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_table_written_before_the_last_cell_ends_says_interim(tmp_path):
+  from mha.pruning.study import StudyOptions  # pylint: disable=import-outside-toplevel
+  root = str(tmp_path / "grid")
+  cells = grid.cells(["reverse"], ["tiny"])
+  grid.run_grid(root, cells, StudyOptions(num_seeds=1), log=lambda m: None,
+                max_cells=0)
+  table = json.loads((tmp_path / "grid" / "results.json").read_text())
+  assert table["interim"] is True
+  first = (tmp_path / "grid" / "leaderboard.md").read_text().splitlines()[0]
+  assert first.startswith("# INTERIM table (0 of 1 cells finished")
