@@ -15,8 +15,9 @@ or with the coordinator given:
     python train.py --workdir /shared/runs/reverse \
         --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=0
 
-Exit codes: 0 done; 2 a bad command line, config or workdir, or a workdir
-another run holds (one line on stderr, nothing written); 1 a failed run (a
+Exit codes: 0 done; 2 a bad command line, config or workdir, a workdir
+another run holds, or one whose checkpoints are all damaged (one line on
+stderr naming ``--restart_from_scratch``, which starts it over); 1 a failed run (a
 non-finite loss; a disk full or read-only: one line naming the intact
 checkpoints); 130 / 143
 stopped by SIGINT / SIGTERM after saving a checkpoint (run the same command
@@ -52,6 +53,11 @@ _NUM_PROCESSES = flags.DEFINE_integer(
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "This process's index, 0 to num_processes - 1.",
     lower_bound=0)
+_RESTART_FROM_SCRATCH = flags.DEFINE_bool(
+    "restart_from_scratch", False,
+    "Train from step 0 in a workdir whose checkpoints are all damaged (they "
+    "stay in workdir/damaged_checkpoints/). Without it such a run stops with "
+    "exit code 2 rather than silently start over.")
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -105,7 +111,8 @@ def main(argv):
     except (ValueError, TypeError) as e:  # e.g. no coordinator to be found
       cli.fail("train.py", f"jax.distributed: {e}")
   try:
-    train.train_and_evaluate(flags.FLAGS.config, _WORKDIR.value)
+    train.train_and_evaluate(flags.FLAGS.config, _WORKDIR.value,
+                             restart_from_scratch=_RESTART_FROM_SCRATCH.value)
   except config_validation.ConfigError as e:
     cli.fail("train.py", e)
   except train.TrainingInterrupted as e:

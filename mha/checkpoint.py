@@ -48,12 +48,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import glob
 import json
+import logging
 import os
+import re
 import shutil
 import sys
 import time
+import traceback
 from typing import Any, Callable, Mapping, TypeVar
 
 import jax
@@ -64,6 +68,7 @@ from jax.experimental import multihost_utils
 from configs import default
 from mha import build
 from mha.run import config_validation
+from mha.run import kill_points
 from mha.run import sharding as sharding_lib
 from mha.run import write_failures
 from mha.model import Transformer, TransformerConfig
@@ -76,6 +81,12 @@ _T = TypeVar("_T")
 
 class DamagedCheckpointError(ValueError):
   """A checkpoint that cannot be restored: a file missing, truncated, bad."""
+
+
+class NoIntactCheckpointError(config_validation.ConfigError):
+  """A workdir whose checkpoints are all damaged (kept in
+  ``workdir/damaged_checkpoints/``): resuming would silently start over, so
+  the run stops (exit code 2) until the user asks to start over."""
 
 
 class DamagedConfigFileError(config_validation.ConfigError):
@@ -108,6 +119,16 @@ def make_manager(workdir: str | os.PathLike, *,
   )
   return ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
                                item_names=("state", "config"))
+
+
+def damaged_steps(workdir: str | os.PathLike) -> list[int]:
+  """The steps of the checkpoints set aside in ``workdir/damaged_checkpoints/``
+  (folders ``<step>-<time>``), each once, in order."""
+  directory = os.path.join(os.path.abspath(os.path.expanduser(workdir)),
+                           DAMAGED_DIR)
+  names = os.listdir(directory) if os.path.isdir(directory) else []
+  return sorted({int(name.split("-")[0]) for name in names
+                 if name.split("-")[0].isdigit()})
 
 
 def step_path(manager: ocp.CheckpointManager, step: int) -> str:
@@ -169,25 +190,79 @@ def restore_config(manager: ocp.CheckpointManager,
   return complete_config(restored["config"])
 
 
+#: Where orbax's asynchronous reads and writes run (orbax, tensorstore and
+#: jax's array serialization): the code an abandoned restore leaves behind.
+_ASYNC_CODE = tuple(f"{os.sep}{name}{os.sep}" for name in (
+    "orbax", "tensorstore", "array_serialization"))
+
+#: asyncio's reports of a future or task nobody awaits any more.
+_ABANDONED = ("exception was never retrieved",
+              "Task was destroyed but it is pending")
+
+
+def _names_async_code(text: str, error: BaseException | None) -> bool:
+  """Whether ``text`` names orbax's asynchronous code, or ``error`` was
+  raised through it."""
+  frames = traceback.extract_tb(error.__traceback__) if error else []
+  return any(folder in where for folder in _ASYNC_CODE
+             for where in [text, *(frame.filename for frame in frames)])
+
+
+def _abandoned_async_report(unraisable: Any) -> bool:
+  """Whether an unraisable exception is the echo of orbax's abandoned
+  asynchronous work: ``Event loop is closed`` from a read or write that
+  finished after orbax closed its loop, or a coroutine of orbax's code
+  that failed as it was collected."""
+  error = unraisable.exc_value
+  if unraisable.exc_type is RuntimeError and str(error) == "Event loop is closed":
+    return True
+  code = getattr(unraisable.object, "cr_code", None)
+  return ((code is not None and _names_async_code(code.co_filename, None))
+          or _names_async_code(repr(unraisable.object), error))
+
+
+class _DropAbandonedAsyncLogs(logging.Filter):
+  """Drops asyncio's reports of orbax's futures and tasks that a failed
+  restore or save abandoned (``Future exception was never retrieved``,
+  ``Task was destroyed but it is pending!``); every other record passes."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    """False (dropped) for a report of orbax's abandoned work."""
+    message = record.getMessage()
+    if not any(kind in message for kind in _ABANDONED):
+      return True
+    error = record.exc_info[1] if record.exc_info else None
+    # TensorStore's errors come from C++, without Python frames, as
+    # ``DATA_LOSS: ...``.
+    status = error is not None and re.match(r"[A-Z_]+: ", str(error))
+    return not (status or _names_async_code(message, error))
+
+
 def _drop_closed_loop_reports() -> None:
   """Silences the echo of a failed restore or save, once per process.
 
   When one array of a restore (or a save: a full disk) fails, orbax's
-  ``asyncio.gather`` raises at once and orbax closes its event loop while
-  tensorstore is still finishing the other reads or writes; each of them
-  then reports ``RuntimeError: Event loop is closed`` through
-  ``sys.unraisablehook`` (hundreds of tracebacks, burying the one line that
-  matters). The cause is inside orbax 0.12.8 (it never awaits the others),
-  so exactly those reports are dropped; everything else goes to the
-  previous hook.
+  ``asyncio.gather`` raises at once and orbax closes its event loop
+  (``asyncio_utils.run_sync``) while tensorstore is still finishing the other
+  reads or writes, without cancelling or awaiting them. What is left reports
+  itself as it finishes or is collected, from tensorstore's threads, up to
+  the interpreter's exit: ``RuntimeError: Event loop is closed`` and failing
+  coroutines through ``sys.unraisablehook``, ``Future exception was never
+  retrieved`` and ``Task was destroyed but it is pending!`` through asyncio's
+  logger (thousands of tracebacks on a many-core machine, burying the one
+  line that matters). The cause is inside orbax 0.12.8, so exactly the
+  reports that name orbax's asynchronous code (or a TensorStore status) are
+  dropped; everything else goes to the previous hook and the log.
   """
+  logger = logging.getLogger("asyncio")
+  if not any(isinstance(f, _DropAbandonedAsyncLogs) for f in logger.filters):
+    logger.addFilter(_DropAbandonedAsyncLogs())
   previous = sys.unraisablehook
   if getattr(previous, "drops_closed_loop_reports", False):
     return
 
   def hook(unraisable):
-    if not (unraisable.exc_type is RuntimeError
-            and str(unraisable.exc_value) == "Event loop is closed"):
+    if not _abandoned_async_report(unraisable):
       previous(unraisable)
 
   hook.drops_closed_loop_reports = True
@@ -212,7 +287,12 @@ def _or_damaged(manager: ocp.CheckpointManager, step: int,
   try:
     return restore(manager, step, *args)
   except Exception as e:  # orbax and tensorstore raise many kinds.
-    raise _damaged(manager, step, e) from e
+    damaged = _damaged(manager, step, e)
+    # What orbax abandoned and is collectable now reports itself here,
+    # under the filters _damaged installed, rather than at a random later
+    # moment.
+    gc.collect()
+    raise damaged from e
 
 
 def read_config(manager: ocp.CheckpointManager,
@@ -372,6 +452,7 @@ class TrainCheckpoints:
     with self._failed_save(step):
       self._probe()
       save(self._manager, step, state, config)
+    kill_points.reached(step, "during_save")  # orbax writes in the background
     self._unverified = step
 
   def _probe(self) -> None:

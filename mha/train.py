@@ -65,6 +65,7 @@ from mha.model import Transformer
 from mha.run import compilation_cache
 from mha.run import config_validation
 from mha.run import interrupt
+from mha.run import kill_points
 from mha.run import metric_writers
 from mha.run import provenance
 from mha.run import sharding as sharding_lib
@@ -289,7 +290,8 @@ class _Run:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict,
-                       workdir: str | os.PathLike) -> TrainState:
+                       workdir: str | os.PathLike, *,
+                       restart_from_scratch: bool = False) -> TrainState:
   """Trains ``config`` in ``workdir``, resuming from its newest checkpoint.
 
   Evaluates on validation every ``eval_every_steps`` and on test at the end;
@@ -304,12 +306,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   the run once the train program's calls under way are done, with a
   checkpoint of the last step.
 
+  A workdir whose checkpoints are all damaged (set aside in
+  ``workdir/damaged_checkpoints/``) is not silently trained from step 0:
+  that takes ``restart_from_scratch`` (which deletes nothing; it is refused
+  while an intact checkpoint is left). Resumed from step ``s``, the run
+  drops the metric rows of steps after ``s`` (it writes them again).
+
   Returns:
     The final train state.
 
   Raises:
     ConfigError: a bad config or workdir, or another run's workdir
-      (``WorkdirLockedError``: one that another run is training in).
+      (``WorkdirLockedError``: one that another run is training in); no
+      intact checkpoint left and no ``restart_from_scratch``
+      (``NoIntactCheckpointError``), or ``restart_from_scratch`` with one.
     WriteFailure: a checkpoint, metrics or event-file write failed for want
       of space or permission (the message names the intact checkpoints).
     TrainingInterrupted: after SIGTERM or SIGINT (the checkpoint is saved).
@@ -342,6 +352,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                                                    state_shardings))
     cleanup.callback(checkpoints.close)  # Even on errors: finish the saves.
     restored = checkpoints.restore_latest()
+    _check_restart(workdir, checkpoints, restored, restart_from_scratch)
     replicated = sharding_lib.replicated(mesh)
     # Jitted (eager initialisation runs op by op and takes seconds), onto
     # the run's shardings (with several processes a key must be global).
@@ -362,7 +373,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
         train_program=_train_program(config, model, mesh, state_shardings),
         checkpoints=checkpoints,
         writer=cleanup.enter_context(contextlib.closing(
-            MetricWriter(workdir) if main_process else _NoWriter())),
+            MetricWriter(workdir, purge_step=int(state.step) + 1)
+            if main_process else _NoWriter())),
         stop=cleanup.enter_context(_StopRequest()), start_time=start_time,
         compiles_at_start=compiles_at_start)
     _write_run_header(run, state)
@@ -385,6 +397,31 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     compiles = compilation_cache.counts() - compiles_at_start
     run.log(f"Compiled in this run: {compiles}")
   return state
+
+
+def _check_restart(workdir: str, checkpoints: ckpt_lib.TrainCheckpoints,
+                   restored: tuple[int, Any] | None,
+                   restart_from_scratch: bool) -> None:
+  """Refuses to start a run over without ``restart_from_scratch`` when its
+  checkpoints are all damaged, and ``restart_from_scratch`` while one is
+  intact; says so when it starts over."""
+  damaged = ckpt_lib.damaged_steps(workdir)
+  kept = (f"{', '.join(map(str, damaged))}, kept in "
+          f"{os.path.join(workdir, ckpt_lib.DAMAGED_DIR)}")
+  if restored is not None and restart_from_scratch:
+    raise config_validation.ConfigError(
+        f"--restart_from_scratch starts a run over only when no intact "
+        f"checkpoint is left, and {checkpoints.step_path(restored[0])} is "
+        "intact; run without it to resume, or use another workdir")
+  if restored is not None or not damaged:
+    return
+  if not restart_from_scratch:
+    raise ckpt_lib.NoIntactCheckpointError(
+        f"no intact checkpoint left in {checkpoints.directory}: every one is "
+        f"damaged (steps {kept}); to start the run over from step 0, run the "
+        "same command with --restart_from_scratch")
+  _log(f"Starting over from step 0 with --restart_from_scratch: no intact "
+       f"checkpoint left in {checkpoints.directory} (damaged steps {kept})")
 
 
 def _train_program(config: ml_collections.ConfigDict, model: Transformer,
@@ -571,6 +608,7 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
                                        run.dropout_rng)
     if call == 0:
       _report_startup(run, done + 1, metrics)
+    kill_points.reached(done + 1, "after_step", last=done + num_steps)
     if unfetched is not None:
       progress.record(*unfetched)  # waits for that call, the newest runs on
     unfetched = (done + 1, num_steps, metrics)

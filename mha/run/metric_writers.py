@@ -53,16 +53,28 @@ class MetricWriter:
   disk and leaves the next write waiting forever). So a failed write raises
   here: ``WriteFailure`` for want of space or permission, with a partly
   written ``metrics.jsonl`` line taken back.
+
+  A run resumed from a checkpoint redoes the steps after it: with
+  ``purge_step``, the metric rows of steps from ``purge_step`` on are first
+  dropped from ``metrics.jsonl`` (:func:`drop_rows_from`; provenance rows
+  stay), and the event file starts with a ``SessionLog.START`` at
+  ``purge_step``, on which TensorBoard drops the older files' events of
+  those steps (what tensorboardX's ``SummaryWriter(purge_step=...)`` writes).
+  So each step has one row.
   """
 
-  def __init__(self, workdir: str | os.PathLike):
+  def __init__(self, workdir: str | os.PathLike, *,
+               purge_step: int | None = None):
     self._failed = False
+    self._purge_step = purge_step
     self._jsonl_path = os.path.join(workdir, "metrics.jsonl")
     # SummaryWriter's name (and the pid): one new event file per writer.
     self._events_path = os.path.join(
         workdir, f"events.out.tfevents.{int(time.time())}."
         f"{socket.gethostname()}.{os.getpid()}")
     with self._writing(self._jsonl_path):
+      if purge_step is not None:
+        drop_rows_from(self._jsonl_path, purge_step)
       # Unbuffered: each line is written whole, or taken back.
       self._jsonl = open(self._jsonl_path, "ab", buffering=0)
     # The event file is made with the first event: a run that writes
@@ -109,9 +121,14 @@ class MetricWriter:
     with self._writing(self._events_path):
       if self._events is None:
         self._events = self._record_writer(self._events_path)
-        events = (self._event_pb2.Event(wall_time=time.time(),
-                                        file_version="brain.Event:2"),
-                  *events)
+        first = [self._event_pb2.Event(wall_time=time.time(),
+                                       file_version="brain.Event:2")]
+        if self._purge_step is not None:
+          first.append(self._event_pb2.Event(
+              wall_time=time.time(), step=self._purge_step,
+              session_log=self._event_pb2.SessionLog(
+                  status=self._event_pb2.SessionLog.START)))
+        events = (*first, *events)
       for event in events:
         self._events.write(event.SerializeToString())
       self._events.flush()
@@ -140,6 +157,52 @@ class MetricWriter:
     except write_failures.WriteFailure:
       if not self._failed:
         raise
+
+
+def drop_rows_from(path: str, step: int) -> int:
+  """Drops the metric rows of steps ``step`` and later from the JSONL file
+  ``path``; returns how many. Provenance rows stay (each says what produced
+  the rows after it), and so does a line that is not a JSON object.
+
+  Safe at any moment: the kept lines go to a new file, flushed to disk, that
+  then replaces ``path`` in one rename; a process killed on the way leaves
+  ``path`` as it was (and a ``.tmp`` file the next call replaces).
+  """
+  try:
+    with open(path, "rb") as f:
+      lines = f.read().splitlines(keepends=True)
+  except FileNotFoundError:
+    return 0
+
+  def redone(line: bytes) -> bool:
+    try:
+      row = json.loads(line)
+    except ValueError:
+      return False
+    return (isinstance(row, dict) and "provenance" not in row
+            and isinstance(row.get("step"), int) and row["step"] >= step)
+
+  kept = [line if line.endswith(b"\n") else line + b"\n"
+          for line in lines if not redone(line)]
+  if len(kept) == len(lines):
+    return 0
+  temporary = f"{path}.tmp"
+  try:
+    with open(temporary, "wb") as f:
+      f.writelines(kept)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(temporary, path)
+  except OSError:  # A full disk, say: the old file stays whole.
+    with contextlib.suppress(OSError):
+      os.remove(temporary)
+    raise
+  folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+  try:
+    os.fsync(folder)  # The rename itself, on disk.
+  finally:
+    os.close(folder)
+  return len(lines) - len(kept)
 
 
 def format_duration(seconds: float) -> str:
