@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -176,3 +177,76 @@ def test_a_table_written_before_the_last_cell_ends_says_interim(tmp_path):
   assert table["interim"] is True
   first = (tmp_path / "grid" / "leaderboard.md").read_text().splitlines()[0]
   assert first.startswith("# INTERIM table (0 of 1 cells finished")
+
+
+def _without_timings(value):
+  """``value`` without its timings (``timings``, ``*_s``, ``*seconds*``)."""
+  if isinstance(value, dict):
+    return {k: _without_timings(v) for k, v in value.items()
+            if k != "timings" and not k.endswith("_s") and "seconds" not in k}
+  if isinstance(value, list):
+    return [_without_timings(v) for v in value]
+  return value
+
+
+@pytest.mark.slow
+def test_a_rerun_after_a_signal_reuses_the_finished_seeds_analysis(
+    tiny_run, tmp_path, subprocess_env):
+  stopped_out, plain_out = tmp_path / "stopped", tmp_path / "plain"
+  options = [f"--workdir={tiny_run.workdir}", *_SMALL, "--num_seeds=2",
+             "--mean_ablation"]
+  args = [sys.executable, STUDY, f"--out={stopped_out}", *options]
+  # Stopped as the second seed's analysis starts: the first one's is kept.
+  stopped = run(args, env=_signal_at(subprocess_env, "analysis#2"),
+                timeout=600)
+  assert stopped.returncode == 143, stopped.stderr[-3000:]
+  _one_line_no_traceback(stopped.stderr, "prune_heads.py", "SIGTERM")
+  first = tiny_run.config.seed
+  assert (stopped_out / "seeds" / f"seed_{first}" / "analysis.npz").exists()
+  assert not (stopped_out / "seeds" / f"seed_{first + 1}" /
+              "analysis.npz").exists()
+  # The uninterrupted study: the same trained second seed, nothing kept.
+  shutil.copytree(stopped_out / "seeds" / f"seed_{first + 1}",
+                  plain_out / "seeds" / f"seed_{first + 1}")
+  plain = run([sys.executable, STUDY, f"--out={plain_out}", *options],
+              env=subprocess_env, timeout=600)
+  assert plain.returncode == 0, plain.stderr[-3000:]
+  again = run(args, env=subprocess_env, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  # Seed 0's analysis reused, seed 1's computed: once each.
+  assert again.stdout.count("reusing its analysis kept in") == 1, again.stdout
+  assert again.stdout.count("distinct masks on validation") == 1
+  assert plain.stdout.count("distinct masks on validation") == 2
+  resumed, uninterrupted = (
+      _without_timings(json.loads((o / "results.json").read_text()))
+      for o in (stopped_out, plain_out))
+  assert resumed == uninterrupted
+
+
+def test_a_kept_analysis_round_trips_exactly_and_only_under_its_key(tmp_path):
+  from mha.pruning.study import kept_analyses  # pylint: disable=import-outside-toplevel
+  kept = {"result": {"a": np.arange(3.0), "nan": float("nan"), "n": None,
+                     "t": (1, "x"), "s": np.float32(0.1), "i": np.int64(4),
+                     "__array__": 1},
+          "statistics": {("all", "oracle", "auc"): np.ones((2, 3), bool)}}
+  rng = np.random.default_rng(0)
+  rng.random(5)
+  path = str(tmp_path / "seed_0" / kept_analyses.FILE)
+  kept_analyses.save(path, "key", kept, rng)
+  fresh, lines = np.random.default_rng(1), []
+  assert kept_analyses.load(path, "another key", fresh, lines.append) is None
+  assert "computing it again" in lines[0]
+  back = kept_analyses.load(path, "key", fresh, lines.append)
+  assert fresh.random() == rng.random()  # The generator where it was.
+  np.testing.assert_array_equal(back["result"].pop("a"), np.arange(3.0))
+  assert np.isnan(back["result"].pop("nan"))
+  assert back["result"] == {"n": None, "t": (1, "x"), "s": np.float32(0.1),
+                            "i": np.int64(4), "__array__": 1}
+  assert type(back["result"]["s"]) is np.float32
+  (stat_key, stat), = back["statistics"].items()
+  assert stat_key == ("all", "oracle", "auc") and stat.dtype == bool
+  assert os.listdir(tmp_path / "seed_0") == [kept_analyses.FILE]
+  with open(path, "r+b") as f:  # Damaged: computed again, said in a line.
+    f.truncate(100)
+  assert kept_analyses.load(path, "key", fresh, lines.append) is None
+  assert "does not read" in lines[-1]
