@@ -217,6 +217,9 @@ def test_a_rerun_after_a_signal_reuses_the_finished_seeds_analysis(
   assert again.stdout.count("reusing its analysis kept in") == 1, again.stdout
   assert again.stdout.count("distinct masks on validation") == 1
   assert plain.stdout.count("distinct masks on validation") == 2
+  # Each seed's searches are estimated first (issue 59).
+  estimate = plain.stdout.find("  Estimate: the searches evaluate ")
+  assert -1 < estimate < plain.stdout.find("surrogate search")
   resumed, uninterrupted = (
       _without_timings(json.loads((o / "results.json").read_text()))
       for o in (stopped_out, plain_out))
@@ -250,3 +253,39 @@ def test_a_kept_analysis_round_trips_exactly_and_only_under_its_key(tmp_path):
     f.truncate(100)
   assert kept_analyses.load(path, "key", fresh, lines.append) is None
   assert "does not read" in lines[-1]
+
+
+@pytest.mark.parametrize("heads_per_layer", [(2, 2), (3, 1, 2), (4,)])
+def test_the_searches_evaluate_as_many_subsets_as_their_estimate_says(
+    heads_per_layer):
+  from mha.model import TransformerConfig  # pylint: disable=import-outside-toplevel
+  from mha.pruning import searches  # pylint: disable=import-outside-toplevel
+  from mha.pruning.study import StudyOptions  # pylint: disable=import-outside-toplevel
+  from mha.pruning.study import analysis  # pylint: disable=import-outside-toplevel
+  config = TransformerConfig(
+      vocab_size=8, max_len=4, num_layers=len(heads_per_layer),
+      num_heads=heads_per_layer, head_dim=4, d_model=16, mlp_dim=8)
+  weights = np.random.default_rng(0).random(config.max_heads * len(
+      heads_per_layer))
+  counted = []
+
+  def value_fn(masks):  # A value no search finds at once: swaps improve it.
+    counted.append(len(masks))
+    flat = masks.reshape(len(masks), -1)
+    return flat @ weights + 0.3 * np.sin(7 * flat.sum(1))
+  for top, rounds in ((8, 4), (2, 1), (1, 0)):
+    counted.clear()
+    searches.layer_surrogate(value_fn, config, top=top, polish_rounds=rounds)
+    low, high = searches.surrogate_evaluations(config, top=top,
+                                               polish_rounds=rounds)
+    assert low <= sum(counted) <= high
+  for width in (1, 3, 100):
+    counted.clear()
+    searches.beam_search(value_fn, config, width=width)
+    bound = searches.beam_evaluations(config, width=width)
+    assert sum(counted) <= bound
+    if width == 100:  # Every subset kept: exactly 2**N.
+      assert sum(counted) == bound == 2 ** sum(heads_per_layer)
+  line = analysis.search_estimate(config, StudyOptions(), 0.5e-3)
+  assert line.startswith("  Estimate: the searches evaluate ")
+  assert "ms each (measured): about " in line

@@ -707,13 +707,19 @@ def expected_seconds(config: TransformerConfig) -> float:
   return SECONDS_PER_SUBSET * 2.0 ** num_heads(config)
 
 
+def describe_seconds(seconds: float) -> str:
+  """An estimate's seconds in words: ``1.2 h``, ``14 min``, ``35 s`` or
+  ``0.4 s``."""
+  return (f"{seconds / 3600:.1f} h" if seconds >= 3600 else
+          f"{seconds / 60:.0f} min" if seconds >= 60 else
+          f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s")
+
+
 def describe_cost(config: TransformerConfig, models: int = 1) -> str:
   """``every subset of N heads (2**N) for M models: about T, G GiB``: the
   oracle's estimate, time (on 2 CPU cores) and memory, in words."""
   n = num_heads(config)
-  seconds = expected_seconds(config) * models
-  time_ = (f"{seconds / 3600:.1f} h" if seconds >= 3600 else
-           f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s")
+  time_ = describe_seconds(expected_seconds(config) * models)
   return (f"every subset of {n} heads (2**{n} = {2**n:,}) for {models} "
           f"model{'s' * (models != 1)}: about {time_} (estimate, 2 CPU "
           f"cores) and {oracle_bytes(config) / 2**30:.2f} GiB")
@@ -930,4 +936,5 @@ __all__ = ["subset_masks", "subset_index", "kept_counts", "num_heads",
            "SUBSET_COST", "PER_EXAMPLE_BYTES", "TABLE_ROWS_PER_CALL", "VARIANTS", "table_bytes", "machine_memory_bytes",
            "oracle_applies", "subset_values",
            "removals_by_variant", "oracle_removals", "evaluate_oracle",
-           "embed_tokens", "run_block", "attention_outputs"]
+           "embed_tokens", "run_block", "attention_outputs",
+           "describe_seconds"]

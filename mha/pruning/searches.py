@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from typing import Any, Callable
 
 import numpy as np
@@ -173,4 +174,28 @@ def beam_search(value_fn: ValueFn, config: TransformerConfig, *,
   return out
 
 
-__all__ = ["ValueFn", "layer_surrogate", "beam_search"]
+def surrogate_evaluations(config: TransformerConfig, *, top: int = 8,
+                          polish_rounds: int = 4) -> tuple[int, int]:
+  """The fewest and the most subsets :func:`layer_surrogate` evaluates:
+  every removal of each layer alone, the ``top`` best combinations of each
+  size, then one round of swaps per size (at least) up to
+  ``polish_rounds`` (at most)."""
+  n = sum(config.heads_per_layer)
+  fixed = (sum(2 ** h for h in config.heads_per_layer)
+           + sum(min(top, math.comb(n, k)) for k in range(n + 1)))
+  swaps = sum(k * (n - k) for k in range(1, n))
+  return fixed + swaps * min(polish_rounds, 1), fixed + swaps * polish_rounds
+
+
+def beam_evaluations(config: TransformerConfig, *, width: int = 16) -> int:
+  """The most subsets :func:`beam_search` evaluates (exact when ``width``
+  keeps every subset of each size): the full model, then per size ``k``
+  the children of the beam, at most ``C(N, k)``."""
+  n = sum(config.heads_per_layer)
+  return 1 + sum(min(math.comb(n, k),
+                     min(width, math.comb(n, k - 1)) * (n - k + 1))
+                 for k in range(1, n + 1))
+
+
+__all__ = ["ValueFn", "layer_surrogate", "beam_search",
+           "surrogate_evaluations", "beam_evaluations"]
