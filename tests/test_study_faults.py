@@ -289,3 +289,90 @@ def test_the_searches_evaluate_as_many_subsets_as_their_estimate_says(
   line = analysis.search_estimate(config, StudyOptions(), 0.5e-3)
   assert line.startswith("  Estimate: the searches evaluate ")
   assert "ms each (measured): about " in line
+
+
+# Every public entry of mha.patching, mha.pruning and mha.nnx that takes a
+# count or a size, with the argument and its smallest allowed value.
+_COUNTS = {
+    "mha.patching": {"position_patch_masks": {"length": 1},
+                     "every_position": {"length": 1}},
+    "mha.nnx": {"MultiHeadAttention": {"num_heads": 1}},
+    "mha.pruning.core": {
+        "gradient_importance": {"batch_size": 1},
+        "evaluate_masks": {"batch_size": 1, "chunk_size": 1},
+        "evaluate_masks_loop": {"batch_size": 1},
+        "leave_one_out": {"batch_size": 1}, "all_but_one": {"batch_size": 1},
+        "attention_confidence": {"batch_size": 1},
+        "iterative_gradient_order": {"batch_size": 1},
+        "random_orders": {"num_orders": 0}, "pruning_counts": {"num_heads": 0}},
+    "mha.pruning.oracle": {
+        "evaluate_subsets": {"batch_size": 1},
+        "subset_totals": {"batch_size": 1, "rows": 1},
+        "call_shape": {"batch_size": 1}, "oracle_bytes": {"rows": 1},
+        "ranked_removals": {"top": 1}, "table_bytes": {"num_examples": 0},
+        "oracle_applies": {"max_heads": 1}, "removals_by_variant": {"top": 1},
+        "oracle_removals": {"batch_size": 1},
+        "evaluate_oracle": {"batch_size": 1}},
+    "mha.pruning.gates": {"train_gates": {"steps": 1},
+                          "train_exact_k": {"steps": 1},
+                          "removal_of_size": {"count": 0}},
+    "mha.pruning.kwon": {"fisher_blocks": {"batch_size": 1}, "search": {"k": 0}},
+    "mha.pruning.mean_ablation": {
+        "head_means": {"batch_size": 1},
+        "evaluate_masks": {"batch_size": 1, "chunk_size": 1}},
+    "mha.pruning.ablation": {"position_means": {"batch_size": 1},
+                             "attribution": {"batch_size": 1},
+                             "batched": {"batch_size": 1}},
+    "mha.pruning.orderings": {"attribution_baselines": {"batch_size": 1},
+                              "measure_importance": {"batch_size": 1},
+                              "compute_orders": {"batch_size": 1}},
+    "mha.pruning.retrain": {"retrain_config": {"steps": 1},
+                            "scratch_b_steps": {"train_steps": 1},
+                            "stack": {"count": 1},
+                            "example_sums": {"batch_size": 1}},
+    "mha.pruning.searches": {
+        "layer_surrogate": {"top": 1, "polish_rounds": 0},
+        "beam_search": {"width": 1},
+        "surrogate_evaluations": {"top": 1, "polish_rounds": 0},
+        "beam_evaluations": {"width": 1}},
+    "mha.pruning.shapley": {"sampled_shapley": {"num_heads": 1},
+                            "interaction_pairs": {"top": 1}},
+    "mha.pruning.stats": {"example_weights": {"num_examples": 1},
+                          "seed_weights": {"num_seeds": 1},
+                          "seed_t_weights": {"num_seeds": 1},
+                          "interval_method": {"num_seeds": 1}},
+    "mha.pruning.speed": {"rotation": {"num_models": 1},
+                          "run_rounds": {"num_models": 1}},
+    "mha.pruning.export": {"heads_of_order": {"batch_size": 1}},
+}
+
+
+@pytest.mark.parametrize("module, function, argument, minimum", [
+    (m, f, a, v) for m, functions in _COUNTS.items()
+    for f, args in functions.items() for a, v in args.items()])
+def test_a_count_is_checked_before_anything_is_loaded_or_computed(
+    module, function, argument, minimum):
+  import importlib  # pylint: disable=import-outside-toplevel
+  import inspect  # pylint: disable=import-outside-toplevel
+  fn = getattr(importlib.import_module(module), function)
+  # Every other argument None: touching any of them would fail otherwise.
+  signature = inspect.signature(fn.__init__ if inspect.isclass(fn) else fn)
+  kwargs = {p.name: None for p in signature.parameters.values()
+            if p.default is p.empty and p.name != "self" and p.kind not in (
+                p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+  for bad in (minimum - 1, "2", 2.0, True):
+    with pytest.raises(ValueError) as e:
+      out = fn(**{**kwargs, argument: bad})
+      if inspect.isgenerator(out):  # Checked as the first batch is asked.
+        next(out)
+    assert str(e.value) == (f"{argument} must be an int >= {minimum}; got "
+                            f"{bad!r}") or str(e.value).startswith(
+                                f"{argument} must be None ("), str(e.value)
+
+
+def test_batch_sizes_of_the_speed_table_are_checked_first():
+  from mha.pruning import speed  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="batch_sizes must be a non-empty "
+                     "sequence of ints >= 1; got"):
+    speed.speed_table(None, None, None, None, fractions=None,
+                      batch_sizes=[8, 0])
