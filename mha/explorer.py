@@ -57,6 +57,7 @@ from mha import head_masks
 from mha import head_roles as roles_lib
 from mha.aliases import Array
 from mha.model import Transformer
+from mha.run import arguments
 
 
 #: Where the pruning study writes its results, relative to the workdir.
@@ -331,10 +332,6 @@ class Explorer:
 SPLIT_NAMES = ("train", "validation", "test")
 
 
-def _is_int(value: Any) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def _check_show_arguments(params: Any, split: Any, step: Any,
                           num_examples: Any, height: Any) -> None:
   """Raises ValueError naming the first argument of :func:`show` that no
@@ -344,14 +341,9 @@ def _check_show_arguments(params: Any, split: Any, step: Any,
   if isinstance(name, str) and name not in SPLIT_NAMES:
     raise ValueError(f"split must be one of {', '.join(SPLIT_NAMES)}; got "
                      f"{name!r}")
-  if not _is_int(num_examples) or num_examples < 1:
-    raise ValueError(f"num_examples must be an int >= 1; got "
-                     f"{num_examples!r}")
-  if not _is_int(height) or height < 1:
-    raise ValueError(f"height must be an int >= 1 (pixels); got {height!r}")
-  if step is not None and (not _is_int(step) or step < 0):
-    raise ValueError(f"step must be None (the newest) or an int >= 0; got "
-                     f"{step!r}")
+  arguments.check_count("num_examples", num_examples)
+  arguments.check_count("height", height, note="pixels")
+  arguments.check_count("step", step, 0, none="the newest")
 
 
 def show(source: str | os.PathLike | Transformer, params: Any = None,

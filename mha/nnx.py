@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from mha import attention as att
 from mha.aliases import Array
+from mha.run import arguments
 
 Dtype = Any
 Initializer = Callable[..., Array]
@@ -158,6 +159,13 @@ class MultiHeadAttention(nnx.Module):
       query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
       key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
   ):
+    arguments.check_count("num_heads", num_heads)
+    arguments.check_count("in_features", in_features)
+    for name, value in (("qkv_features", qkv_features),
+                        ("out_features", out_features),
+                        ("num_kv_heads", num_kv_heads),
+                        ("in_kv_features", in_kv_features)):
+      arguments.check_count(name, value, none="the default")
     self.num_heads = num_heads
     self.in_features = in_features
     self.qkv_features = in_features if qkv_features is None else qkv_features

@@ -55,6 +55,7 @@ import numpy as np
 
 from mha.aliases import Array, Params
 from mha.model import EncoderBlock, Transformer, TransformerConfig
+from mha.run import arguments
 
 #: A patch: one ``(layer, index)`` pair, or a sequence of pairs patched
 #: together (index = a head for :func:`patch_heads`, a position for
@@ -279,6 +280,7 @@ def position_patch_masks(config: TransformerConfig, length: int,
     ValueError: a patch names a position ``(layer, position)`` that does not
       exist (the message names it), or is not a pair or a list of pairs.
   """
+  arguments.check_count("length", length)
   _check_patches(patches)
   masks = np.zeros((len(patches), config.num_layers + 1, length), bool)
   for i, patch in enumerate(patches):
@@ -306,6 +308,7 @@ def every_position(config: TransformerConfig,
                    length: int) -> list[tuple[int, int]]:
   """Every ``(layer, position)`` of the residual stream, layer by layer
   (layers ``0..num_layers``)."""
+  arguments.check_count("length", length)
   return [(layer, position) for layer in range(config.num_layers + 1)
           for position in range(length)]
 

@@ -107,10 +107,11 @@ def main(argv: list[str]) -> None:
       _main()
     except interrupt.Interrupted as e:
       out = _OUT.value or os.path.join(_WORKDIR.value or ".", "pruning")
-      print(f"{_PROG}: stopped by {e}; kept: the seeds trained so far in "
-            f"{os.path.join(out, 'seeds')} and any earlier results in "
-            f"{out}; the same command resumes (trained seeds are reused, "
-            f"the one under way resumes from its checkpoint): python "
+      print(f"{_PROG}: stopped by {e}; kept: the seeds trained and "
+            f"analysed so far in {os.path.join(out, 'seeds')} and any "
+            f"earlier results in {out}; the same command resumes (trained "
+            f"seeds and finished analyses are reused, the seed under way "
+            f"resumes from its checkpoint): python "
             f"{shlex.join(sys.argv)}", file=sys.stderr, flush=True)
       sys.exit(e.exit_code)
 

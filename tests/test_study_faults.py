@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -176,3 +177,202 @@ def test_a_table_written_before_the_last_cell_ends_says_interim(tmp_path):
   assert table["interim"] is True
   first = (tmp_path / "grid" / "leaderboard.md").read_text().splitlines()[0]
   assert first.startswith("# INTERIM table (0 of 1 cells finished")
+
+
+def _without_timings(value):
+  """``value`` without its timings (``timings``, ``*_s``, ``*seconds*``)."""
+  if isinstance(value, dict):
+    return {k: _without_timings(v) for k, v in value.items()
+            if k != "timings" and not k.endswith("_s") and "seconds" not in k}
+  if isinstance(value, list):
+    return [_without_timings(v) for v in value]
+  return value
+
+
+@pytest.mark.slow
+def test_a_rerun_after_a_signal_reuses_the_finished_seeds_analysis(
+    tiny_run, tmp_path, subprocess_env):
+  stopped_out, plain_out = tmp_path / "stopped", tmp_path / "plain"
+  options = [f"--workdir={tiny_run.workdir}", *_SMALL, "--num_seeds=2",
+             "--mean_ablation"]
+  args = [sys.executable, STUDY, f"--out={stopped_out}", *options]
+  # Stopped as the second seed's analysis starts: the first one's is kept.
+  stopped = run(args, env=_signal_at(subprocess_env, "analysis#2"),
+                timeout=600)
+  assert stopped.returncode == 143, stopped.stderr[-3000:]
+  _one_line_no_traceback(stopped.stderr, "prune_heads.py", "SIGTERM")
+  first = tiny_run.config.seed
+  assert (stopped_out / "seeds" / f"seed_{first}" / "analysis.npz").exists()
+  assert not (stopped_out / "seeds" / f"seed_{first + 1}" /
+              "analysis.npz").exists()
+  # The uninterrupted study: the same trained second seed, nothing kept.
+  shutil.copytree(stopped_out / "seeds" / f"seed_{first + 1}",
+                  plain_out / "seeds" / f"seed_{first + 1}")
+  plain = run([sys.executable, STUDY, f"--out={plain_out}", *options],
+              env=subprocess_env, timeout=600)
+  assert plain.returncode == 0, plain.stderr[-3000:]
+  again = run(args, env=subprocess_env, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  # Seed 0's analysis reused, seed 1's computed: once each.
+  assert again.stdout.count("reusing its analysis kept in") == 1, again.stdout
+  assert again.stdout.count("distinct masks on validation") == 1
+  assert plain.stdout.count("distinct masks on validation") == 2
+  # Each seed's searches are estimated first (issue 59).
+  estimate = plain.stdout.find("  Estimate: the searches evaluate ")
+  assert -1 < estimate < plain.stdout.find("surrogate search")
+  resumed, uninterrupted = (
+      _without_timings(json.loads((o / "results.json").read_text()))
+      for o in (stopped_out, plain_out))
+  assert resumed == uninterrupted
+
+
+def test_a_kept_analysis_round_trips_exactly_and_only_under_its_key(tmp_path):
+  from mha.pruning.study import kept_analyses  # pylint: disable=import-outside-toplevel
+  kept = {"result": {"a": np.arange(3.0), "nan": float("nan"), "n": None,
+                     "t": (1, "x"), "s": np.float32(0.1), "i": np.int64(4),
+                     "__array__": 1},
+          "statistics": {("all", "oracle", "auc"): np.ones((2, 3), bool)}}
+  rng = np.random.default_rng(0)
+  rng.random(5)
+  path = str(tmp_path / "seed_0" / kept_analyses.FILE)
+  kept_analyses.save(path, "key", kept, rng)
+  fresh, lines = np.random.default_rng(1), []
+  assert kept_analyses.load(path, "another key", fresh, lines.append) is None
+  assert "computing it again" in lines[0]
+  back = kept_analyses.load(path, "key", fresh, lines.append)
+  assert fresh.random() == rng.random()  # The generator where it was.
+  np.testing.assert_array_equal(back["result"].pop("a"), np.arange(3.0))
+  assert np.isnan(back["result"].pop("nan"))
+  assert back["result"] == {"n": None, "t": (1, "x"), "s": np.float32(0.1),
+                            "i": np.int64(4), "__array__": 1}
+  assert type(back["result"]["s"]) is np.float32
+  (stat_key, stat), = back["statistics"].items()
+  assert stat_key == ("all", "oracle", "auc") and stat.dtype == bool
+  assert os.listdir(tmp_path / "seed_0") == [kept_analyses.FILE]
+  with open(path, "r+b") as f:  # Damaged: computed again, said in a line.
+    f.truncate(100)
+  assert kept_analyses.load(path, "key", fresh, lines.append) is None
+  assert "does not read" in lines[-1]
+
+
+@pytest.mark.parametrize("heads_per_layer", [(2, 2), (3, 1, 2), (4,)])
+def test_the_searches_evaluate_as_many_subsets_as_their_estimate_says(
+    heads_per_layer):
+  from mha.model import TransformerConfig  # pylint: disable=import-outside-toplevel
+  from mha.pruning import searches  # pylint: disable=import-outside-toplevel
+  from mha.pruning.study import StudyOptions  # pylint: disable=import-outside-toplevel
+  from mha.pruning.study import analysis  # pylint: disable=import-outside-toplevel
+  config = TransformerConfig(
+      vocab_size=8, max_len=4, num_layers=len(heads_per_layer),
+      num_heads=heads_per_layer, head_dim=4, d_model=16, mlp_dim=8)
+  weights = np.random.default_rng(0).random(config.max_heads * len(
+      heads_per_layer))
+  counted = []
+
+  def value_fn(masks):  # A value no search finds at once: swaps improve it.
+    counted.append(len(masks))
+    flat = masks.reshape(len(masks), -1)
+    return flat @ weights + 0.3 * np.sin(7 * flat.sum(1))
+  for top, rounds in ((8, 4), (2, 1), (1, 0)):
+    counted.clear()
+    searches.layer_surrogate(value_fn, config, top=top, polish_rounds=rounds)
+    low, high = searches.surrogate_evaluations(config, top=top,
+                                               polish_rounds=rounds)
+    assert low <= sum(counted) <= high
+  for width in (1, 3, 100):
+    counted.clear()
+    searches.beam_search(value_fn, config, width=width)
+    bound = searches.beam_evaluations(config, width=width)
+    assert sum(counted) <= bound
+    if width == 100:  # Every subset kept: exactly 2**N.
+      assert sum(counted) == bound == 2 ** sum(heads_per_layer)
+  line = analysis.search_estimate(config, StudyOptions(), 0.5e-3)
+  assert line.startswith("  Estimate: the searches evaluate ")
+  assert "ms each (measured): about " in line
+
+
+# Every public entry of mha.patching, mha.pruning and mha.nnx that takes a
+# count or a size, with the argument and its smallest allowed value.
+_COUNTS = {
+    "mha.patching": {"position_patch_masks": {"length": 1},
+                     "every_position": {"length": 1}},
+    "mha.nnx": {"MultiHeadAttention": {"num_heads": 1}},
+    "mha.pruning.core": {
+        "gradient_importance": {"batch_size": 1},
+        "evaluate_masks": {"batch_size": 1, "chunk_size": 1},
+        "evaluate_masks_loop": {"batch_size": 1},
+        "leave_one_out": {"batch_size": 1}, "all_but_one": {"batch_size": 1},
+        "attention_confidence": {"batch_size": 1},
+        "iterative_gradient_order": {"batch_size": 1},
+        "random_orders": {"num_orders": 0}, "pruning_counts": {"num_heads": 0}},
+    "mha.pruning.oracle": {
+        "evaluate_subsets": {"batch_size": 1},
+        "subset_totals": {"batch_size": 1, "rows": 1},
+        "call_shape": {"batch_size": 1}, "oracle_bytes": {"rows": 1},
+        "ranked_removals": {"top": 1}, "table_bytes": {"num_examples": 0},
+        "oracle_applies": {"max_heads": 1}, "removals_by_variant": {"top": 1},
+        "oracle_removals": {"batch_size": 1},
+        "evaluate_oracle": {"batch_size": 1}},
+    "mha.pruning.gates": {"train_gates": {"steps": 1},
+                          "train_exact_k": {"steps": 1},
+                          "removal_of_size": {"count": 0}},
+    "mha.pruning.kwon": {"fisher_blocks": {"batch_size": 1}, "search": {"k": 0}},
+    "mha.pruning.mean_ablation": {
+        "head_means": {"batch_size": 1},
+        "evaluate_masks": {"batch_size": 1, "chunk_size": 1}},
+    "mha.pruning.ablation": {"position_means": {"batch_size": 1},
+                             "attribution": {"batch_size": 1},
+                             "batched": {"batch_size": 1}},
+    "mha.pruning.orderings": {"attribution_baselines": {"batch_size": 1},
+                              "measure_importance": {"batch_size": 1},
+                              "compute_orders": {"batch_size": 1}},
+    "mha.pruning.retrain": {"retrain_config": {"steps": 1},
+                            "scratch_b_steps": {"train_steps": 1},
+                            "stack": {"count": 1},
+                            "example_sums": {"batch_size": 1}},
+    "mha.pruning.searches": {
+        "layer_surrogate": {"top": 1, "polish_rounds": 0},
+        "beam_search": {"width": 1},
+        "surrogate_evaluations": {"top": 1, "polish_rounds": 0},
+        "beam_evaluations": {"width": 1}},
+    "mha.pruning.shapley": {"sampled_shapley": {"num_heads": 1},
+                            "interaction_pairs": {"top": 1}},
+    "mha.pruning.stats": {"example_weights": {"num_examples": 1},
+                          "seed_weights": {"num_seeds": 1},
+                          "seed_t_weights": {"num_seeds": 1},
+                          "interval_method": {"num_seeds": 1}},
+    "mha.pruning.speed": {"rotation": {"num_models": 1},
+                          "run_rounds": {"num_models": 1}},
+    "mha.pruning.export": {"heads_of_order": {"batch_size": 1}},
+}
+
+
+@pytest.mark.parametrize("module, function, argument, minimum", [
+    (m, f, a, v) for m, functions in _COUNTS.items()
+    for f, args in functions.items() for a, v in args.items()])
+def test_a_count_is_checked_before_anything_is_loaded_or_computed(
+    module, function, argument, minimum):
+  import importlib  # pylint: disable=import-outside-toplevel
+  import inspect  # pylint: disable=import-outside-toplevel
+  fn = getattr(importlib.import_module(module), function)
+  # Every other argument None: touching any of them would fail otherwise.
+  signature = inspect.signature(fn.__init__ if inspect.isclass(fn) else fn)
+  kwargs = {p.name: None for p in signature.parameters.values()
+            if p.default is p.empty and p.name != "self" and p.kind not in (
+                p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+  for bad in (minimum - 1, "2", 2.0, True):
+    with pytest.raises(ValueError) as e:
+      out = fn(**{**kwargs, argument: bad})
+      if inspect.isgenerator(out):  # Checked as the first batch is asked.
+        next(out)
+    assert str(e.value) == (f"{argument} must be an int >= {minimum}; got "
+                            f"{bad!r}") or str(e.value).startswith(
+                                f"{argument} must be None ("), str(e.value)
+
+
+def test_batch_sizes_of_the_speed_table_are_checked_first():
+  from mha.pruning import speed  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="batch_sizes must be a non-empty "
+                     "sequence of ints >= 1; got"):
+    speed.speed_table(None, None, None, None, fractions=None,
+                      batch_sizes=[8, 0])

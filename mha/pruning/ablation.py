@@ -53,6 +53,7 @@ from mha.run import sharding as sharding_lib
 from mha.aliases import Array, Params
 from mha.model import Transformer
 from mha.pruning.constants import ABLATION_MODES
+from mha.run import arguments
 
 #: The ablation modes, ``--ablation``'s choices.
 MODES = ABLATION_MODES
@@ -226,6 +227,7 @@ def position_means(model: Transformer, params: Params, split: data.Split, *,
   """``([L, H, T, D], [L, H, D])``: each head's mean output (context times
   its output-projection rows) at each position over the examples of
   ``split`` long enough to have it, and over every valid position."""
+  arguments.check_count("batch_size", batch_size)
   config = model.config
   length = split.inputs.shape[1]
   total = np.zeros((config.num_layers, config.max_heads, length,
@@ -293,6 +295,7 @@ def batched(split: data.Split, batch_size: int,
   """``(inputs, targets, ablation)`` batches of ``split`` as
   :func:`batches` cuts them, resample's donors cut the
   same way (padding rows: donors of no tokens)."""
+  arguments.check_count("batch_size", batch_size)
   if ablation is None or ablation.donors is None:
     for inputs, targets in batches(split, batch_size):
       yield inputs, targets, ablation
@@ -336,6 +339,7 @@ def attribution(model: Transformer, params: Params, split: data.Split,
   Returns:
     ``[L, H]``, NaN where no head.
   """
+  arguments.check_count("batch_size", batch_size)
   config = model.config
   mask = jnp.asarray(head_masks.full_head_mask(config))
   total = np.zeros(mask.shape, np.float64)

@@ -41,6 +41,7 @@ from mha.head_masks import (all_but_one_masks, existing_heads, full_head_mask,
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import ablation as ablation_lib
 from mha.pruning.ablation import Ablation, ablated_logits, batches
+from mha.run import arguments
 
 
 
@@ -51,6 +52,7 @@ def pruning_counts(num_heads: int, step_fraction: float = 0.0) -> np.ndarray:
   otherwise the points are the rounded multiples of ``step_fraction`` of
   ``N`` (Michel et al. use 0.1), always including 0 and ``N``.
   """
+  arguments.check_count("num_heads", num_heads, 0)
   if not 0.0 <= step_fraction <= 1.0:
     raise ValueError(f"step_fraction must be in [0, 1], got {step_fraction}.")
   if step_fraction == 0.0:
@@ -217,6 +219,7 @@ def gradient_importance(model: Transformer, params: Params, split: data.Split,
     ValueError: ``per_example`` and ``normalize`` together (a per-example
       value has no layer norm to divide by that its mean would keep).
   """
+  arguments.check_count("batch_size", batch_size)
   config = model.config
   mask = jnp.asarray(full_head_mask(config) if head_mask is None else head_mask)
   if per_example and normalize:
@@ -260,6 +263,8 @@ def evaluate_masks(model: Transformer, params: Params, split: data.Split,
     ``[N, n]`` each (their sums over examples give the metrics through
     :func:`mha.evaluate.summarize`).
   """
+  arguments.check_count("batch_size", batch_size)
+  arguments.check_count("chunk_size", chunk_size)
   masks = np.asarray(masks, np.float32)
   n = len(masks)
   if n == 0:  # No masks (an empty selection, say): empty results.
@@ -301,6 +306,7 @@ def evaluate_masks_loop(model: Transformer, params: Params, split: data.Split,
                         batch_size: int = 1000) -> dict[str, np.ndarray]:
   """:func:`evaluate_masks` as a Python loop over the masks (one jitted call
   per mask and batch): the baseline the vmapped version is timed against."""
+  arguments.check_count("batch_size", batch_size)
   totals: dict[str, list[float]] = {}
   for mask in np.asarray(masks, np.float32):
     sums: dict[str, float] = {}
@@ -335,6 +341,7 @@ def leave_one_out(model: Transformer, params: Params, split: data.Split, *,
     ``exact_match``: ``[L, H]`` metrics with that head removed (NaN where no
     head); ``loss_increase``: ``loss - base loss`` (the importance).
   """
+  arguments.check_count("batch_size", batch_size)
   config = model.config
   metrics = evaluate_masks(model, params, split,
                            leave_one_out_masks_with_full(config),
@@ -364,6 +371,7 @@ def leave_one_out_from_metrics(config: TransformerConfig,
 def all_but_one(model: Transformer, params: Params, split: data.Split, *,
                 batch_size: int = 1000) -> dict[str, np.ndarray]:
   """Metrics ``[L, H]`` when a layer keeps only that head (others intact)."""
+  arguments.check_count("batch_size", batch_size)
   config = model.config
   metrics = evaluate_masks(model, params, split, all_but_one_masks(config),
                            batch_size=batch_size)
@@ -379,6 +387,7 @@ def attention_confidence(model: Transformer, params: Params,
   Returns:
     ``confidence`` and ``entropy``, ``[L, H]`` (NaN where no head).
   """
+  arguments.check_count("batch_size", batch_size)
   config = model.config
   sums = {"max_weight": 0.0, "entropy": 0.0, "queries": 0.0}
   for inputs, _ in batches(split, batch_size):
@@ -433,6 +442,7 @@ def iterative_gradient_order(model: Transformer, params: Params,
                              normalize: bool = False) -> np.ndarray:
   """Removes heads one at a time, re-estimating gradient importance under
   the current mask after each removal (Michel et al.'s iterative variant)."""
+  arguments.check_count("batch_size", batch_size)
   config = model.config
   mask = full_head_mask(config)
   order: list[int] = []
@@ -451,6 +461,7 @@ def iterative_gradient_order(model: Transformer, params: Params,
 def random_orders(config: TransformerConfig, num_orders: int,
                   rng: np.random.Generator) -> np.ndarray:
   """``[num_orders, N]`` uniformly random orders of the existing heads."""
+  arguments.check_count("num_orders", num_orders, 0)
   heads = np.flatnonzero(existing_heads(config))
   return np.stack([rng.permutation(heads) for _ in range(num_orders)])
 

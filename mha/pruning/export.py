@@ -60,6 +60,7 @@ from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
 from mha.pruning import orderings
 from mha.pruning import oracle
+from mha.run import arguments
 
 PROVENANCE_FILE = "pruned_from.json"
 #: What ``--order`` takes: every ordering of the study but ``random``, and
@@ -423,6 +424,8 @@ def heads_of_order(model: Transformer, params: Any, validation: data.Split,
     cli.UsageError: see :func:`check_order`.
     ValueError: ``fraction`` outside [0, 1].
   """
+  arguments.check_count("batch_size", batch_size)
+  arguments.check_count("oracle_max_heads", oracle_max_heads)
   config = model.config
   check_order(config, order, oracle_max_heads=oracle_max_heads)
   count = _count(config, fraction)

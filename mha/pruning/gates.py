@@ -69,6 +69,7 @@ from mha.run import sharding as sharding_lib
 from mha.aliases import Array, Params
 from mha.model import Transformer, TransformerConfig
 from mha.pruning.constants import EXACT_K_METHODS
+from mha.run import arguments
 
 
 BETA, GAMMA, ZETA = 2.0 / 3.0, -0.1, 1.1
@@ -217,6 +218,8 @@ def train_gates(model: Transformer, params: Params, train: data.Split,
     ``log_alpha`` ``[S, L, H]`` (NaN where no head), ``expected_heads``
     ``[S]`` at the end (the expected-L0 term), ``seconds`` and ``steps``.
   """
+  arguments.check_count("steps", steps)
+  arguments.check_count("batch_size", batch_size)
   config = model.config
   strengths = jnp.asarray(strengths, jnp.float32)
   log_alpha = jnp.full((len(strengths),) + head_masks.existing_heads(config).shape,
@@ -255,6 +258,7 @@ def removal_of_size(log_alpha: np.ndarray, config: TransformerConfig,
                     count: int) -> np.ndarray:
   """The ``count`` heads (flat indices) of lowest ``log_alpha``: the gates'
   choice of exactly ``count`` heads to remove."""
+  arguments.check_count("count", count, 0)
   flat = np.where(head_masks.existing_heads(config), log_alpha, np.inf).reshape(-1)
   order = np.argsort(flat, kind="stable")
   return order[:count]
@@ -381,6 +385,8 @@ def train_exact_k(model: Transformer, params: Params, train: data.Split,
     ValueError: a target outside ``1 .. N - 1`` (:func:`check_targets`) or
       an unknown ``method``.
   """
+  arguments.check_count("steps", steps)
+  arguments.check_count("batch_size", batch_size)
   if method not in EXACT_K_METHODS:
     raise ValueError(f"method {method!r} is not one of: "
                      f"{', '.join(EXACT_K_METHODS)}")

@@ -49,6 +49,7 @@ from mha.head_masks import existing_heads, full_head_mask
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
 from mha.pruning import oracle
+from mha.run import arguments
 
 #: Largest number of ways to choose a layer's kept heads that rearrangement
 #: tries exhaustively (C(16, 8) = 12,870); above it, pairwise swaps.
@@ -70,6 +71,7 @@ def fisher_blocks(model: Transformer, params: Params, split: data.Split, *,
   block-diagonal by layer: ``[L, H, H]``, ``E_x[g_l(x) g_l(x)^T]`` with
   ``g_l(x)`` the gradient of example ``x``'s mean token loss with respect to
   layer ``l``'s head mask. Entries of heads that do not exist are 0."""
+  arguments.check_count("batch_size", batch_size)
   config = model.config
   mask = jnp.asarray(full_head_mask(config))
   total = np.zeros((config.num_layers, config.max_heads, config.max_heads),
@@ -134,6 +136,7 @@ def search(blocks: np.ndarray, config: TransformerConfig, k: int, *,
   importance (:func:`fisher_importance`), then, with ``rearrange``, within
   each layer the removal set of the same size with the least block-Fisher
   loss estimate (:func:`_rearrange_layer`)."""
+  arguments.check_count("k", k, 0)
   importance = fisher_importance(blocks, config)
   order = core.order_from_importance(importance)
   if not 0 <= k <= len(order):

@@ -42,6 +42,7 @@ from mha.aliases import Array, HeadSpec, Params
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
 from mha.pruning.ablation import layer_of
+from mha.run import arguments
 
 
 
@@ -72,6 +73,7 @@ def head_means(model: Transformer, params: Params, split: data.Split, *,
                batch_size: int = 1000) -> np.ndarray:
   """``mu`` ``[L, H, Dh]``: each head's mean context over the non-padding
   query positions of ``split`` (zeros where a head does not exist)."""
+  arguments.check_count("batch_size", batch_size)
   config = model.config
   total = np.zeros((config.num_layers, config.max_heads,
                     config.resolved_head_dim), np.float64)
@@ -176,6 +178,8 @@ def evaluate_masks(model: Transformer, params: Params, shifts: Array,
                    chunk_size: int = 8) -> dict[str, np.ndarray]:
   """Per-example sums ``[M, n]`` (:func:`mha.evaluate.example_metric_sums`)
   of the mean-ablated model under each of ``masks`` ``[M, L, H]``."""
+  arguments.check_count("batch_size", batch_size)
+  arguments.check_count("chunk_size", chunk_size)
   masks = np.asarray(masks, np.float32)
   parts: dict[str, list[np.ndarray]] = {}
   for start in range(0, len(masks), chunk_size):

@@ -54,6 +54,7 @@ from mha.model import EncoderBlock, Transformer, TransformerConfig
 from mha.run.progress import Tenths, quiet, timed
 from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
+from mha.run import arguments
 
 
 #: Seconds after which :func:`subset_totals` reports its progress.
@@ -520,6 +521,7 @@ def evaluate_subsets(model: Transformer, params: Params, split: data.Split, *,
     ``[2**N, n]``; :func:`mha.evaluate.summarize` of their sums over the
     examples (any resample of them) gives the metrics.
   """
+  arguments.check_count("batch_size", batch_size)
   if not per_example:
     return eval_lib.summarize(subset_totals(
         model, params, split, batch_size=batch_size, bias_shifts=bias_shifts,
@@ -551,6 +553,8 @@ def call_shape(config: TransformerConfig, batch_size: int,
   of layer 0's masks (a power of two) as still fit. A call's memory is that
   of about ``rows`` rows whatever ``N``.
   """
+  arguments.check_count("batch_size", batch_size)
+  arguments.check_count("rows", rows)
   first = 2 ** config.heads_per_layer[0]
   rest = 2 ** (num_heads(config) - config.heads_per_layer[0])
   examples = max(1, min(batch_size, rows // rest))
@@ -582,6 +586,8 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
     ``[2**N]`` sums over the examples; :func:`mha.evaluate.summarize` gives
     the metrics.
   """
+  arguments.check_count("batch_size", batch_size)
+  arguments.check_count("rows", rows)
   config = model.config
   n = num_heads(config)
   examples, chunk = call_shape(config, batch_size, rows)
@@ -707,13 +713,19 @@ def expected_seconds(config: TransformerConfig) -> float:
   return SECONDS_PER_SUBSET * 2.0 ** num_heads(config)
 
 
+def describe_seconds(seconds: float) -> str:
+  """An estimate's seconds in words: ``1.2 h``, ``14 min``, ``35 s`` or
+  ``0.4 s``."""
+  return (f"{seconds / 3600:.1f} h" if seconds >= 3600 else
+          f"{seconds / 60:.0f} min" if seconds >= 60 else
+          f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s")
+
+
 def describe_cost(config: TransformerConfig, models: int = 1) -> str:
   """``every subset of N heads (2**N) for M models: about T, G GiB``: the
   oracle's estimate, time (on 2 CPU cores) and memory, in words."""
   n = num_heads(config)
-  seconds = expected_seconds(config) * models
-  time_ = (f"{seconds / 3600:.1f} h" if seconds >= 3600 else
-           f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s")
+  time_ = describe_seconds(expected_seconds(config) * models)
   return (f"every subset of {n} heads (2**{n} = {2**n:,}) for {models} "
           f"model{'s' * (models != 1)}: about {time_} (estimate, 2 CPU "
           f"cores) and {oracle_bytes(config) / 2**30:.2f} GiB")
@@ -725,6 +737,7 @@ def oracle_bytes(config: TransformerConfig,
   beyond the model: five float64 sums and a few bookkeeping arrays per
   subset (``O(2**N)``), the bits of every subset, and one call's
   activations (``rows`` rows)."""
+  arguments.check_count("rows", rows)
   n = num_heads(config)
   per_subset = 8 * (5 + 3 + 3) + 4 * n
   act = rows * max(config.max_len, 1) * 4 * 4 * max(
@@ -737,6 +750,7 @@ def ranked_removals(values: np.ndarray, config: TransformerConfig, *,
                     top: int = 1) -> list[list[np.ndarray]]:
   """For each number ``k`` of heads removed, the removed heads of the
   ``top`` best subsets, best first (see :func:`best_removals`)."""
+  arguments.check_count("top", top)
   values = np.asarray(values, np.float64)
   flat = np.flatnonzero(head_masks.existing_heads(config))
   n = len(flat)
@@ -833,6 +847,7 @@ VARIANTS = ("all", "no_layer_emptied")
 def table_bytes(config: TransformerConfig, num_examples: int) -> int:
   """About the bytes the study's per-example table of every subset takes:
   five sums ``[2**N, n]``, held as float64 while they are summarised."""
+  arguments.check_count("num_examples", num_examples, 0)
   return 2 ** num_heads(config) * num_examples * 5 * 8
 
 
@@ -847,6 +862,7 @@ def machine_memory_bytes() -> int | None:
 def oracle_applies(config: TransformerConfig, max_heads: int) -> bool:
   """Whether every subset of the model's heads is evaluated: at most
   ``max_heads`` heads (``--oracle_max_heads``)."""
+  arguments.check_count("max_heads", max_heads)
   return num_heads(config) <= max_heads
 
 
@@ -862,6 +878,7 @@ def removals_by_variant(values: np.ndarray, config: TransformerConfig, *,
                         ) -> dict[str, list[list[np.ndarray]]]:
   """:func:`ranked_removals` of both :data:`VARIANTS`: variant -> for each
   ``k`` the removals of the ``top`` best subsets, the best first."""
+  arguments.check_count("top", top)
   return {variant: ranked_removals(
       values, config, no_layer_emptied=variant == "no_layer_emptied",
       top=top) for variant in VARIANTS}
@@ -882,6 +899,8 @@ def oracle_removals(model: Transformer, params: Params,
   totals ``[2**N]`` from :func:`subset_totals`) when already evaluated;
   otherwise they are streamed here (:func:`subset_totals`).
   """
+  arguments.check_count("batch_size", batch_size)
+  arguments.check_count("top", top)
   if table is None:
     table = subset_totals(model, params, validation, batch_size=batch_size)
   per_example = np.ndim(table["correct"]) == 2
@@ -905,6 +924,8 @@ def evaluate_oracle(model: Transformer, params: Params,
   the oracle's candidates per variant (:func:`removals_by_variant`);
   ``(None, NaN, {})`` above ``max_heads``. ``timings["oracle_s"]``
   receives the seconds it took."""
+  arguments.check_count("batch_size", batch_size)
+  arguments.check_count("max_heads", max_heads)
   config = model.config
   n = num_heads(config)
   if not oracle_applies(config, max_heads):
@@ -930,4 +951,5 @@ __all__ = ["subset_masks", "subset_index", "kept_counts", "num_heads",
            "SUBSET_COST", "PER_EXAMPLE_BYTES", "TABLE_ROWS_PER_CALL", "VARIANTS", "table_bytes", "machine_memory_bytes",
            "oracle_applies", "subset_values",
            "removals_by_variant", "oracle_removals", "evaluate_oracle",
-           "embed_tokens", "run_block", "attention_outputs"]
+           "embed_tokens", "run_block", "attention_outputs",
+           "describe_seconds"]

@@ -35,6 +35,7 @@ from mha.pruning import core
 from mha.pruning import kwon
 from mha.pruning import oracle
 from mha.pruning.constants import ORDERINGS
+from mha.run import arguments
 
 # ORDERINGS (mha.pruning.constants): key -> label of each ordering.
 
@@ -89,6 +90,7 @@ def measure_importance(model: Transformer, params: Params,
   patching, ``attribution_<name>`` (default
   :func:`attribution_baselines`). ``gradient_per_example`` ``[n, L, H]``
   holds each example's ``|dL/d xi|``, whose mean is ``gradient``."""
+  arguments.check_count("batch_size", batch_size)
   timings = {} if timings is None else timings
   half_a, half_b = halves(validation)
 
@@ -159,6 +161,7 @@ def attribution_baselines(model: Transformer, params: Params,
   """The ablation of each of :data:`ATTRIBUTION_BASELINES` on ``split``
   (means per position measured on it; resample's donors drawn with
   ``seed``)."""
+  arguments.check_count("batch_size", batch_size)
   means = ablation_lib.position_means(model, params, split,
                                       batch_size=batch_size)
   return {name: ablation_lib.build(
@@ -206,6 +209,7 @@ def compute_orders(model: Transformer, params: Params, validation: data.Split,
   subset for ``shapley``, the re-estimated gradient, attribution patching)
   are computed only when asked for. The cheap measures come back regardless.
   """
+  arguments.check_count("batch_size", batch_size)
   wanted = lambda name: names is None or name in names
   subsets = None
   if wanted("shapley") and oracle.oracle_applies(model.config,

@@ -64,11 +64,13 @@ from mha.run import sharding as sharding_lib
 from mha.aliases import Params
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
+from mha.run import arguments
 
 
 def retrain_config(config: ml_collections.ConfigDict,
                    steps: int) -> ml_collections.ConfigDict:
   """``config`` for ``steps`` steps, its warmup the same share of them."""
+  arguments.check_count("steps", steps)
   new = copy.deepcopy(config)
   share = config.warmup_steps / max(config.num_train_steps, 1)
   new.num_train_steps = steps
@@ -312,6 +314,8 @@ def scratch_b_steps(config: TransformerConfig, mask: np.ndarray, *,
   importance measurement and the search are not counted). That is
   ``round(train_steps * F_full / F_pruned) + finetune_steps``: Liu et al.'s
   (2019) Scratch-B, its steps scaled by the FLOP ratio."""
+  arguments.check_count("train_steps", train_steps)
+  arguments.check_count("finetune_steps", finetune_steps, 0)
   ratio = forward_flops(config) / forward_flops(
       pruned_model_config(config, mask))
   return int(round(train_steps * ratio)) + int(finetune_steps)
@@ -320,6 +324,7 @@ def scratch_b_steps(config: TransformerConfig, mask: np.ndarray, *,
 def stack(params: Params, count: int) -> Params:
   """``count`` copies of ``params`` along a new leading axis (host arrays,
   read-only views: nothing is compiled)."""
+  arguments.check_count("count", count)
   return jax.tree.map(
       lambda x: np.broadcast_to(np.asarray(x), (count,) + np.shape(x)), params)
 
@@ -335,6 +340,7 @@ def example_sums(model: Transformer, params: Params, masks: np.ndarray,
                  batch_size: int = 1000) -> dict[str, np.ndarray]:
   """Per-example sums ``[R, n]`` of each of the stacked ``params`` under
   its mask ``[R, L, H]`` on ``split``."""
+  arguments.check_count("batch_size", batch_size)
   masks = jnp.asarray(masks, jnp.float32)
   pieces: dict[str, list[np.ndarray]] = {}
   for inputs, targets in core.batches(split, batch_size):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from typing import Any, Callable
 
 import numpy as np
@@ -31,6 +32,7 @@ from mha import head_masks
 from mha.aliases import Log
 from mha.model import TransformerConfig
 from mha.run.progress import Tenths, quiet
+from mha.run import arguments
 
 #: Seconds after which a search reports its progress (a line per tenth of
 #: its sizes ``k``).
@@ -122,6 +124,8 @@ def layer_surrogate(value_fn: ValueFn, config: TransformerConfig, *,
   Returns:
     for ``k = 0..N`` the best removal found and its value.
   """
+  arguments.check_count("top", top)
+  arguments.check_count("polish_rounds", polish_rounds, 0)
   layers = _layer_heads(config)
   singles = [tuple(r) for heads in layers
              for size in range(len(heads) + 1)
@@ -154,8 +158,7 @@ def beam_search(value_fn: ValueFn, config: TransformerConfig, *,
   """Beam search over removals, one head more per level (see the module
   docstring); ``width`` subsets kept per level; long searches report their
   progress to ``log``."""
-  if width < 1:
-    raise ValueError(f"width must be >= 1, got {width}")
+  arguments.check_count("width", width)
   heads = [h for layer in _layer_heads(config) for h in layer]
   beam = [()]
   out = [_entry(0, (), float(_evaluate(value_fn, config, [()])[0]))]
@@ -173,4 +176,31 @@ def beam_search(value_fn: ValueFn, config: TransformerConfig, *,
   return out
 
 
-__all__ = ["ValueFn", "layer_surrogate", "beam_search"]
+def surrogate_evaluations(config: TransformerConfig, *, top: int = 8,
+                          polish_rounds: int = 4) -> tuple[int, int]:
+  """The fewest and the most subsets :func:`layer_surrogate` evaluates:
+  every removal of each layer alone, the ``top`` best combinations of each
+  size, then one round of swaps per size (at least) up to
+  ``polish_rounds`` (at most)."""
+  arguments.check_count("top", top)
+  arguments.check_count("polish_rounds", polish_rounds, 0)
+  n = sum(config.heads_per_layer)
+  fixed = (sum(2 ** h for h in config.heads_per_layer)
+           + sum(min(top, math.comb(n, k)) for k in range(n + 1)))
+  swaps = sum(k * (n - k) for k in range(1, n))
+  return fixed + swaps * min(polish_rounds, 1), fixed + swaps * polish_rounds
+
+
+def beam_evaluations(config: TransformerConfig, *, width: int = 16) -> int:
+  """The most subsets :func:`beam_search` evaluates (exact when ``width``
+  keeps every subset of each size): the full model, then per size ``k``
+  the children of the beam, at most ``C(N, k)``."""
+  arguments.check_count("width", width)
+  n = sum(config.heads_per_layer)
+  return 1 + sum(min(math.comb(n, k),
+                     min(width, math.comb(n, k - 1)) * (n - k + 1))
+                 for k in range(1, n + 1))
+
+
+__all__ = ["ValueFn", "layer_surrogate", "beam_search",
+           "surrogate_evaluations", "beam_evaluations"]

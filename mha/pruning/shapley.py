@@ -31,6 +31,7 @@ import numpy as np
 
 from mha import head_masks
 from mha.model import TransformerConfig
+from mha.run import arguments
 
 #: ``value_fn(kept)``: ``kept`` ``[B, N]`` bool (which heads each subset
 #: keeps) -> ``[B, n]`` per-example values whose mean over examples is
@@ -63,6 +64,7 @@ def sampled_shapley(value_fn: ValueFn, num_heads: int, *, num_pairs: int,
   Returns:
     ``(phi, ci)``: ``[N]`` estimates and ``[N, 2]`` intervals.
   """
+  arguments.check_count("num_heads", num_heads)
   if num_pairs < 2:
     raise ValueError(f"num_pairs must be >= 2, got {num_pairs}")
   orders = np.stack([rng.permutation(num_heads) for _ in range(num_pairs)])
@@ -118,6 +120,7 @@ def interaction_pairs(values: np.ndarray, config: TransformerConfig,
   """Every pair of heads with its interaction index, largest magnitude
   first: ``{"heads": [[l, h], [l, h]], "value": v}`` (``top``: the first
   ``top`` only)."""
+  arguments.check_count("top", top, none="every pair")
   matrix = interaction_indices(values)
   flat = np.flatnonzero(head_masks.existing_heads(config))
   pairs = head_masks.flat_to_pairs(config, flat)

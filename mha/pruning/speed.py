@@ -49,6 +49,7 @@ from mha.pruning import core
 from mha.pruning.constants import (ADAPTIVE_MIN_SECONDS, CONFIDENCE,
                                    MAX_REPEATS, MIN_SECONDS, REPEATS,
                                    TARGET_WIDTH)
+from mha.run import arguments
 
 
 # The timing protocol's defaults are in mha.pruning.constants (the flags
@@ -136,6 +137,8 @@ def median_interval(samples: Sequence[float], confidence: float = CONFIDENCE
 def rotation(num_models: int, repeats: int) -> list[list[int]]:
   """The order the models run in, round by round: round ``r`` starts with
   model ``r mod num_models`` and goes on cyclically."""
+  arguments.check_count("num_models", num_models)
+  arguments.check_count("repeats", repeats)
   return [[(r + i) % num_models for i in range(num_models)]
           for r in range(repeats)]
 
@@ -226,6 +229,9 @@ def run_rounds(window: Callable[[int], float], num_models: int, *,
   Returns:
     Every model's rates, round by round, and the order of every round.
   """
+  arguments.check_count("num_models", num_models)
+  arguments.check_count("repeats", repeats)
+  arguments.check_count("max_repeats", max_repeats)
   rates: list[list[float]] = [[] for _ in range(num_models)]
   orders: list[list[int]] = []
   active = list(range(num_models))
@@ -258,6 +264,8 @@ def time_models(models: Sequence[tuple[Transformer, Params]],
   ``max_repeats``, for the cells whose speed-up interval is wider than that
   share of the speed-up. ``repeats`` below 10 or ``min_seconds`` below 0.02
   are for tests only."""
+  arguments.check_count("repeats", repeats)
+  arguments.check_count("max_repeats", max_repeats)
   m, b = len(models), len(inputs_by_batch)
   per_column: list[list[list[float]]] = []
   schedules: list[list[list[int]]] = []
@@ -370,6 +378,7 @@ def time_predictions(models: Sequence[tuple[Transformer, Params]],
   """Examples per second (median) and FLOPs of each model at each batch
   size, both ``[len(models), len(batch sizes)]``: :func:`time_models`
   without the intervals and the other costs."""
+  arguments.check_count("repeats", repeats)
   timings = time_models(models, inputs_by_batch, repeats=repeats,
                         min_seconds=min_seconds, progress=progress)
   return timings.examples_per_sec, timings.costs["flops"]
@@ -470,6 +479,9 @@ def speed_table(model: Transformer, params: Params, order: np.ndarray,
     the unpruned model (``flop_ratio``, ``bytes_accessed_ratio``,
     ``transcendentals_ratio``).
   """
+  arguments.check_counts("batch_sizes", batch_sizes)
+  arguments.check_count("repeats", repeats)
+  arguments.check_count("max_repeats", max_repeats)
   fractions = sorted({0.0, *fractions})
   entries, models = _pruned_entries(model, params, np.asarray(order), test,
                                     fractions)

@@ -26,6 +26,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from mha import evaluate as eval_lib
+from mha.run import arguments
 
 #: Central coverage of every interval.
 LEVEL = 0.95
@@ -47,6 +48,8 @@ def example_weights(num_examples: int, num_bootstrap: int,
                     rng: np.random.Generator) -> np.ndarray:
   """``[R, n]`` float32 counts: how often each example is drawn in each of
   ``R`` resamples with replacement."""
+  arguments.check_count("num_examples", num_examples)
+  arguments.check_count("num_bootstrap", num_bootstrap)
   draws = rng.integers(0, num_examples, (num_bootstrap, num_examples))
   # One bincount over (resample, example) cells: the counts np.add.at makes,
   # 6-7x faster (the bootstrap draws thousands of these).
@@ -59,6 +62,8 @@ def seed_weights(num_seeds: int, num_bootstrap: int,
                  rng: np.random.Generator) -> np.ndarray:
   """``[R, S]`` float64 seed weights of a replicate (draw counts / S); one
   seed gives weight 1 in every replicate."""
+  arguments.check_count("num_seeds", num_seeds)
+  arguments.check_count("num_bootstrap", num_bootstrap)
   return example_weights(num_seeds, num_bootstrap, rng).astype(
       np.float64) / num_seeds
 
@@ -101,6 +106,8 @@ def seed_t_weights(num_seeds: int, num_bootstrap: int,
   term of :func:`seed_t_replicates`: ``z`` standard normal per replicate and
   seed, ``c`` chi-square with ``S - 1`` degrees of freedom per replicate.
   One seed: zeros (no seed term)."""
+  arguments.check_count("num_seeds", num_seeds)
+  arguments.check_count("num_bootstrap", num_bootstrap)
   if num_seeds < 2:
     return np.zeros((num_bootstrap, num_seeds))
   z = rng.standard_normal((num_bootstrap, num_seeds))
@@ -169,6 +176,7 @@ def seed_interval(per_seed: np.ndarray, seed_t: np.ndarray) -> np.ndarray:
 
 def interval_method(num_seeds: int) -> str:
   """``results.json``'s ``interval_method`` for ``num_seeds`` seeds."""
+  arguments.check_count("num_seeds", num_seeds)
   return ONE_SEED_METHOD if num_seeds < 2 else SEEDS_METHOD
 
 

@@ -14,6 +14,8 @@ reverse.
 * :mod:`~mha.pruning.study.extensions`: gates, retraining, mean ablation;
 * :mod:`~mha.pruning.study.summary`: bootstrap statistics of the curves;
 * :mod:`~mha.pruning.study.outputs`: ``results.json`` and per-example sums;
+* :mod:`~mha.pruning.study.kept_analyses`: each finished seed's analysis,
+  kept in the output folder and reused by a rerun;
 * :mod:`~mha.pruning.study.report`, :mod:`~mha.pruning.study.report_extensions`,
   :mod:`~mha.pruning.study.plots`, :mod:`~mha.pruning.study.markdown`:
   ``report.md`` and its figures.

@@ -14,6 +14,7 @@ and all-but-one tables. Intervals come from a paired bootstrap over examples
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -547,6 +548,16 @@ def run_searches(model: Transformer, params: Params, validation: data.Split,
   if not options.searches:
     return {}
   config = model.config
+
+  def values(masks: np.ndarray) -> np.ndarray:
+    # Padded to whole chunks of 8: one compiled program for every call.
+    padded = np.concatenate([masks, np.repeat(masks[:1], -len(masks) % 8,
+                                              axis=0)])
+    return oracle.subset_values(core.evaluate_masks(
+        model, params, validation, padded, batch_size=options.batch_size,
+        chunk_size=8, ablation=ablation))[:len(masks)]
+
+  log(search_estimate(config, options, _seconds_per_subset(config, values)))
   out = {}
   for name, search in (
       ("surrogate", lambda fn: searches_lib.layer_surrogate(
@@ -558,16 +569,41 @@ def run_searches(model: Transformer, params: Params, validation: data.Split,
 
     def value_fn(masks: np.ndarray, evaluated=evaluated) -> np.ndarray:
       evaluated[0] += len(masks)
-      # Padded to whole chunks of 8: one compiled program for every call.
-      padded = np.concatenate([masks, np.repeat(masks[:1], -len(masks) % 8,
-                                                axis=0)])
-      return oracle.subset_values(core.evaluate_masks(
-          model, params, validation, padded, batch_size=options.batch_size,
-          chunk_size=8, ablation=ablation))[:len(masks)]
+      return values(masks)
     out[name], timings[f"{name}_s"] = timed(
         log, f"{SEARCH_LABELS[name]}", lambda: search(value_fn))
     evaluations[name] = evaluated[0]
   return out
+
+
+def _seconds_per_subset(config: TransformerConfig,
+                        values: searches_lib.ValueFn) -> float:
+  """The measured seconds of one subset evaluated by the searches'
+  ``values``: a chunk of 8 full masks, timed on its second call (the first
+  compiles the program the searches use)."""
+  masks = np.repeat(head_masks.full_head_mask(config)[None], 8, axis=0)
+  values(masks)
+  start = time.perf_counter()
+  values(masks)
+  return (time.perf_counter() - start) / len(masks)
+
+
+def search_estimate(config: TransformerConfig, options: StudyOptions,
+                    seconds_per_subset: float) -> str:
+  """One line: the searches' estimated time, their subset evaluations
+  (:func:`mha.pruning.searches.surrogate_evaluations`,
+  :func:`~mha.pruning.searches.beam_evaluations`) times the measured
+  seconds of one."""
+  low, high = searches_lib.surrogate_evaluations(
+      config, top=options.surrogate_top,
+      polish_rounds=options.search_polish_rounds)
+  beam = searches_lib.beam_evaluations(config, width=options.beam_width)
+  fewest, most = low + beam, high + beam
+  return (f"  Estimate: the searches evaluate {fewest:,} to {most:,} subsets "
+          f"(surrogate {low:,} to {high:,}, beam at most {beam:,}) at "
+          f"{seconds_per_subset * 1e3:.2f} ms each (measured): about "
+          f"{oracle.describe_seconds(fewest * seconds_per_subset)} to "
+          f"{oracle.describe_seconds(most * seconds_per_subset)}")
 
 
 def run_exact_k(model: Transformer, params: Params, train: data.Split,
@@ -803,6 +839,6 @@ def aggregate(seed_results: Sequence[Mapping[str, Any]],
 
 
 __all__ = ["CURVE_LABELS", "SEARCH_LABELS", "BOOTSTRAP_ORDERINGS",
-           "replicate_orders", "Plan", "run_searches", "run_kwon",
+           "replicate_orders", "Plan", "run_searches", "search_estimate", "run_kwon",
            "run_exact_k", "plan_masks", "Resamples", "analyze_seed",
            "custom_pruning", "aggregate"]

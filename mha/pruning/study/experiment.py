@@ -47,6 +47,7 @@ from mha.pruning import speed
 from mha.pruning import stats
 from mha.pruning.study import analysis
 from mha.pruning.study import extensions
+from mha.pruning.study import kept_analyses
 from mha.pruning.study import outputs
 from mha.pruning.study import seeds as seeds_lib
 from mha.pruning.study.options import StudyOptions
@@ -214,8 +215,12 @@ def estimate(first: ckpt_lib.LoadedCheckpoint, options: StudyOptions) -> str:
 
 def _analyze_all(checkpoints: Sequence[ckpt_lib.LoadedCheckpoint],
                  splits: Mapping[str, data.Split], options: StudyOptions,
-                 log: Log) -> tuple[list[dict[str, Any]], dict[str, Any],
-                                    dict[str, Any]]:
+                 log: Log, out_dir: str
+                 ) -> tuple[list[dict[str, Any]], dict[str, Any],
+                            dict[str, Any]]:
+  """Every seed's analysis (each kept in ``out_dir`` as it ends, and one
+  kept by an earlier run of the same study reused:
+  :mod:`mha.pruning.study.kept_analyses`), then their aggregates."""
   rng = np.random.default_rng(options.seed)
   resamples = analysis.Resamples.draw(splits, len(checkpoints), options.num_bootstrap,
                              np.random.default_rng([options.seed, 1]))
@@ -223,24 +228,49 @@ def _analyze_all(checkpoints: Sequence[ckpt_lib.LoadedCheckpoint],
   for ckpt in checkpoints:
     log(f"Seed {ckpt.config.seed} (step {ckpt.step}, "
         f"{core.count_params(ckpt.params):,} parameters):")
-    seed_start = time.perf_counter()
-    interrupt.reached("analysis")  # A test's signal during the analysis.
-    result, stat = analysis.analyze_seed(ckpt.model, ckpt.params, splits, options,
-                                rng, resamples, log, run_config=ckpt.config)
-    result["seed"] = int(ckpt.config.seed)
-    result["step"] = int(ckpt.step)
-    result["config"] = ckpt.config.to_dict()
-    result["timings"]["total_s"] = time.perf_counter() - seed_start
+    path = os.path.join(seeds_lib.seed_dir(out_dir, int(ckpt.config.seed)),
+                        kept_analyses.FILE)
+    digest = kept_analyses.key(options, ckpt.step, ckpt.params, splits,
+                               resamples, rng)
+    kept = kept_analyses.load(path, digest, rng, log)
+    if kept is not None:
+      log(f"  reusing its analysis kept in {path}")
+    else:
+      kept = _analyze_seed(ckpt, splits, options, rng, resamples, log)
+      try:
+        kept_analyses.save(path, digest, kept, rng)
+      except TypeError as e:  # Computed, but a rerun will compute it again.
+        log(f"  its analysis could not be kept ({e})")
+    seeds.append(kept["result"])
+    statistics.append(kept["statistics"])
     if options.extensions:
-      extras.append(extensions.analyze_seed(ckpt, result, splits, options,
-                                        resamples, log))
-      result["timings"]["beyond_s"] = (time.perf_counter() - seed_start
-                                       - result["timings"]["total_s"])
-    seeds.append(result)
-    statistics.append(stat)
+      extras.append(kept["extras"])
   extra = (extensions.aggregate(extras, statistics, seeds, resamples.seeds,
                             options) if extras else {})
   return seeds, analysis.aggregate(seeds, statistics, resamples.seeds), extra
+
+
+def _analyze_seed(ckpt: ckpt_lib.LoadedCheckpoint,
+                  splits: Mapping[str, data.Split], options: StudyOptions,
+                  rng: np.random.Generator, resamples: analysis.Resamples,
+                  log: Log) -> dict[str, Any]:
+  """One seed's analysis and its extensions: ``result``, ``statistics``
+  and (with extensions) ``extras``."""
+  seed_start = time.perf_counter()
+  interrupt.reached("analysis")  # A test's signal during the analysis.
+  result, stat = analysis.analyze_seed(ckpt.model, ckpt.params, splits, options,
+                              rng, resamples, log, run_config=ckpt.config)
+  result["seed"] = int(ckpt.config.seed)
+  result["step"] = int(ckpt.step)
+  result["config"] = ckpt.config.to_dict()
+  result["timings"]["total_s"] = time.perf_counter() - seed_start
+  kept: dict[str, Any] = {"result": result, "statistics": stat}
+  if options.extensions:
+    kept["extras"] = extensions.analyze_seed(ckpt, result, splits, options,
+                                             resamples, log)
+    result["timings"]["beyond_s"] = (time.perf_counter() - seed_start
+                                     - result["timings"]["total_s"])
+  return kept
 
 
 def _header(workdir: str, first: ckpt_lib.LoadedCheckpoint,
@@ -329,7 +359,8 @@ def run(workdir: str, out_dir: str, options: StudyOptions,
   config = first.config
   splits = data.load_splits(build.data_spec(config), config.data.data_dir)
   experiment_start = time.perf_counter()
-  seeds, agg, extra = _analyze_all(checkpoints, splits, options, log)
+  seeds, agg, extra = _analyze_all(checkpoints, splits, options, log,
+                                   out_dir)
   results = _header(workdir, first, options, splits) | extra | {
       "interval_method": stats.interval_method(len(seeds)),
       "ablation": options.ablation,
