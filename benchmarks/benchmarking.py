@@ -95,9 +95,8 @@ def max_relative_diff(a: Any, b: Any) -> float:
 
 def kernels(hlo_text: str) -> int:
   """Fusions and calls of the program's own computations in an optimized HLO
-  module (the entry, and the bodies of its loops, as the train program's
-  loop over its steps; not the computations inside fused kernels): roughly,
-  the kernels XLA compiles and launches."""
+  module (the entry, and the bodies of any loops in it; not the computations
+  inside fused kernels): roughly, the kernels XLA compiles and launches."""
   program = "\n".join(
       block for block in hlo_text.split("\n\n")
       if "{" in block and "fus" not in block.split("{", 1)[0].split("(")[0])
@@ -127,8 +126,9 @@ class RunPrograms:
     model: the config's model.
     mesh: the run's mesh.
     initial_state: jitted ``() -> state``, onto the run's shardings.
-    train_program: ``mha.train._train_program``, jitted ``(state, batches,
-      num_steps, rng) -> (state, stacked metrics)``, the state donated.
+    train_program: ``mha.train._train_program``: the train step jitted
+      ``(state, batch, rng) -> (state, metrics)``, one step a call, the state
+      donated.
     dropout_rng: the run's dropout key.
   """
   model: Any
@@ -137,12 +137,13 @@ class RunPrograms:
   train_program: Any
   dropout_rng: Any
 
-  def block(self, batches: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    """A block of batches ``[steps, batch, length]`` on the devices, split as
-    the run splits its blocks."""
+  def batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """One batch ``{"inputs", "targets"}`` of ``[batch, length]`` on the
+    devices, split as the run splits its batches
+    (``mha.run.sharding.batch_sharding``)."""
     from mha.run import sharding  # pylint: disable=import-outside-toplevel
-    return sharding.global_batch(batches, sharding.block_sharding(self.mesh),
-                                 next(iter(batches.values())).shape[1])
+    return sharding.global_batch(batch, sharding.batch_sharding(self.mesh),
+                                 next(iter(batch.values())).shape[0])
 
 
 def run_programs(config: Any) -> RunPrograms:

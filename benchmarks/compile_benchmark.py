@@ -6,18 +6,19 @@ r"""Compile time of a run's three programs, and the train step's speed.
 The three programs ``train.py`` compiles, as ``mha.train.train_and_evaluate``
 makes them (``benchmarking.run_programs``: the mesh over every device): the
 initial state (``build.create_train_state``, jitted onto the run's
-shardings), the train program (``mha.train._train_program``: up to
-``mha.train.STEPS_PER_CALL`` steps a call) and the evaluation step
+shardings), the train program (``mha.train._train_program``: the train
+step, one step a call) and the evaluation step
 (``mha.evaluate.eval_step``). Each is lowered and compiled ``--rounds``
 times, in turns, with the persistent compilation cache off and JAX's
 in-memory caches cleared before every lowering. For each: the median wall
 time and CPU time (the process's, XLA's compiler threads included: less
 sensitive than wall time to a machine shared with other work), the
 optimized HLO's lines and the kernels (fusions and library calls) of its
-own computations. Then the train step's time: ``--steps`` steps on random
-batches already on the devices, in calls of ``STEPS_PER_CALL`` steps as a
-run makes them, the median call's time a step, as ms and as the steps/s of
-the progress line.
+own computations. Then the train step's time: ``--steps`` steps on a random
+batch already on the devices, one call a step and each step's metrics
+fetched once the next step is dispatched, as a run makes them; timed in
+windows of up to ``WINDOW`` steps, the median window's time a step, as ms and
+as the steps/s of the progress line.
 
 Prints the table; writes it beside ``--out`` (JSON; by default
 ``benchmarks/results/<UTC date>_compile_<commit>.json``). To compare two
@@ -45,7 +46,6 @@ import jax
 import jax.numpy as jnp
 
 from mha import evaluate as eval_lib
-from mha import train
 from mha.run import cli
 
 from benchmarks import benchmarking
@@ -62,20 +62,21 @@ _OUT = flags.DEFINE_string(
 
 _PROG = "compile_benchmark.py"
 
+#: The most steps of a timed window of train steps.
+WINDOW = 10
+
 
 def programs(config) -> dict[str, tuple]:
   """``{name: (jitted, args)}`` of the three programs of a run."""
   run = benchmarking.run_programs(config)
   state = run.initial_state()
-  per_call = train.STEPS_PER_CALL
-  batches = run.block(benchmarking.random_batches(config, per_call))
+  batch = run.batch({key: value[0] for key, value in
+                     benchmarking.random_batches(config, 1).items()})
   eval_tokens = jnp.ones((config.eval_batch_size, config.data.max_len),
                          jnp.int32)
   return {
       "initial state": (run.initial_state, ()),
-      # The count of steps an argument, as the run passes it.
-      "train step": (run.train_program, (state, batches, jnp.int32(per_call),
-                                         run.dropout_rng)),
+      "train step": (run.train_program, (state, batch, run.dropout_rng)),
       "evaluation": (eval_lib.eval_step, (run.model, state.params, {
           "inputs": eval_tokens, "targets": eval_tokens})),
   }
@@ -102,21 +103,27 @@ def measure(config, rounds: int, steps: int) -> dict[str, dict[str, float]]:
   for name in progs:
     out[name]["compile_wall_s"] = statistics.median(wall[name])
     out[name]["compile_cpu_s"] = statistics.median(cpu[name])
-  # The train step on device-resident batches, its state threaded through:
-  # calls of STEPS_PER_CALL steps.
+  # The train step on a device-resident batch (a step's speed does not
+  # depend on the data), its state threaded through: one call a step, each
+  # step's metrics fetched once the next step is dispatched (the run's loop).
   fn, (state, *rest) = progs["train step"]
-  per_call = train.STEPS_PER_CALL
   state, metrics = fn(state, *rest)
   jax.block_until_ready(metrics)
+  window = min(steps, WINDOW)
   times = []
-  for _ in range(max(1, steps // per_call)):
+  for _ in range(max(1, steps // window)):
     start = time.perf_counter()
-    state, metrics = fn(state, *rest)
-    jax.block_until_ready(metrics)
-    times.append((time.perf_counter() - start) / per_call)
+    unfetched = None
+    for _ in range(window):
+      state, metrics = fn(state, *rest)
+      if unfetched is not None:
+        jax.device_get(unfetched)
+      unfetched = metrics
+    jax.device_get(unfetched)
+    times.append((time.perf_counter() - start) / window)
   step_ms = 1e3 * statistics.median(times)
   out["train step"].update(step_ms=step_ms, steps_per_s=1e3 / step_ms,
-                           steps_per_call=per_call, calls_timed=len(times))
+                           steps_per_window=window, windows_timed=len(times))
   return out
 
 
@@ -134,9 +141,10 @@ def format_table(results) -> str:
                  f"{r['compile_cpu_s']:.2f} | {r['hlo_lines']:,} | "
                  f"{r['kernels']} |")
   step = programs_["train step"]
-  lines += ["", f"train step: {step['step_ms']:.2f} ms median "
-            f"({step['steps_per_s']:.1f} steps/s), calls of "
-            f"{step['steps_per_call']} steps"]
+  lines += ["", f"train step: {step['step_ms']:.2f} ms "
+            f"({step['steps_per_s']:.1f} steps/s), one call a step: the "
+            f"median of {step['windows_timed']} windows of "
+            f"{step['steps_per_window']} steps"]
   return "\n".join(lines) + "\n"
 
 

@@ -56,6 +56,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable, Mapping, TypeVar
@@ -267,6 +268,33 @@ def _drop_closed_loop_reports() -> None:
 
   hook.drops_closed_loop_reports = True
   sys.unraisablehook = hook
+  # TensorStore's callbacks into a closed loop may also report through
+  # sys.excepthook (a bare "Traceback ... Event loop is closed"), or through
+  # threading.excepthook from a Python thread.
+  previous_except = sys.excepthook
+
+  def excepthook(kind, error, trace):
+    if not _closed_loop_error(error):
+      previous_except(kind, error, trace)
+
+  sys.excepthook = excepthook
+  previous_thread = threading.excepthook
+
+  def thread_hook(args):
+    if not _closed_loop_error(args.exc_value):
+      previous_thread(args)
+
+  threading.excepthook = thread_hook
+
+
+def _closed_loop_error(error: BaseException | None) -> bool:
+  """Whether ``error`` is asyncio's ``Event loop is closed``, raised in its
+  own ``call_soon_threadsafe`` (a callback into orbax's closed loop)."""
+  if not (isinstance(error, RuntimeError)
+          and str(error) == "Event loop is closed"):
+    return False
+  frames = traceback.extract_tb(error.__traceback__)
+  return any(frame.name == "call_soon_threadsafe" for frame in frames)
 
 
 def _damaged(manager: ocp.CheckpointManager, step: int,
@@ -284,6 +312,9 @@ def _or_damaged(manager: ocp.CheckpointManager, step: int,
                 restore: Callable[..., _T], *args: Any) -> _T:
   """``restore(manager, step, *args)``, raising ``DamagedCheckpointError``
   naming the step's folder when it fails."""
+  # Before the attempt: what a failed restore abandons can report itself
+  # from tensorstore's threads as soon as orbax closes its loop.
+  _drop_closed_loop_reports()
   try:
     return restore(manager, step, *args)
   except Exception as e:  # orbax and tensorstore raise many kinds.
@@ -727,3 +758,31 @@ def transformer_from_checkpoint(workdir: str | os.PathLike,
   for name, value in attrs.items():
     setattr(model, name, value)
   return model
+
+
+def check_restart(checkpoints: TrainCheckpoints,
+                  restored: tuple[int, Any] | None,
+                  restart_from_scratch: bool, *,
+                  log: Callable[[str], None] = print) -> None:
+  """Refuses to start a run over without ``restart_from_scratch`` when its
+  checkpoints are all damaged (``NoIntactCheckpointError``), and
+  ``restart_from_scratch`` while one is intact (``ConfigError``); ``log``s
+  a line when it starts over. ``restored``: ``restore_latest()``'s."""
+  workdir = os.path.dirname(checkpoints.directory)
+  damaged = damaged_steps(workdir)
+  kept = (f"{', '.join(map(str, damaged))}, kept in "
+          f"{os.path.join(workdir, DAMAGED_DIR)}")
+  if restored is not None and restart_from_scratch:
+    raise config_validation.ConfigError(
+        f"--restart_from_scratch starts a run over only when no intact "
+        f"checkpoint is left, and {checkpoints.step_path(restored[0])} is "
+        "intact; run without it to resume, or use another workdir")
+  if restored is not None or not damaged:
+    return
+  if not restart_from_scratch:
+    raise NoIntactCheckpointError(
+        f"no intact checkpoint left in {checkpoints.directory}: every one is "
+        f"damaged (steps {kept}); to start the run over from step 0, run the "
+        "same command with --restart_from_scratch")
+  log(f"Starting over from step 0 with --restart_from_scratch: no intact "
+       f"checkpoint left in {checkpoints.directory} (damaged steps {kept})")

@@ -1,12 +1,10 @@
 """Training and evaluation: ``train_and_evaluate(config, workdir)``.
 
-The loop of the Flax examples: one jitted, buffer-donating train program,
-batches a pure function of ``(seed, step)``, metrics fetched one call late
+The loop of the Flax examples: one jitted, buffer-donating train step,
+batches a pure function of ``(seed, step)``, metrics fetched one step late
 so that the device never waits for Python, orbax checkpoints of the whole
 train state (a run resumed from its workdir ends with bitwise the parameters
-of an uninterrupted one, on CPU). The train program runs up to
-``STEPS_PER_CALL`` steps a call (``train_steps``, a ``jax.lax.fori_loop``
-over ``train_step``: bitwise the steps one at a time).
+of an uninterrupted one, on CPU).
 
 Metrics go to the console (a progress line with steps/s and ETA), TensorBoard
 event files and ``workdir/metrics.jsonl``, whose first row of each start
@@ -19,8 +17,8 @@ A run never loses more than the steps since its last checkpoint and never
 mixes with another: the config is checked before anything is compiled or
 written (``mha.run.config_validation``), a workdir is only resumed with a
 config that differs in ``RESUMABLE_KEYS`` and held by one run at a time
-(``mha.run.workdir_lock``), SIGTERM/SIGINT stop once the train program's
-calls under way are done (at most two) with a checkpoint of the last step,
+(``mha.run.workdir_lock``), SIGTERM/SIGINT stop once the steps under way
+are done (at most two) with a checkpoint of the last step,
 damaged checkpoints are set aside (``mha.checkpoint``), a non-finite loss,
 gradient or parameter stops the run before it is saved, and a full disk or a
 read-only one stops it naming the intact checkpoints
@@ -45,7 +43,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -111,49 +109,6 @@ def train_step(state: TrainState, batch: Mapping[str, Array], rng: Array, *,
   return new_state, metrics
 
 
-# The most train steps one call of the run's train program runs
-# (:func:`train_steps`); a call also ends at every logging, evaluation and
-# checkpoint step. Bitwise neutral; what it buys is measured in
-# docs/performance.md. 1 gives one step a call.
-STEPS_PER_CALL = 50
-
-
-def train_steps(state: TrainState, batches: Mapping[str, Array],
-                num_steps: int | Array, rng: Array, *, model: Transformer,
-                schedule: optax.Schedule
-                ) -> tuple[TrainState, dict[str, Array]]:
-  """``num_steps`` :func:`train_step` calls in one program, back to back.
-
-  ``batches`` is a block of batches, each value ``[K, ...]`` (``K`` batches
-  of :func:`train_step`'s shapes); step ``i`` trains on batch ``i``. Only the
-  first ``num_steps`` (at most ``K``; it may be traced, so that one compiled
-  program runs any count) are used. Returns the state after them and each
-  step's metrics stacked, ``[K]`` each, zero from row ``num_steps`` on.
-  Bitwise the state and metrics of ``num_steps`` calls of
-  :func:`train_step` (tests/test_train.py).
-  """
-  steps = jax.tree.leaves(batches)[0].shape[0]
-  if (not isinstance(num_steps, jax.core.Tracer)
-      and not 0 <= num_steps <= steps):
-    raise ValueError(f"num_steps={num_steps} is not between 0 and the "
-                     f"block's {steps} batches")
-  step = functools.partial(train_step, model=model, schedule=schedule)
-  metrics = jax.eval_shape(step, state, jax.tree.map(lambda x: x[0], batches),
-                           rng)[1]
-
-  def body(i, carry):
-    state, stacked = carry
-    batch = jax.tree.map(
-        lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), batches)
-    state, metrics = step(state, batch, rng)
-    return state, jax.tree.map(lambda rows, m: rows.at[i].set(m), stacked,
-                               metrics)
-
-  stacked = jax.tree.map(lambda m: jnp.zeros((steps, *m.shape), m.dtype),
-                         metrics)
-  return jax.lax.fori_loop(0, num_steps, body, (state, stacked))
-
-
 def _check_finite(step: int, metrics: Mapping[str, np.ndarray]) -> None:
   loss = float(metrics["loss_sum"])
   grad_norm = float(metrics["grad_norm"])
@@ -186,9 +141,9 @@ class TrainingInterrupted(Exception):
 
 
 class _StopRequest:
-  """Turns SIGTERM and SIGINT into a request to stop once the train
-  program's calls under way are done (two at most: the one running and the
-  one queued behind it).
+  """Turns SIGTERM and SIGINT into a request to stop once the steps under
+  way are done (two at most: the one running and the one queued behind
+  it).
 
   A second signal of the same kind gets the handler that was there before
   (SIGINT: KeyboardInterrupt at once; SIGTERM: the process ends). Handlers can
@@ -238,22 +193,6 @@ def _agreed_signal(signum: int | None) -> int | None:
 # --------------------------------------------------------------------------
 
 
-class _NoWriter:
-  """The ``MetricWriter`` of processes other than process 0: writes nothing."""
-
-  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
-    del step, scalars
-
-  def write_text(self, step: int, tag: str, text: str) -> None:
-    del step, tag, text
-
-  def write_header(self, step: int, header: Mapping[str, Any]) -> None:
-    del step, header
-
-  def close(self) -> None:
-    pass
-
-
 @dataclasses.dataclass(frozen=True)
 class _Run:
   """What every part of a training run works with, built once by
@@ -265,9 +204,9 @@ class _Run:
   splits: Mapping[str, data.Split]
   mesh: Mesh
   dropout_rng: Array
-  train_program: Any  # jitted train_steps, state donated
+  train_program: Any  # jitted train_step, state donated
   checkpoints: ckpt_lib.TrainCheckpoints
-  writer: MetricWriter | _NoWriter
+  writer: MetricWriter | metric_writers.NoWriter
   stop: _StopRequest
   start_time: float  # time.time() when train_and_evaluate was called
   compiles_at_start: compilation_cache.CompileCounts
@@ -303,8 +242,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   against the devices: ``batch_size`` must split across them) and, if
   ``workdir`` holds a run, compared with that run's config: only
   ``config_validation.RESUMABLE_KEYS`` may differ. SIGTERM and SIGINT stop
-  the run once the train program's calls under way are done, with a
-  checkpoint of the last step.
+  the run once the steps under way are done, with a checkpoint of the last
+  step.
 
   A workdir whose checkpoints are all damaged (set aside in
   ``workdir/damaged_checkpoints/``) is not silently trained from step 0:
@@ -352,7 +291,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                                                    state_shardings))
     cleanup.callback(checkpoints.close)  # Even on errors: finish the saves.
     restored = checkpoints.restore_latest()
-    _check_restart(workdir, checkpoints, restored, restart_from_scratch)
+    ckpt_lib.check_restart(checkpoints, restored, restart_from_scratch,
+                           log=_log)
     replicated = sharding_lib.replicated(mesh)
     # Jitted (eager initialisation runs op by op and takes seconds), onto
     # the run's shardings (with several processes a key must be global).
@@ -374,7 +314,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
         checkpoints=checkpoints,
         writer=cleanup.enter_context(contextlib.closing(
             MetricWriter(workdir, purge_step=int(state.step) + 1)
-            if main_process else _NoWriter())),
+            if main_process else metric_writers.NoWriter())),
         stop=cleanup.enter_context(_StopRequest()), start_time=start_time,
         compiles_at_start=compiles_at_start)
     _write_run_header(run, state)
@@ -399,42 +339,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   return state
 
 
-def _check_restart(workdir: str, checkpoints: ckpt_lib.TrainCheckpoints,
-                   restored: tuple[int, Any] | None,
-                   restart_from_scratch: bool) -> None:
-  """Refuses to start a run over without ``restart_from_scratch`` when its
-  checkpoints are all damaged, and ``restart_from_scratch`` while one is
-  intact; says so when it starts over."""
-  damaged = ckpt_lib.damaged_steps(workdir)
-  kept = (f"{', '.join(map(str, damaged))}, kept in "
-          f"{os.path.join(workdir, ckpt_lib.DAMAGED_DIR)}")
-  if restored is not None and restart_from_scratch:
-    raise config_validation.ConfigError(
-        f"--restart_from_scratch starts a run over only when no intact "
-        f"checkpoint is left, and {checkpoints.step_path(restored[0])} is "
-        "intact; run without it to resume, or use another workdir")
-  if restored is not None or not damaged:
-    return
-  if not restart_from_scratch:
-    raise ckpt_lib.NoIntactCheckpointError(
-        f"no intact checkpoint left in {checkpoints.directory}: every one is "
-        f"damaged (steps {kept}); to start the run over from step 0, run the "
-        "same command with --restart_from_scratch")
-  _log(f"Starting over from step 0 with --restart_from_scratch: no intact "
-       f"checkpoint left in {checkpoints.directory} (damaged steps {kept})")
-
-
 def _train_program(config: ml_collections.ConfigDict, model: Transformer,
                    mesh: Mesh, state_shardings: Any) -> Any:
-  """:func:`train_steps` jitted for the run's shardings, the state donated:
-  ``(state, batches, num_steps, rng) -> (state, stacked metrics)``."""
+  """:func:`train_step` jitted for the run's shardings, the state donated:
+  ``(state, batch, rng) -> (state, metrics)``."""
   replicated = sharding_lib.replicated(mesh)
-  steps = functools.partial(train_steps, model=model,
-                            schedule=build.learning_rate_schedule(config))
+  step = functools.partial(train_step, model=model,
+                           schedule=build.learning_rate_schedule(config))
   return jax.jit(
-      steps,
-      in_shardings=(state_shardings, sharding_lib.block_sharding(mesh),
-                    replicated, replicated),
+      step,
+      in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh),
+                    replicated),
       out_shardings=(state_shardings, replicated),
       donate_argnums=0)
 
@@ -555,78 +470,45 @@ def _describe_latest(checkpoints: ckpt_lib.TrainCheckpoints) -> str:
 # --------------------------------------------------------------------------
 
 
-def _calls(config: ml_collections.ConfigDict, done: int) -> Iterator[int]:
-  """The steps of each call of the train program after step ``done``: one
-  first (start-up is reported once it is done), then up to the next
-  logging, evaluation or checkpoint step or the last, at most
-  :data:`STEPS_PER_CALL`."""
-  steps = 1
-  while done < config.num_train_steps:
-    yield steps
-    done += steps
-    steps = min(STEPS_PER_CALL, config.num_train_steps - done)
-    for every in (config.log_every_steps, config.eval_every_steps,
-                  config.checkpoint_every_steps):
-      steps = min(steps, every - done % every)
-
-
-def _host_block(split: data.Split, config: ml_collections.ConfigDict,
-                first: int, num_steps: int, rows: slice
-                ) -> dict[str, np.ndarray]:
-  """Rows ``rows`` of the batches of steps ``first`` to ``first + num_steps
-  - 1`` (0-based; :func:`process_train_batch`), as a block of
-  :data:`STEPS_PER_CALL` batches (the ones after them zero: a call does not
-  use them)."""
-  if not 1 <= num_steps <= STEPS_PER_CALL:
-    raise ValueError(f"a block holds 1 to {STEPS_PER_CALL} steps' batches, "
-                     f"not {num_steps}")
-  batches = [process_train_batch(split, config, first + i, rows)
-             for i in range(num_steps)]
-  return {key: np.stack([b[key] for b in batches] + [np.zeros_like(
-      batches[0][key])] * (STEPS_PER_CALL - num_steps)) for key in batches[0]}
-
-
 def _train_loop(run: _Run, state: TrainState) -> TrainState:
   """Steps from ``state.step`` to ``num_train_steps``, evaluating, logging and
   saving on the way; returns the final state (its checkpoint saved)."""
   config = run.config
-  block_sharding = sharding_lib.block_sharding(run.mesh)
-  rows = sharding_lib.process_rows(sharding_lib.batch_sharding(run.mesh),
-                                   config.batch_size)
+  batch_sharding = sharding_lib.batch_sharding(run.mesh)
+  rows = sharding_lib.process_rows(batch_sharding, config.batch_size)
   total = config.num_train_steps
-  done = int(state.step)
-  progress = _Progress(run, done)
-  # (first step, steps, metrics on the device) of the newest call but one:
-  # a call's metrics are fetched once the next call is dispatched, and
-  # before every evaluation and save.
+  first = int(state.step)
+  progress = _Progress(run, first)
+  # (step, metrics on the device) of the step before the newest, not yet
+  # fetched: a step's metrics are fetched once the next step is dispatched
+  # (the host does not wait on the device, nor leaves it idle), and before
+  # every evaluation and save.
   unfetched = None
-  for call, num_steps in enumerate(_calls(config, done)):
-    batches = sharding_lib.global_batch(
-        _host_block(run.splits["train"], config, done, num_steps, rows),
-        block_sharding, config.batch_size)
-    state, metrics = run.train_program(state, batches, np.int32(num_steps),
-                                       run.dropout_rng)
-    if call == 0:
-      _report_startup(run, done + 1, metrics)
-    kill_points.reached(done + 1, "after_step", last=done + num_steps)
+  for step in range(first + 1, total + 1):
+    batch = sharding_lib.global_batch(
+        process_train_batch(run.splits["train"], config, step - 1, rows),
+        batch_sharding, config.batch_size)
+    state, metrics = run.train_program(state, batch, run.dropout_rng)
+    if step == first + 1:
+      _report_startup(run, step, metrics)
+    kill_points.reached(step, "after_step")
     if unfetched is not None:
-      progress.record(*unfetched)  # waits for that call, the newest runs on
-    unfetched = (done + 1, num_steps, metrics)
-    done += num_steps
+      progress.record(*unfetched)  # waits for that step, the newest runs on
+    unfetched = (step, metrics)
     interrupt.reached("train")  # A test's signal while steps run.
 
-    # Read after that wait: a signal stops the run once the call running
+    # Read after that wait: a signal stops the run once the step running
     # then has ended.
     signum = _agreed_signal(run.stop.signum)
-    do_eval = done % config.eval_every_steps == 0 or done == total
-    do_save = (done % config.checkpoint_every_steps == 0 or done == total
+    do_eval = step % config.eval_every_steps == 0 or step == total
+    do_save = (step % config.checkpoint_every_steps == 0 or step == total
                or signum is not None)
     if do_eval or do_save:
       # Never evaluate or checkpoint before the finiteness check of this step.
       progress.record(*unfetched)
       unfetched = None
-      _evaluate_and_save(run, state, done, do_eval, do_save, signum)
-      progress.restart(done)
+      _evaluate_and_save(run, state, step, do_eval, do_save, signum)
+      progress.restart(step)
   # The last step always evaluates and saves, so nothing is left unfetched.
   return state
 
@@ -689,26 +571,17 @@ class _Progress:
     self._start = time.time() if now is None else now
     self._step = step
 
-  def record(self, first: int, num_steps: int,
-             metrics: Mapping[str, Array]) -> None:
-    """Fetches the metrics of a call of the train program (steps ``first``
-    on, ``num_steps`` of them, stacked on the device), checks each step's in
-    order, and writes a summary every ``log_every_steps`` and at the last
-    step.
+  def record(self, step: int, metrics: Mapping[str, Array]) -> None:
+    """Fetches the metrics of ``step`` from the device, checks them, and
+    writes a summary every ``log_every_steps`` and at the last step.
 
     A logging window is timed from the fetch that ended the one before to
-    the fetch of its own last call: the moments the host sees the device's
-    progress.
+    its own last fetch: the moments the host sees the device's progress.
 
     Raises:
-      FloatingPointError: a non-finite loss or gradient norm (the first
-        step's that has one).
+      FloatingPointError: a non-finite loss, gradient norm or state.
     """
-    fetched = jax.device_get(metrics)
-    now = time.time()
-    for i in range(num_steps):
-      self._add(first + i, {key: rows[i] for key, rows in fetched.items()},
-                now)
+    self._add(step, jax.device_get(metrics), time.time())
 
   def _add(self, step: int, metrics: Mapping[str, np.ndarray],
            now: float) -> None:

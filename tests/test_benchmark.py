@@ -332,57 +332,38 @@ def test_determinism_check_refuses_bad_input_in_one_line(tmp_path):
 
 def test_compile_benchmark_reports_the_three_programs(tmp_path,
                                                      subprocess_env):
-  out = tmp_path / "compile.json"
+  # Without --out, the JSON and the table go to benchmarks/results/, named by
+  # the UTC date, the benchmark and the commit (here a copy of benchmarks/
+  # outside git: the repository's results stay as they are, and the commit
+  # is "unknown").
+  copy = tmp_path / "repo"
+  shutil.copytree(BENCHMARKS, copy / "benchmarks",
+                  ignore=shutil.ignore_patterns("results", "__pycache__"))
   result = run(
-      [sys.executable, os.path.join(BENCHMARKS, "compile_benchmark.py"),
-       "--config_arg=tiny", "--rounds=1", "--steps=3", f"--out={out}"],
-      cwd=ROOT, env=subprocess_env, timeout=300)
+      [sys.executable, os.path.join("benchmarks", "compile_benchmark.py"),
+       "--config_arg=tiny", "--rounds=1", "--steps=3"],
+      cwd=copy, env=subprocess_env, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
-  results = json.loads(out.read_text())
+  (path,) = (copy / "benchmarks" / "results").glob("*.json")
+  date, name = path.name.split("_", 1)
+  assert name == "compile_unknown.json"
+  results = json.loads(path.read_text())
   _check_record(results, "compile")
+  assert date == results["date_utc"][:10]
+  assert results["commit"] == "unknown"
+  assert results["uncommitted_changes"] is None
   report = results["programs"]
   assert set(report) == {"initial state", "train step", "evaluation"}
   for program in report.values():
     assert program["compile_wall_s"] > 0 and program["compile_cpu_s"] > 0
     assert program["hlo_lines"] > 0 and program["kernels"] > 0
-  assert report["train step"]["steps_per_s"] > 0
+  step = report["train step"]
+  assert step["steps_per_s"] > 0
+  # --steps=3: one timed window of the 3 steps, one call a step.
+  assert (step["steps_per_window"], step["windows_timed"]) == (3, 1)
   assert "| train step |" in result.stdout
-  assert (tmp_path / "compile.md").read_text() == result.stdout
-
-
-def test_step_ab_benchmark_writes_to_results_by_default(tmp_path,
-                                                        subprocess_env):
-  # --ab=calls: one step a call against STEPS_PER_CALL. Without --out, the
-  # JSON and the table go to benchmarks/results/, named by the UTC date, the
-  # benchmark and the commit (here a copy of benchmarks/ outside git: the
-  # repository's results stay as they are, and the commit is "unknown").
-  copy = tmp_path / "repo"
-  shutil.copytree(BENCHMARKS, copy / "benchmarks",
-                  ignore=shutil.ignore_patterns("results", "__pycache__"))
-  result = run([sys.executable,
-                os.path.join("benchmarks", "step_ab_benchmark.py"),
-                "--ab=calls", "--config=tiny", "--windows=1"],
-               cwd=copy, env=subprocess_env, timeout=300)
-  assert result.returncode == 0, result.stderr[-2000:]
-  (path,) = (copy / "benchmarks" / "results").glob("*.json")
-  date, name = path.name.split("_", 1)
-  assert name == "step_ab_calls_unknown.json"
-  results = json.loads(path.read_text())
-  assert date == results["date_utc"][:10]
-  assert results["benchmark"] == "step_ab_calls"
-  assert results["commit"] == "unknown"
-  assert results["uncommitted_changes"] is None
+  assert "one call a step" in result.stdout
   assert path.with_suffix(".md").read_text() == result.stdout
-  from mha import train  # pylint: disable=import-outside-toplevel
-  ab = results["calls"]
-  one, many = ab["variants"].values()
-  assert (one["steps_per_call"], many["steps_per_call"]) == (
-      1, train.STEPS_PER_CALL)
-  assert one["step_ms"] > 0 and many["step_ms"] > 0
-  # The same steps, one a call or many: bitwise the same state (XLA:CPU).
-  assert ab["bitwise_equal"] and ab["max_abs_difference"] == 0
-  assert f"| {train.STEPS_PER_CALL} a call | {train.STEPS_PER_CALL} |" in (
-      result.stdout)
 
 
 def test_end_to_end_benchmark_quick_with_the_peer(tmp_path, data_dir,

@@ -358,91 +358,13 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
   assert (tmp_path / "a_file").read_text() == "kept"
 
 
-def test_a_call_of_steps_is_bitwise_the_steps_one_at_a_time():
-  # The run's train program (train.train_steps: up to STEPS_PER_CALL steps a
-  # call, their count an argument) against train.train_step called once a
-  # step, both compiled at the optimization level of real runs: calls of 1,
-  # 50 and 3 steps, with dropout (a mask a step, from the step's number),
-  # give every step's metrics and the final state bitwise.
-  config = _get_config(
-      "tiny,model.dropout_rate=0.1,model.attention_dropout_rate=0.1")
-  model = build.make_model(config)
-  mesh = sharding.make_mesh(config.mesh.data)
-  tx = build.make_optimizer(config)
-  rng = build.run_rngs(config)
-  state = build.create_train_state(config, model, rng[0], tx)
-  shardings = sharding.state_shardings(jax.eval_shape(lambda: state), mesh,
-                                       shard_params=False)
-  jax.config.update("jax_disable_most_optimizations", False)
-  try:
-    steps = train._train_program(config, model, mesh, shardings)  # pylint: disable=protected-access
-    one = jax.jit(functools.partial(
-        train.train_step, model=model,
-        schedule=build.learning_rate_schedule(config)))
-    split = data.Split(*(np.asarray(np.random.default_rng(0).integers(
-        1, config.data.num_symbols + 1, (100, config.data.max_len)),
-                                    np.int32),) * 2)
-    rows = slice(0, config.batch_size)
-    by_step = by_call = state
-    done = 0
-    for count in (1, train.STEPS_PER_CALL, 3):
-      block = train._host_block(split, config, done, count, rows)  # pylint: disable=protected-access
-      by_call, stacked = steps(jax.tree.map(jnp.copy, by_call), block,
-                               np.int32(count), rng[1])
-      stacked = jax.device_get(stacked)
-      for i in range(count):
-        batch = data.train_batch(split, seed=config.seed, step=done + i,
-                                 batch_size=config.batch_size)
-        by_step, metrics = one(by_step, batch, rng[1])
-        for key, value in jax.device_get(metrics).items():
-          np.testing.assert_array_equal(stacked[key][i], value, err_msg=key)
-      # The rows after the call's steps are zero.
-      assert not any(np.any(value[count:]) for value in stacked.values())
-      done += count
-  finally:
-    jax.config.update("jax_disable_most_optimizations", True)
-  for a, b in zip(jax.tree.leaves(by_call), jax.tree.leaves(by_step),
-                  strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_a_call_never_runs_past_a_logging_evaluation_or_checkpoint_step():
-  calls = lambda *overrides, done=0: list(train._calls(  # pylint: disable=protected-access
-      default.get_config(",".join(overrides)), done))
-  # The default: the first call one step, then up to each 50th step.
-  assert calls() == [1, 49] + [50] * 9
-  assert calls("log_every_steps=20", "eval_every_steps=30",
-               "checkpoint_every_steps=1000", "num_train_steps=65") == [
-                   1, 19, 10, 10, 20, 5]
-  # A step a call where something happens at every step.
-  assert calls("tiny", "log_every_steps=1") == [1] * 20
-  # At most STEPS_PER_CALL; resumed from step 123 (a signal's checkpoint).
-  assert train.STEPS_PER_CALL == 50
-  assert calls("log_every_steps=1000", "eval_every_steps=1000",
-               "checkpoint_every_steps=1000", "num_train_steps=120") == [
-                   1, 50, 50, 19]
-  assert calls(done=123) == [1, 26, 50, 50, 50, 50, 50, 50, 50]
-  assert calls(done=500) == []
-
-
-def test_a_call_runs_no_more_steps_than_its_block_holds():
-  block = {"inputs": np.zeros((train.STEPS_PER_CALL, 2, 3), np.int32)}
-  with pytest.raises(ValueError, match="num_steps=51 is not between 0 and"):
-    train.train_steps(None, block, train.STEPS_PER_CALL + 1, None,
-                      model=None, schedule=None)
-  split = data.Split(*(np.ones((10, 3), np.int32),) * 2)
-  config = _get_config("tiny,batch_size=2")
-  for steps in (0, train.STEPS_PER_CALL + 1):
-    with pytest.raises(ValueError, match="a block holds 1 to 50"):
-      train._host_block(split, config, 0, steps, slice(0, 2))  # pylint: disable=protected-access
-
-
 def test_a_logging_window_is_timed_from_fetch_to_fetch(monkeypatch):
-  # steps/s of a window: its steps over the time between the fetch of the
-  # call that ended the window before and the fetch of its own last call,
-  # however long the host then spends on logging (time.time() is read once
-  # a fetch). Calls of 1, 4 and 5 steps, a window every 5 steps.
-  clock = iter([100.0, 101.0, 102.0, 104.5])  # start, then each fetch
+  # steps/s of a window: its steps over the time between the fetch that
+  # ended the window before and its own last fetch, however long the host
+  # then spends on logging (time.time() is read once a fetch). A window
+  # every 5 steps.
+  clock = iter([100.0, 100.5, 101.0, 101.5, 102.0, 102.5,  # start, 1-5
+                103.0, 103.5, 104.0, 104.5, 107.5])  # steps 6-10
   monkeypatch.setattr(train.time, "time", lambda: next(clock))
   written = []
   run = types.SimpleNamespace(
@@ -452,8 +374,8 @@ def test_a_logging_window_is_timed_from_fetch_to_fetch(monkeypatch):
           write_scalars=lambda step, scalars: written.append(
               (step, scalars["steps_per_sec"]))))
   progress = train._Progress(run, 0)  # pylint: disable=protected-access
-  metrics = lambda n: {key: np.ones(n, np.float32) for key in (
+  metrics = {key: np.float32(1) for key in (
       *evaluate.SUM_KEYS, "grad_norm", "learning_rate", "state_finite")}
-  for first, steps in ((1, 1), (2, 4), (6, 5)):
-    progress.record(first, steps, metrics(steps))
-  assert written == [(5, 5 / 2.0), (10, 5 / 2.5)]
+  for step in range(1, 11):
+    progress.record(step, metrics)
+  assert written == [(5, 5 / 2.5), (10, 5 / 5.0)]

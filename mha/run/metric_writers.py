@@ -235,3 +235,19 @@ def process_start_time() -> float:
 
 
 _IMPORT_TIME = time.time()
+
+
+class NoWriter:
+  """The ``MetricWriter`` of processes other than process 0: writes nothing."""
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    del step, scalars
+
+  def write_text(self, step: int, tag: str, text: str) -> None:
+    del step, tag, text
+
+  def write_header(self, step: int, header: Mapping[str, Any]) -> None:
+    del step, header
+
+  def close(self) -> None:
+    pass

@@ -79,12 +79,6 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(DATA_AXIS))
 
 
-def block_sharding(mesh: Mesh) -> NamedSharding:
-  """A block of batches ``[steps, batch, ...]``: each batch split along the
-  data axis, as :func:`batch_sharding` splits one."""
-  return NamedSharding(mesh, P(None, DATA_AXIS))
-
-
 def replicated(mesh: Mesh) -> NamedSharding:
   """A whole copy on every device."""
   return NamedSharding(mesh, P())
@@ -144,16 +138,13 @@ def process_rows(sharding: NamedSharding, batch_size: int) -> slice:
 
 def global_batch(local: Mapping[str, np.ndarray], sharding: NamedSharding,
                  batch_size: int) -> dict[str, jax.Array]:
-  """Global arrays of ``batch_size`` rows from this process's rows
-  (:func:`process_rows`), along the axis ``sharding`` splits over the data
-  axis: the first for :func:`batch_sharding`, the second for a block of
-  batches (:func:`block_sharding`). With one process, ``local`` is the
-  whole batch (and this is one ``jax.device_put``)."""
-  axis = tuple(sharding.spec).index(DATA_AXIS)
+  """Global arrays of ``batch_size`` rows (split as ``sharding``,
+  :func:`batch_sharding`) from this process's rows (:func:`process_rows`).
+  With one process, ``local`` is the whole batch (and this is one
+  ``jax.device_put``)."""
   return jax.make_array_from_process_local_data(
       sharding, dict(local),
-      {key: (*value.shape[:axis], batch_size, *value.shape[axis + 1:])
-       for key, value in local.items()})
+      {key: (batch_size, *value.shape[1:]) for key, value in local.items()})
 
 
 def padded_batch_size(batch_size: int, mesh: Mesh) -> int:
