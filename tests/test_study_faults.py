@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import shutil
 import sys
 
@@ -42,11 +43,24 @@ def _one_line_no_traceback(stderr: str, prog: str, signame: str) -> None:
   assert "the same command resumes" in lines[0], lines
 
 
+@pytest.fixture
+def sigint_not_ignored():
+  """SIGINT as an interactive shell leaves it: a suite started in the
+  background (``cmd &``) ignores it, and children inherit that, so a
+  test's SIGINT would never reach them."""
+  previous = signal.getsignal(signal.SIGINT)
+  if previous is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("phase, signame, code", [
     ("analysis", "SIGTERM", 143), ("report:SIGINT", "SIGINT", 130)])
 def test_a_signal_during_the_study_is_one_line_and_a_rerun_ends_it(
-    tiny_run, tmp_path, subprocess_env, phase, signame, code):
+    tiny_run, tmp_path, subprocess_env, sigint_not_ignored, phase, signame,
+    code):
   out = tmp_path / "pruning"
   args = [sys.executable, STUDY, f"--workdir={tiny_run.workdir}",
           f"--out={out}", *_SMALL]
@@ -76,10 +90,10 @@ def test_a_signal_in_a_grid_cell_redoes_only_that_cell(
     tmp_path, data_dir, subprocess_env):
   root = tmp_path / "grid"
   args = _grid_args(root, data_dir)
-  # Stopped while the second cell's first seed trains: the tiny config's
-  # 20 steps are 5 calls of the train program (a first call of one step,
-  # then one per logging step), so the 6th call is the second cell's first.
-  stopped = run(args, env=_signal_at(subprocess_env, "train#6"),
+  # Stopped while the second cell's first seed trains: the tiny config has
+  # 20 steps, one call of the train step each, so the 21st call is the
+  # second cell's first.
+  stopped = run(args, env=_signal_at(subprocess_env, "train#21"),
                 timeout=600)
   assert stopped.returncode == 143, stopped.stderr[-3000:]
   _one_line_no_traceback(stopped.stderr, "pruning_benchmark.py", "SIGTERM")
