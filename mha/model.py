@@ -17,7 +17,6 @@ import dataclasses
 from typing import Sequence
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
