@@ -515,9 +515,9 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
 
 def _report_startup(run: _Run, step: int, metrics: Mapping[str, Array]
                     ) -> None:
-  """Once the first step of this call is done: how long that took, from the
-  process's start and from the call, and what was compiled on the way
-  (``startup/*`` scalars at ``step``, and a line)."""
+  """Once the run's first step is done: how long that took, from the
+  process's start and from train_and_evaluate's call, and what was compiled
+  on the way (``startup/*`` scalars at ``step``, and a line)."""
   jax.block_until_ready(metrics)
   now = time.time()
   since_process = now - metric_writers.process_start_time()
