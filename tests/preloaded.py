@@ -14,7 +14,8 @@ exit code, signals); what it skips is about 1.5 s of CPU spent importing
 Used only where that changes nothing the test can see: the script is an
 existing Python file run as ``python FILE ARGS`` in an existing folder, and
 the environment is the server's but for a few variables no module reads when
-it is imported (``HOME``, ``TMPDIR``, ``MHA_TEST_KILL_AT``). Anything else (``python -c``, ``-X
+it is imported (``HOME``, ``TMPDIR``, ``MHA_TEST_KILL_AT``,
+``MHA_TEST_SIGNAL_AT``). Anything else (``python -c``, ``-X
 importtime``, a changed ``XLA_FLAGS`` or any other variable, another
 program) runs as a real subprocess, and so do the tests that check a fresh
 process's start-up itself (``tests/test_startup.py``).
@@ -56,9 +57,10 @@ PRELOAD = ("numpy", "jax", "jax.numpy", "flax.linen", "optax",
 
 # The only variables in which a served request's environment may differ from
 # the server's: none of the preloaded modules reads them when imported.
-# MHA_TEST_KILL_AT (mha.run.kill_points) is read while a run trains.
+# MHA_TEST_KILL_AT (mha.run.kill_points) and MHA_TEST_SIGNAL_AT
+# (mha.run.interrupt) are read at their points, never on import.
 _HARMLESS_ENV = frozenset({"HOME", "TMPDIR", "PWD", "OLDPWD",
-                           "MHA_TEST_KILL_AT"})
+                           "MHA_TEST_KILL_AT", "MHA_TEST_SIGNAL_AT"})
 
 # Signals whose ignored disposition (SIG_IGN) a child inherits, as through
 # exec; handlers do not survive exec, so the rest start at their defaults.

@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import default
-from conftest import copy_workdir
+from conftest import copy_workdir, run
 import mha
 from mha.run import config_validation
 from mha import data
@@ -213,10 +213,9 @@ def test_bad_mesh_on_the_command_line_is_one_line_and_exit_code_2(
       ("--config.batch_size=0", "batch_size=0 must be >= 1"),
       ("--config.mesh.data=-2", "mesh.data=-2 must be -1 (all devices)"),
   ):
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "train.py"),
-         f"--config={CONFIG_FILE}:tiny", f"--workdir={workdir}", flag],
-        capture_output=True, text=True, env=_env(subprocess_env))
+    result = run([sys.executable, os.path.join(ROOT, "train.py"),
+                  f"--config={CONFIG_FILE}:tiny", f"--workdir={workdir}",
+                  flag], env=subprocess_env)
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and message in result.stderr
     assert not workdir.exists()

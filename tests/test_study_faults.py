@@ -390,3 +390,46 @@ def test_batch_sizes_of_the_speed_table_are_checked_first():
                      "sequence of ints >= 1; got"):
     speed.speed_table(None, None, None, None, fractions=None,
                       batch_sizes=[8, 0])
+
+
+# Kill moments of a two-seed study, in the order the study meets them, each
+# for one run: the second seed's training (after a step, during a save), the
+# first seed's analysis, the second's (the rerun redoes the first and keeps
+# it), the report. Phases count within one process: ``#2`` is the second
+# time that rerun reaches it.
+_STUDY_KILLS = (
+    {interrupt.TEST_ENV: "train#7:SIGKILL"},
+    {"MHA_TEST_KILL_AT": "20:during_save"},
+    {interrupt.TEST_ENV: "analysis#1:SIGKILL"},
+    {interrupt.TEST_ENV: "analysis#2:SIGKILL"},
+    {interrupt.TEST_ENV: "report:SIGKILL"},
+)
+
+
+@pytest.mark.slow
+def test_chaos_kill_9_through_a_two_seed_study_then_it_ends_as_if_never_killed(
+    tiny_run, tmp_path, subprocess_env):
+  killed_out, plain_out = tmp_path / "killed", tmp_path / "plain"
+  options = [f"--workdir={tiny_run.workdir}", *_SMALL, "--num_seeds=2"]
+  plain = run([sys.executable, STUDY, f"--out={plain_out}", *options],
+              env=subprocess_env, timeout=600)
+  assert plain.returncode == 0, plain.stderr[-3000:]
+  args = [sys.executable, STUDY, f"--out={killed_out}", *options]
+  for kill in _STUDY_KILLS:
+    killed = run(args, env=dict(subprocess_env, **kill), timeout=600)
+    assert killed.returncode == -signal.SIGKILL, (kill, killed.stderr[-3000:])
+  again = run(args, env=subprocess_env, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "Traceback" not in again.stderr, again.stderr[-3000:]
+  # Both seeds' analyses were kept by kills before, so none is redone.
+  assert again.stdout.count("reusing its analysis kept in") == 2, again.stdout
+  resumed, uninterrupted = (
+      _without_timings(json.loads((o / "results.json").read_text()))
+      for o in (killed_out, plain_out))
+  resumed.pop("workdir", None), uninterrupted.pop("workdir", None)
+  assert resumed == uninterrupted
+  assert (killed_out / "report.md").exists()
+  rows = [json.loads(l) for l in (killed_out / "seeds" /
+          f"seed_{tiny_run.config.seed + 1}" / "metrics.jsonl").open()]
+  steps = [r["step"] for r in rows if "loss" in r]
+  assert steps == sorted(set(steps)), steps  # One row per step.
