@@ -33,6 +33,7 @@ from mha.pruning import stats
 from mha.pruning.study import markdown as md
 from mha.pruning.study import plots as pruning_plots
 from mha.pruning.study import report_extensions
+from mha.pruning.study.summary import UNTUNED
 
 _CURVE_FILES = {"token_accuracy": "curves_token_accuracy.png",
                 "exact_match": "curves_exact_match.png"}
@@ -156,6 +157,38 @@ def _speed_plot(results: Mapping[str, Any], out_dir: str) -> str:
       f"({results['jax']['backend']})")
 
 
+#: Names a study's results.json once used for what is now another name:
+#: before Kwon et al.'s own mask tuning became ``kwon_tuned``, that name held
+#: the attention-output fit, now ``kwon_tuned_attention_output``.
+RENAMED = {"kwon_tuned": "kwon_tuned_attention_output",
+           "kwon_tuned_s": "kwon_tuned_attention_output_s"}
+_RENAMED_LABELS = {"Kwon et al., mask tuned":
+                   "Kwon et al., mask tuned (attention output)"}
+
+
+def upgrade(results: dict[str, Any]) -> dict[str, Any]:
+  """``results`` read from an older results.json with its curves under
+  today's names (:data:`RENAMED`): a study whose ``kwon_tuned`` was the
+  attention-output fit has no ``kwon_tuned_attention_output`` beside it.
+  A study of today comes back as it is."""
+  searches = [set(s.get("searches", {})) for s in results.get("seeds", [])]
+  if not any("kwon_tuned" in s for s in searches) or any(
+      "kwon_tuned_attention_output" in s for s in searches):
+    return results
+
+  def rename(value: Any) -> Any:
+    if isinstance(value, dict):
+      return {RENAMED.get(k, k): rename(v) for k, v in value.items()}
+    if isinstance(value, list):
+      return [rename(v) for v in value]
+    return value
+  out = rename(results)
+  for group in ("curve_labels", "orderings"):
+    if isinstance(out.get(group), dict):
+      out[group] = {k: _RENAMED_LABELS.get(v, v) for k, v in out[group].items()}
+  return out
+
+
 # The top-level keys of every study's results.json (outputs.write_outputs).
 STUDY_KEYS = ("workdir", "task", "options", "seeds", "aggregate", "timings")
 
@@ -229,6 +262,7 @@ def report_lines(results: Mapping[str, Any]) -> list[str]:
   lines += _curves_section(results)
   lines += _oracle_section(results)
   lines += _searches_section(results)
+  lines += _tuning_section(results)
   lines += _no_layer_emptied_section(results)
   lines += _spearman_section(results)
   lines += _attribution_section(results)
@@ -586,8 +620,8 @@ def _searches_section(results: Mapping[str, Any]) -> list[str]:
          "(per-example gradients squared), rearranges each layer's removals "
          "to minimise the layer's block of the Fisher matrix"
          + (", and, tuned, refits the kept heads' mask values by least "
-            "squares to the unpruned model's attention outputs, layer by "
-            "layer" if "kwon_tuned" in names else "")
+            "squares, layer by layer (section 'Mask tuning')"
+            if "kwon_tuned" in names else "")
          + ". Its seconds exclude the Fisher information (the ordering "
          "'Fisher')."
          if "kwon" in names else "")
@@ -623,6 +657,10 @@ def _searches_section(results: Mapping[str, Any]) -> list[str]:
   first = seeds[0]
   orderings = [k for k in labels if k in first.get("curves", {})
                and k not in names and k != "oracle"]
+  # The other tunings' subsets are Kwon et al.'s or the oracle's: section
+  # 'Mask tuning'.
+  names = [k for k in names if k not in ("kwon_tuned_attention_output",
+                                         "oracle_kwon_tuned")]
   counts = list(first["counts"])
   rows = []
   for k in counts:
@@ -649,6 +687,52 @@ def _searches_section(results: Mapping[str, Any]) -> list[str]:
             "that is above every ordering's at the same number (point "
             "estimates on test, without intervals).", ""]
   return lines + md.table(header + ["best ordering there"], rows)
+
+
+def _tuning_section(results: Mapping[str, Any]) -> list[str]:
+  """Kwon et al.'s mask tuning: per tuned curve its AUC, the untuned one's,
+  the paired difference (tuned minus untuned, same resamples) and its
+  effect on the prunable level, and how often a layer's solution was
+  rejected."""
+  summary = results["aggregate"]["curve_summary"]
+  names = [k for k in UNTUNED if k in summary and UNTUNED[k] in summary]
+  if not names:
+    return []
+  labels, seeds = _labels(results), results["seeds"]
+  key = "auc_token_accuracy"
+  rows = []
+  for name in names:
+    entry, untuned = summary[name], summary[UNTUNED[name]]
+    entries = [e for s in seeds for e in s["searches"].get(name, [])]
+    stopped = [e for e in entries if e.get("rejected_layer") is not None]
+    rows.append([
+        labels[name], labels[UNTUNED[name]], md.ci(entry, key),
+        md.ci(untuned, key), md.ci(entry, f"{key}_minus_untuned", sign=True),
+        md.ci(entry, "prunable_heads_token_accuracy_minus_untuned", 1,
+              sign=True),
+        f"{len(stopped)} of {len(entries)}" if entries and all(
+            "rejected_layer" in e for e in entries) else "n/a"])
+  lines = [
+      "## Mask tuning", "",
+      "Kwon et al.'s third step makes the kept heads' mask values real "
+      "numbers, fitted by least squares layer by layer from the bottom on "
+      "validation. As their code does it (`kwon_tuned`): the target is the "
+      "layer's output before LayerNorm with the residual (here the block's "
+      "input plus its attention output: the residual stream after the "
+      "attention sublayer), so a layer also corrects what the layers below "
+      "left in the residual stream; layer 0 is not tuned; a solution with a "
+      "value outside [-10, 10] is rejected, and that layer and those above "
+      "keep their 0/1 values. `kwon_tuned_attention_output` fits the "
+      "attention output alone, from layer 0 up, without the bound. The "
+      "oracle's subset tuned as Kwon et al. do (`oracle_kwon_tuned`) is the "
+      "ceiling of tuning: the best subset per number removed, tuned. Tuned "
+      "masks are real-valued, the oracle's are 0/1 subsets. The difference "
+      "is paired: the same resamples of examples and seeds for both curves. "
+      "Test token accuracy; 95% intervals over examples and seeds.", ""]
+  lines += md.table(["tuned", "untuned", "AUC tuned", "AUC untuned",
+                     "Δ AUC (tuned − untuned)", "Δ prunable heads (val.)",
+                     "masks stopped by the bound"], rows)
+  return lines
 
 
 def _no_layer_emptied_section(results: Mapping[str, Any]) -> list[str]:
@@ -1037,7 +1121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"no {', '.join(missing)}); nothing written", file=sys.stderr)
     return 2
   try:
-    written = write(results, args.dir, figures=not args.noplots)
+    written = write(upgrade(results), args.dir, figures=not args.noplots)
   except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
     print(f"report: error: {path} is incomplete or from another version "
           f"({type(e).__name__}: {e}); report.md left as it was",
