@@ -45,7 +45,8 @@ SEARCH_LABELS = {"surrogate": "surrogate search (layer-additive)",
                  "kwon_tuned": "Kwon et al., mask tuned (layer output)",
                  "kwon_tuned_attention_output":
                      "Kwon et al., mask tuned (attention output)",
-                 "oracle_kwon_tuned": "oracle's subset, mask tuned (Kwon et al.)",
+                 "oracle_kwon_tuned":
+                     "oracle's subset, mask tuned (Kwon et al.)",
                  "gates_k": "exact-K gates (one per k)"}
 #: The tuned searches: real-valued masks (``searches.<name>`` entries keep
 #: their ``mask``), each on the subsets of another curve (``summary.UNTUNED``):
@@ -875,7 +876,8 @@ def aggregate(seed_results: Sequence[Mapping[str, Any]],
   return out
 
 
-__all__ = ["CURVE_LABELS", "SEARCH_LABELS", "TUNED", "BOOTSTRAP_ORDERINGS",
+__all__ = ["CURVE_LABELS", "SEARCH_LABELS", "TUNED",
+           "BOOTSTRAP_ORDERINGS",
            "replicate_orders", "Plan", "run_searches", "search_estimate", "run_kwon",
            "run_exact_k", "plan_masks", "Resamples", "analyze_seed",
            "custom_pruning", "aggregate"]

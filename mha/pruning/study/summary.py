@@ -374,5 +374,6 @@ def _simultaneous(out: dict[str, Any],
         "c": c, "members": len(keys)}
 
 
-__all__ = ["FAMILIES", "CURVE_METRICS", "BASELINES", "REFERENCES", "UNTUNED",
+__all__ = ["FAMILIES", "CURVE_METRICS", "BASELINES", "REFERENCES",
+           "UNTUNED",
            "with_full_sample", "seed_statistics", "seed_summary", "aggregate_statistics"]
