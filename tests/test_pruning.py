@@ -421,18 +421,27 @@ def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
     assert seed["search_evaluations"][name] > 0
   # Kwon et al.: a subset per k like the searches', no subset evaluated;
   # tuned masks are 0 exactly on the removed heads.
-  for name in ("kwon", "kwon_tuned"):
+  tuned = ("kwon_tuned", "kwon_tuned_attention_output", "oracle_kwon_tuned")
+  for name in ("kwon",) + tuned:
     entries = seed["searches"][name]
     assert [e["k"] for e in entries] == list(range(num_heads + 1))
-    assert seed["search_evaluations"][name] == 0
+    assert seed["search_evaluations"][name] == (
+        2 ** num_heads if name == "oracle_kwon_tuned" else 0)
     assert seed["timings"][f"{name}_s"] > 0
-  for e, plain in zip(seed["searches"]["kwon_tuned"],
-                      seed["searches"]["kwon"]):
-    assert e["removed"] == plain["removed"]
-    mask = np.asarray(e["mask"])
-    assert mask.shape == (2, 2)
-    assert sorted(map(list, zip(*np.nonzero(mask == 0)))) == sorted(
-        e["removed"])
+  for name, untuned in (("kwon_tuned", seed["searches"]["kwon"]),
+                        ("kwon_tuned_attention_output",
+                         seed["searches"]["kwon"]),
+                        ("oracle_kwon_tuned", seed["oracle"])):
+    for e, plain in zip(seed["searches"][name], untuned):
+      assert e["removed"] == plain["removed"]
+      mask = np.asarray(e["mask"])
+      assert mask.shape == (2, 2)
+      assert sorted(map(list, zip(*np.nonzero(mask == 0)))) == sorted(
+          e["removed"])
+      assert e["rejected_layer"] in (None, 1)
+    # Tuned minus untuned, paired, with its interval.
+    assert len(results["aggregate"]["curve_summary"][name][
+        "auc_token_accuracy_minus_untuned_ci"]) == 2
   # Exact-K gates (--full has --gates): every k, exactly k removed, the
   # oracle's keys plus the target whose gates chose it (every k trained).
   entries = seed["searches"]["gates_k"]
@@ -588,6 +597,7 @@ def _check_extensions_contract(results, out):
                   "## Mean ablation", "## Searches for the best subset"):
     assert section in report
   assert "and, tuned, refits the kept heads' mask values" in report
+  assert "## Mask tuning" in report and "Δ AUC (tuned − untuned)" in report
   for png in ("curves_mean_ablation.png", "retraining.png"):
     assert os.path.getsize(os.path.join(out, png)) > 10_000
 
@@ -602,7 +612,9 @@ def test_a_study_under_resample_ablation(tiny_run, tmp_path):
   results = study.run(tiny_run.workdir, out, options, log=lambda _: None)
   assert results["ablation"] == "resample"
   seed = results["seeds"][0]
-  assert "kwon_tuned" not in seed["searches"]  # It assumes zero ablation.
+  # The tunings assume zero ablation.
+  assert not {"kwon_tuned", "kwon_tuned_attention_output",
+              "oracle_kwon_tuned"} & set(seed["searches"])
   # Attribution patching: an ordering per baseline, checked against actual
   # patching (leave-one-out under the same baseline; resample's is the
   # study's, on its own donors).

@@ -125,7 +125,7 @@ def test_tuning_recovers_a_removed_duplicate_where_zero_ablation_fails():
   targets = np.where(split.inputs != 0, np.argmax(logits, -1), 0)
   split = data.Split(split.inputs, targets.astype(np.int32))
   mask = head_masks.mask_without(CONFIG, [1])  # drop the copy
-  tuned = kwon.tune_mask(model, params, split, mask)
+  tuned = kwon.tune_mask_attention_output(model, params, split, mask)
   # Head 0 doubled stands in for both; the rest unchanged (to the fit's
   # float32 inputs).
   np.testing.assert_allclose(tuned[0], [2.0, 0.0, 1.0], atol=1e-3)
@@ -143,7 +143,76 @@ def test_tuning_recovers_a_removed_duplicate_where_zero_ablation_fails():
 def test_tuning_keeps_removed_heads_and_empty_layers_at_zero():
   model, params, split = _model_and_split()
   mask = head_masks.mask_without(CONFIG, [0, 1, 2, 4])  # layer 0 emptied
-  tuned = kwon.tune_mask(model, params, split, mask)
+  tuned = kwon.tune_mask_attention_output(model, params, split, mask)
   np.testing.assert_array_equal(tuned[0], [0, 0, 0])
   assert tuned[1, 1] == 0 and np.all(tuned[1, [0, 2]] != 0)
   assert np.all(np.isfinite(tuned))
+
+
+def test_fit_scales_recovers_planted_scales_and_intercept():
+  """Kwon et al.'s least squares: a target made of the heads at known scales
+  plus a constant gives the scales back (the constant is fitted and
+  dropped); without the intercept column the constant biases them."""
+  rng = np.random.default_rng(0)
+  heads = rng.normal(size=(3, 400)) + 0.5  # not centred: the constant matters
+  planted = np.array([1.5, -0.5, 2.0])
+  target = planted @ heads + 0.3
+  # Exact data: only the ridge (1e-6 of the mean diagonal) moves the fit.
+  np.testing.assert_allclose(
+      kwon.fit_scales(heads, target, intercept=True, prior=1.0), planted,
+      atol=1e-4)
+  assert not np.allclose(kwon.fit_scales(heads, target), planted, atol=1e-2)
+  # A strong ridge pulls towards its prior: Kwon et al.'s towards 1.
+  np.testing.assert_allclose(
+      kwon.fit_scales(heads, target, intercept=True, prior=1.0, ridge=1e6),
+      1.0, atol=1e-3)
+
+
+def _scaled_copy(params, layer, source, copy, factor):
+  """Head ``copy`` of ``layer`` made head ``source`` with its output
+  multiplied by ``factor`` (its output-projection rows scaled)."""
+  params = _duplicate_head(params, layer, source, copy)
+  attention = dict(params[f"layer_{layer}"]["attention"])
+  kernel = attention["out"]["kernel"]
+  attention["out"] = dict(attention["out"],
+                          kernel=kernel.at[copy].multiply(factor))
+  layer_params = dict(params[f"layer_{layer}"], attention=attention)
+  return dict(params, **{f"layer_{layer}": layer_params})
+
+
+@pytest.mark.slow  # seconds of compiling three layers: the full suite only
+def test_tuning_as_kwon_et_al_wrote_it():
+  """Kwon et al.'s target (layer output with the residual), on a planted
+  model: head 0 of layer 1 is head 1 at a known fraction, so with head 1
+  removed the exact fit scales head 0 by 1 + 1 / fraction. Layer 0 is never
+  tuned; a scale outside [-10, 10] is rejected and tuning stops there."""
+  config = TransformerConfig(vocab_size=7, num_layers=3, num_heads=3,
+                             d_model=12, mlp_dim=16, max_len=5)
+  model, params, split = _model_and_split(config, n=16)
+  planted = _scaled_copy(params, 1, source=1, copy=0, factor=0.5)
+  # Flat indices: layer l, head h is 3 l + h.
+  masks = [head_masks.mask_without(config, [4]),      # head 1 of layer 1
+           head_masks.mask_without(config, [2, 4])]   # and head 2 of layer 0
+  tuned = kwon.tune_masks(model, planted, split, masks)
+  assert tuned.rejected_layers == [None, None]
+  # Layers 0 and 1 hold nothing else, layer 2's input is the unpruned one:
+  # the exact fit (1e-3: float32 activations, the ridge).
+  np.testing.assert_allclose(tuned.masks[0], [[1, 1, 1], [3, 0, 1],
+                                              [1, 1, 1]], atol=1e-3)
+  # Layer 0 untouched though a head is gone; layer 1 corrects what that
+  # left in the residual stream, so its values move off the exact fit.
+  np.testing.assert_array_equal(tuned.masks[1][0], [1, 1, 0])
+  assert tuned.masks[1][1, 1] == 0
+  assert np.abs(tuned.masks[1][1] - [3, 0, 1]).max() > 1e-2
+  # Head 0 at 1/20 of head 1 needs a scale of 21: rejected at layer 1, and
+  # layer 2 (head 0 removed) is left untuned above it.
+  far = _scaled_copy(params, 1, source=1, copy=0, factor=0.05)
+  mask = head_masks.mask_without(config, [4, 6])
+  rejected = kwon.tune_masks(model, far, split, [mask])
+  assert rejected.rejected_layers == [1]
+  np.testing.assert_array_equal(rejected.masks[0], mask)
+  # Without the bound (and the ridge, which pulls a head this small towards
+  # 1 by 0.1%) the same fit finds the planted 21.
+  free = kwon.tune_mask(model, far, split, mask, limit=np.inf, ridge=0.0)
+  assert free[1, 0] == pytest.approx(21.0, rel=1e-3)
+  assert np.all(free[2, 1:] != 1) and free[2, 0] == 0

@@ -381,3 +381,35 @@ def test_speed_with_given_speedups_and_intervals(tmp_path):
   path = tmp_path / "speed.png"
   _assert_png(path, pp.plot_speed([1, 16], [0.0, 0.5], rates, str(path),
                                   speedup=speedup, speedup_ci=ci))
+
+
+def test_pruning_curve_panels_png_with_references_in_every_panel(tmp_path):
+  rng = np.random.default_rng(0)
+  fractions = np.linspace(0.0, 1.0, 7)
+  panels = {"gradient": {"gradient": _curve(rng, fractions, 1, 0.6),
+                         "reverse gradient": _curve(rng, fractions, 1, 0.2)},
+            "heuristics": {"entropy": _curve(rng, fractions, 1, 0.3)}}
+  references = {"oracle (best subset)": _curve(rng, fractions, 1, 0.7)[0],
+                "random": _curve(rng, fractions, 20, 0.4)}
+  fig = pp.pruning_curve_panels_figure(fractions, panels, references,
+                                       baseline=0.99)
+  visible = [ax for ax in fig.axes if ax.axison]
+  assert [ax.get_title() for ax in visible] == ["gradient", "heuristics"]
+  # The references beneath each panel's own curves; listed once, below
+  # (no empty cell in one row of two).
+  assert [len(ax.get_lines()) for ax in visible] == [2 + 2 + 1, 2 + 1 + 1]
+  assert _legend_texts(fig) == ["oracle (best subset)", "random",
+                                "unpruned \u2212 1 pt"]
+  # Four panels: two rows of three, the references in the first empty cell.
+  fig = pp.pruning_curve_panels_figure(
+      fractions, dict(panels, a=panels["heuristics"], b=panels["gradient"]),
+      references)
+  spare = [ax for ax in fig.axes if not ax.axison]
+  assert len(spare) == 2 and not fig.legends
+  assert [t.get_text() for t in spare[0].get_legend().get_texts()] == [
+      "oracle (best subset)", "random"]
+  path = tmp_path / "panels.png"
+  _assert_png(path, pp.plot_pruning_curve_panels(fractions, panels,
+                                                 references, str(path)))
+  with pytest.raises(ValueError, match="panels is empty"):
+    pp.pruning_curve_panels_figure(fractions, {}, references)

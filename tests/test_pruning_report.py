@@ -109,3 +109,63 @@ def test_an_undefined_spearman_correlation_is_explained():
   lines = "\n".join(report._spearman_section(results(None)))
   assert "| n/a [n/a, n/a] |" in lines and note in lines
   assert note not in "\n".join(report._spearman_section(results(0.5)))
+
+
+def _lead_results(names, searches=()):
+  summary = {k: {"auc_token_accuracy": auc} for k, auc in names.items()}
+  return {"curve_labels": {k: k for k in names},
+          "aggregate": {"curve_summary": summary,
+                        "curves": {k: {} for k in names}},
+          "seeds": [{"searches": {k: [] for k in searches}}]}
+
+
+def test_the_lead_figure_draws_at_most_seven_curves():
+  names = {"oracle": 0.9, "best_ordering": 0.88, "beam": 0.89,
+           "surrogate": 0.895, "oracle_kwon_tuned": 0.95, "kwon": 0.6,
+           "gradient": 0.7, "shapley": 0.8, "entropy": 0.3, "fisher": 0.75,
+           "reverse_gradient": 0.2, "random": 0.4}
+  results = _lead_results(names, ("beam", "surrogate", "kwon",
+                                  "oracle_kwon_tuned"))
+  # The best search (the tuned oracle is a ceiling, not a search), the
+  # three best orderings by AUC, the references.
+  assert report.lead_curves(results) == [
+      "oracle", "best_ordering", "surrogate", "shapley", "fisher",
+      "gradient", "random"]
+  del names["best_ordering"]  # Results without it: skipped.
+  assert report.lead_curves(_lead_results(names, ("beam", "surrogate")))[
+      :3] == [
+      "oracle", "surrogate", "shapley"]
+
+
+def test_tuning_table_gives_the_paired_difference_and_the_rejections():
+  entry = lambda auc: {"auc_token_accuracy": auc,
+                       "auc_token_accuracy_ci": [auc - .01, auc + .01]}
+  tuned = dict(entry(0.66), auc_token_accuracy_minus_untuned=0.014,
+               auc_token_accuracy_minus_untuned_ci=[0.004, 0.024])
+  results = {"curve_labels": {"kwon": "Kwon", "kwon_tuned": "Kwon tuned"},
+             "aggregate": {"curve_summary": {"kwon": entry(0.649),
+                                             "kwon_tuned": tuned}},
+             "seeds": [{"searches": {"kwon_tuned": [
+                 {"rejected_layer": None}, {"rejected_layer": 2}]}}]}
+  row = next(l for l in report._tuning_section(results)
+             if l.startswith("| Kwon tuned"))
+  assert "+0.014 [+0.004, +0.024]" in row and "1 of 2" in row
+
+
+def test_an_older_results_json_reads_under_todays_names():
+  old = {"curve_labels": {"kwon": "K", "kwon_tuned": "Kwon et al., mask tuned"},
+         "seeds": [{"searches": {"kwon": [], "kwon_tuned": []},
+                    "timings": {"kwon_tuned_s": 1.0}}],
+         "aggregate": {"curve_summary": {"kwon_tuned": {"auc": 0.6}}}}
+  new = report.upgrade(old)
+  assert new["curve_labels"] == {
+      "kwon": "K",
+      "kwon_tuned_attention_output":
+          "Kwon et al., mask tuned (attention output)"}
+  assert new["seeds"][0]["timings"] == {"kwon_tuned_attention_output_s": 1.0}
+  assert "kwon_tuned_attention_output" in new["aggregate"]["curve_summary"]
+  # Today's results (both names) come back as they are.
+  assert report.upgrade(new) is new
+  today = dict(old, seeds=[{"searches": {"kwon_tuned": [],
+                                         "kwon_tuned_attention_output": []}}])
+  assert report.upgrade(today) is today

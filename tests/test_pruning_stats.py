@@ -159,6 +159,28 @@ def test_seed_statistics_of_a_known_curve():
   assert nested["curve_summary"]["a"]["auc_token_accuracy_ci"].shape == (2,)
 
 
+def test_tuned_minus_untuned_is_paired_in_every_replicate():
+  # Kwon et al.'s subsets untuned (masks 0, 1, 2) and tuned (0, 3, 2): the
+  # tuned mask 3 is right on example 0 only, mask 1 on neither. Replicate 1
+  # draws example 0 twice, replicate 2 example 1 twice.
+  correct = np.array([[1, 1], [0, 0], [0, 0], [1, 0]])
+  sums = {"correct": correct, "tokens": np.ones((4, 2)),
+          "loss_sum": np.zeros((4, 2)), "exact": correct,
+          "sequences": np.ones((4, 2))}
+  curves = {"all": {"kwon": np.array([[0, 1, 2]]),
+                    "kwon_tuned": np.array([[0, 3, 2]])}}
+  weights = np.array([[2.0, 0.0], [0.0, 2.0]])
+  out = summary.seed_statistics(curves, {"all": np.array([0, 1, 2])}, 2,
+                                sums, sums, weights, weights, tolerance=0.01)
+  diff = out[("all", "kwon_tuned", "curve_token_accuracy_minus_untuned")]
+  np.testing.assert_array_equal(diff[:, 1], [0.5, 1.0, 0.0])
+  # The AUC over fractions 0, 0.5, 1: the middle point weighs a half.
+  np.testing.assert_allclose(
+      out[("all", "kwon_tuned", "auc_token_accuracy_minus_untuned")],
+      [0.25, 0.5, 0.0])
+  assert ("all", "kwon", "auc_token_accuracy_minus_untuned") not in out
+
+
 def test_half_split_level_is_chosen_on_one_half_and_checked_on_the_other():
   # Four validation examples: the first half (0, 1) and the second (2, 3).
   # Mask 1 (one head removed) is right on the whole first half and wrong on

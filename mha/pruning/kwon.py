@@ -17,9 +17,13 @@ For attention heads:
    approximation: heads interact within a layer, not across). Here
    exhaustively, layer by layer.
 3. **Mask tuning.** The kept heads' mask values become real numbers, layer
-   by layer from the bottom: a least-squares fit so that the layer's
-   attention output on the pruned model's own input reproduces the unpruned
-   model's on its input, over every valid position. Removed heads stay 0.
+   by layer from the bottom: a least-squares fit so that the layer's output
+   before LayerNorm, residual included, on the pruned model's own input
+   reproduces the unpruned model's on its input, over every valid position
+   (:func:`tune_masks`, as their code does it: layer 0 not tuned, a value
+   outside [-10, 10] rejected). Removed heads stay 0.
+   :func:`tune_masks_attention_output` fits the attention output alone,
+   from layer 0 up (this project's earlier variant).
 
 Each step is a pure function of arrays (the search and
 :func:`fisher_importance` in NumPy on the host, in float64), or a jitted
@@ -33,6 +37,7 @@ pass over a split:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -169,24 +174,179 @@ _layer_outputs_jit = jax.jit(_layer_outputs,
 _block_jit = jax.jit(oracle.run_block, static_argnames=("model", "layer"))
 
 
+#: Kwon et al.'s bound on a tuned mask value: a layer whose least-squares
+#: solution has a value outside ``[-LIMIT, LIMIT]`` is not tuned, and neither
+#: is any layer above it (their ``rescale_mask`` stops there).
+LIMIT = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuned:
+  """Tuned masks and, per mask, the layer where tuning stopped.
+
+  Attributes:
+    masks: one float32 ``[L, H]`` mask per input mask, 0 where it was 0.
+    rejected_layers: per mask, the first layer whose least-squares solution
+      was rejected (a value outside ``[-limit, limit]`` or not finite; that
+      layer and every layer above kept their untuned values), or None.
+  """
+
+  masks: list[np.ndarray]
+  rejected_layers: list[int | None]
+
+
+def fit_scales(heads: np.ndarray, target: np.ndarray, *,
+               intercept: bool = False, prior: float = 0.0,
+               ridge: float = 1e-6) -> np.ndarray:
+  """Least-squares scales ``a`` ``[K]`` of ``heads`` ``[K, E]`` so that
+  ``sum_k a_k heads_k (+ c)`` fits ``target`` ``[E]``. NumPy, float64.
+
+  ``intercept``: a constant ``c`` fitted beside the scales and dropped (Kwon
+  et al.'s design matrix has a column of ones). ``ridge`` (relative to the
+  mean diagonal of the normal equations) pulls the scales towards
+  ``prior`` (Kwon et al. damp towards 1; 0 is plain ridge) and keeps nearly
+  collinear heads finite; at the default it changes nothing measurable.
+  """
+  design = np.asarray(heads, np.float64)
+  target = np.asarray(target, np.float64)
+  k = len(design)
+  if intercept:
+    design = np.concatenate([design, np.ones((1, design.shape[1]))])
+  gram = design @ design.T
+  damping = ridge * np.mean(np.diag(gram)) * np.eye(len(design))
+  start = np.zeros(len(design))
+  start[:k] = prior
+  # (G + damping) (a - start) = A t - G start: damped towards ``start``.
+  values = start + np.linalg.solve(gram + damping,
+                                   design @ target - gram @ start)
+  return values[:k]
+
+
 def tune_mask(model: Transformer, params: Params, split: data.Split,
-              mask: np.ndarray, *, ridge: float = 1e-6) -> np.ndarray:
-  """Kwon et al.'s mask tuning: ``mask`` ``[L, H]`` (0/1) with its kept
-  heads' values refitted by least squares, layer by layer from the bottom.
+              mask: np.ndarray, *, ridge: float = 1e-6,
+              limit: float = LIMIT) -> np.ndarray:
+  """Kwon et al.'s mask tuning of one ``mask`` (:func:`tune_masks`)."""
+  return tune_masks(model, params, split, [mask], ridge=ridge,
+                    limit=limit).masks[0]
+
+
+def tune_masks(model: Transformer, params: Params, split: data.Split,
+               masks: Sequence[np.ndarray], *, ridge: float = 1e-6,
+               limit: float = LIMIT) -> Tuned:
+  """Kwon et al.'s mask tuning as their code does it (``rescale_mask`` and
+  ``get_mha_lstsq`` in ``prune/rescale.py`` of
+  WoosukKwon/retraining-free-pruning): each of ``masks`` ``[L, H]`` (0/1)
+  with its kept heads' values refitted by least squares, layer by layer
+  from the bottom.
+
+  The target is the layer's output before LayerNorm, residual included: in
+  BERT (post-LN) ``x + Attention(x)``, what the attention sublayer's
+  LayerNorm normalises. Here the same sum, the block's input ``x`` plus its
+  attention sublayer's output: in a post-LN model (``pre_norm=False``) what
+  ``ln_attention`` normalises; in a pre-LN model (the default) the residual
+  stream after the attention sublayer, which ``ln_mlp`` reads (the
+  attention itself reads ``ln_attention(x)``). At layer ``l`` the pruned
+  model's input ``x_p`` (the layers below already tuned) and the unpruned
+  model's ``x`` give
+  ``min_{a, c} || x_p + b + sum_h a_h O_h(x_p) + c - (x + O(x)) ||^2`` over
+  every valid position and feature (``b`` the output bias, ``c`` Kwon et
+  al.'s constant column, dropped). So a layer also corrects the error that
+  the layers below left in the residual stream, which fitting the attention
+  output alone (:func:`tune_masks_attention_output`) does not.
+
+  As in their code: layer 0 is not tuned (its input is the unpruned
+  model's); a layer with no head kept is skipped; a solution with a value
+  outside ``[-limit, limit]`` (or not finite) is rejected and tuning stops
+  there, that layer and every layer above keeping their untuned values
+  (their loop ``break``s). Their solver (LSMR, damped towards scale 1) is
+  replaced by the normal equations with a ``ridge`` towards 1
+  (:func:`fit_scales`). The mask values multiply each head's context, so
+  they scale the heads' outputs exactly.
+
+  Returns:
+    :class:`Tuned`: the masks (float32 ``[L, H]``, 0 where the mask is 0)
+    and the layer where each stopped.
+  """
+  config = model.config
+  inputs = jnp.asarray(split.inputs)
+  attention_mask = padding_mask_from_tokens(inputs)
+  valid = np.asarray(split.inputs) != 0
+  full = _unpruned_layers(model, params, inputs, attention_mask)
+  out, rejected = [], []
+  for mask in masks:
+    tuned = np.asarray(mask, np.float32).copy()
+    x, stopped = full.embeddings, None
+    for layer, count in enumerate(config.heads_per_layer):
+      kept = np.flatnonzero(tuned[layer, :count])
+      if count and len(kept) and layer > 0 and stopped is None:
+        heads = _head_outputs(_layer_outputs_jit(model, params, layer, x,
+                                                 attention_mask))
+        # x + sum of the unpruned heads (the bias cancels) minus x_p.
+        target = (full.inputs[layer] + full.heads[layer].sum(0)
+                  - np.asarray(x, np.float64))[valid]  # [P, D]
+        values = fit_scales(heads[kept][:, valid].reshape(len(kept), -1),
+                            target.reshape(-1), intercept=True, prior=1.0,
+                            ridge=ridge)
+        if np.all(np.isfinite(values)) and np.all(np.abs(values) <= limit):
+          tuned[layer, kept] = values.astype(np.float32)
+        else:
+          stopped = layer
+      if stopped is not None:
+        break  # Nothing above is tuned: no need for its input.
+      x = _block_jit(model, params, layer, x, attention_mask,
+                     jnp.asarray(tuned[layer, :count]))
+    out.append(tuned)
+    rejected.append(stopped)
+  return Tuned(out, rejected)
+
+
+def tune_mask_attention_output(model: Transformer, params: Params,
+                               split: data.Split, mask: np.ndarray, *,
+                               ridge: float = 1e-6) -> np.ndarray:
+  """:func:`tune_masks_attention_output` of one ``mask``."""
+  return tune_masks_attention_output(model, params, split, [mask],
+                                     ridge=ridge).masks[0]
+
+
+def tune_masks_attention_output(model: Transformer, params: Params,
+                                split: data.Split,
+                                masks: Sequence[np.ndarray], *,
+                                ridge: float = 1e-6) -> Tuned:
+  """Mask tuning fitted to the attention output alone, from layer 0 up
+  (this project's variant of Kwon et al.'s, :func:`tune_masks`; it was
+  ``tune_masks`` before their target was).
 
   At layer ``l`` the kept heads' outputs on the pruned model's input (the
   layers below already tuned) are fitted to the unpruned model's attention
   output on its own input, summed over every valid position and feature:
-  ``min_a || sum_h a_h O_h(x_pruned) - (O(x_full) - bias) ||^2``. The mask
-  values multiply each head's context (what the head mask gates), so they
-  scale the heads' outputs exactly. ``ridge`` (relative to the mean
-  diagonal of the normal equations) keeps nearly collinear heads finite. A
-  layer with every head kept is fitted too; one with none stays empty.
-
-  Returns:
-    The tuned mask, float32 ``[L, H]``: 0 where ``mask`` is 0.
+  ``min_a || sum_h a_h O_h(x_pruned) - (O(x_full) - bias) ||^2``, without
+  the residual, an intercept or a bound on the values. ``ridge``: as
+  :func:`fit_scales` (towards 0). A layer with every head kept is fitted
+  too; one with none stays empty. ``rejected_layers`` is all None.
   """
-  return tune_masks(model, params, split, [mask], ridge=ridge)[0]
+  config = model.config
+  inputs = jnp.asarray(split.inputs)
+  attention_mask = padding_mask_from_tokens(inputs)
+  valid = np.asarray(split.inputs) != 0
+  full = _unpruned_layers(model, params, inputs, attention_mask)
+  out = []
+  for mask in masks:
+    tuned = np.asarray(mask, np.float32).copy()
+    x = full.embeddings
+    for layer, count in enumerate(config.heads_per_layer):
+      kept = np.flatnonzero(tuned[layer, :count])
+      if count and len(kept):
+        target = full.heads[layer].sum(0)[valid]  # [P, D]
+        # Layer 0's input is the same as the unpruned model's.
+        heads = full.heads[layer] if layer == 0 else _head_outputs(
+            _layer_outputs_jit(model, params, layer, x, attention_mask))
+        tuned[layer, kept] = fit_scales(
+            heads[kept][:, valid].reshape(len(kept), -1),
+            target.reshape(-1), ridge=ridge).astype(np.float32)
+      x = _block_jit(model, params, layer, x, attention_mask,
+                     jnp.asarray(tuned[layer, :count]))
+    out.append(tuned)
+  return Tuned(out, [None] * len(out))
 
 
 def _head_outputs(outputs: Array) -> np.ndarray:
@@ -196,45 +356,34 @@ def _head_outputs(outputs: Array) -> np.ndarray:
   return outputs[1:] - outputs[:1]
 
 
-def tune_masks(model: Transformer, params: Params, split: data.Split,
-               masks: Sequence[np.ndarray], *,
-               ridge: float = 1e-6) -> list[np.ndarray]:
-  """:func:`tune_mask` of each of ``masks``, the unpruned model's layer
-  outputs (the targets every mask is fitted to) computed once for all."""
+@dataclasses.dataclass(frozen=True)
+class _Unpruned:
+  """The unpruned model layer by layer: its embeddings, each block's input
+  (float64 ``[B, T, D]``) and each head's output there (``[H, B, T, D]``,
+  None for a layer without heads)."""
+
+  embeddings: Array
+  inputs: list[np.ndarray]
+  heads: list[np.ndarray | None]
+
+
+def _unpruned_layers(model: Transformer, params: Params, inputs: Array,
+                     attention_mask: Array) -> _Unpruned:
+  """What every mask is fitted to, computed once for all of them."""
   config = model.config
-  inputs = jnp.asarray(split.inputs)
-  attention_mask = padding_mask_from_tokens(inputs)
-  valid = np.asarray(split.inputs) != 0
   full_mask = full_head_mask(config)
-  # The unpruned model, layer by layer: each head's outputs and their sum.
   x = embeddings = oracle.embed_tokens(model, params, inputs)
-  full_heads = []
+  block_inputs, heads = [], []
   for layer, count in enumerate(config.heads_per_layer):
-    full_heads.append(_head_outputs(_layer_outputs_jit(
+    block_inputs.append(np.asarray(x, np.float64))
+    heads.append(_head_outputs(_layer_outputs_jit(
         model, params, layer, x, attention_mask)) if count else None)
     x = _block_jit(model, params, layer, x, attention_mask,
                    jnp.asarray(full_mask[layer, :count]))
-  out = []
-  for mask in masks:
-    tuned = np.asarray(mask, np.float32).copy()
-    x = embeddings
-    for layer, count in enumerate(config.heads_per_layer):
-      kept = np.flatnonzero(tuned[layer, :count])
-      if count and len(kept):
-        target = full_heads[layer].sum(0)[valid]  # [P, D]
-        # Layer 0's input is the same as the unpruned model's.
-        heads = full_heads[layer] if layer == 0 else _head_outputs(
-            _layer_outputs_jit(model, params, layer, x, attention_mask))
-        design = heads[kept][:, valid].reshape(len(kept), -1)  # [K, P * D]
-        gram = design @ design.T
-        gram += ridge * np.mean(np.diag(gram)) * np.eye(len(kept))
-        values = np.linalg.solve(gram, design @ target.reshape(-1))
-        tuned[layer, kept] = values.astype(np.float32)
-      x = _block_jit(model, params, layer, x, attention_mask,
-                     jnp.asarray(tuned[layer, :count]))
-    out.append(tuned)
-  return out
+  return _Unpruned(embeddings, block_inputs, heads)
 
 
-__all__ = ["EXHAUSTIVE_LIMIT", "fisher_blocks", "fisher_importance",
-           "search", "tune_mask", "tune_masks"]
+__all__ = ["EXHAUSTIVE_LIMIT", "LIMIT", "Tuned", "fisher_blocks",
+           "fisher_importance", "fit_scales", "search", "tune_mask",
+           "tune_masks", "tune_mask_attention_output",
+           "tune_masks_attention_output"]

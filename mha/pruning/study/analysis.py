@@ -42,8 +42,19 @@ from mha.pruning.study.options import StudyOptions
 SEARCH_LABELS = {"surrogate": "surrogate search (layer-additive)",
                  "beam": "beam search",
                  "kwon": "Kwon et al. (Fisher search, rearranged)",
-                 "kwon_tuned": "Kwon et al., mask tuned",
+                 "kwon_tuned": "Kwon et al., mask tuned (layer output)",
+                 "kwon_tuned_attention_output":
+                     "Kwon et al., mask tuned (attention output)",
+                 "oracle_kwon_tuned":
+                     "oracle's subset, mask tuned (Kwon et al.)",
                  "gates_k": "exact-K gates (one per k)"}
+#: The tuned searches: real-valued masks (``searches.<name>`` entries keep
+#: their ``mask``), each on the subsets of another curve (``summary.UNTUNED``):
+#: Kwon et al.'s tuning (:func:`mha.pruning.kwon.tune_masks`) and the
+#: attention-output fit (:func:`~mha.pruning.kwon.tune_masks_attention_output`)
+#: of Kwon et al.'s subsets, and Kwon et al.'s tuning of the oracle's (a
+#: ceiling for tuning: the best subset per k, tuned).
+TUNED = ("kwon_tuned", "kwon_tuned_attention_output", "oracle_kwon_tuned")
 #: The curves: every ordering, the oracle and the searches (not orderings:
 #: their subsets for k and k + 1 heads removed need not be nested).
 CURVE_LABELS = {**orderings.ORDERINGS, "oracle": "oracle (best subset)",
@@ -321,17 +332,20 @@ def _measure_seed(model: Transformer, params: Params,
   evaluations: dict[str, int] = {}
   found = run_searches(model, params, val, options, log, timings,
                        evaluations, ablations["validation"])
-  tuned = {}
+  tuned, rejected = {}, {}
   if options.kwon:
     # The tuning fits the kept heads' mask values with removed heads at
     # zero: its masks mean nothing under another ablation.
     tune = options.ablation == "zero"
-    found["kwon"], masks = run_kwon(model, params, val, fisher_blocks, log,
-                                    timings, tune=tune)
+    found["kwon"], tunings = run_kwon(model, params, val, fisher_blocks, log,
+                                      timings, tune=tune,
+                                      oracle_removals=removals.get("all"))
     evaluations["kwon"] = 0
-    if tune:
-      tuned["kwon_tuned"], evaluations["kwon_tuned"] = masks, 0
-    else:
+    for name, result in tunings.items():
+      tuned[name], rejected[name] = result.masks, result.rejected_layers
+      # The ceiling's subsets are the oracle's: every subset evaluated.
+      evaluations[name] = 2 ** n if name == "oracle_kwon_tuned" else 0
+    if not tune:
       log(f"  Kwon et al.'s mask tuning skipped: it assumes zero ablation, "
           f"not --ablation={options.ablation}")
   gates_k = None
@@ -368,7 +382,8 @@ def _measure_seed(model: Transformer, params: Params,
           "oracle_ran": subsets is not None, "shapley_method": method,
           "search_evaluations": evaluations, "attribution": patching,
           "interactions": interactions, "ablations": ablations,
-          "gradient_per_example": gradient_per_example, "gates_k": gates_k}
+          "gradient_per_example": gradient_per_example, "gates_k": gates_k,
+          "rejected_layers": rejected}
 
 
 #: The orderings re-estimated in every bootstrap resample, from per-example
@@ -644,29 +659,49 @@ def run_exact_k(model: Transformer, params: Params, train: data.Split,
 
 def run_kwon(model: Transformer, params: Params, validation: data.Split,
              blocks: np.ndarray, log: Log, timings: dict[str, float], *,
-             tune: bool = True
-             ) -> tuple[list[dict[str, Any]], list[np.ndarray] | None]:
+             tune: bool = True,
+             oracle_removals: Sequence[Sequence[Sequence[int]]] | None = None
+             ) -> tuple[list[dict[str, Any]], dict[str, kwon.Tuned]]:
   """Kwon et al.'s retraining-free pruning (:mod:`mha.pruning.kwon`) for
   every number of heads removed, on ``validation``: the Fisher search's
-  removal, rearranged within layers (entries ``{k, removed}``), and its mask
-  with the kept heads' values tuned by least squares (``[L, H]`` per ``k``).
+  removal, rearranged within layers (entries ``{k, removed}``), and with
+  ``tune`` the tuned masks of :data:`TUNED` (``[L, H]`` per ``k``): its
+  masks tuned as Kwon et al. do (``kwon_tuned``) and to the attention
+  output alone (``kwon_tuned_attention_output``); given
+  ``oracle_removals`` (per ``k`` the oracle's candidates, best first), the
+  oracle's best subsets tuned as Kwon et al. do (``oracle_kwon_tuned``).
   ``blocks``: the Fisher information (:func:`kwon.fisher_blocks`).
   ``timings`` receives ``kwon_s`` (the search; the Fisher information is
-  ``fisher_s``) and ``kwon_tuned_s`` (the tuning, besides)."""
+  ``fisher_s``) and ``<name>_s`` of each tuning (besides)."""
   config = model.config
   n = oracle.num_heads(config)
   removals, timings["kwon_s"] = timed(
       log, SEARCH_LABELS["kwon"],
       lambda: [kwon.search(blocks, config, k) for k in range(n + 1)])
+  entries = [{"k": k, "removed": r} for k, r in enumerate(removals)]
   if not tune:
-    return [{"k": k, "removed": r} for k, r in enumerate(removals)], None
-  masks, timings["kwon_tuned_s"] = timed(
-      log, f"{SEARCH_LABELS['kwon_tuned']}: least squares per layer, "
-      f"{n + 1} subsets",
-      lambda: kwon.tune_masks(model, params, validation,
-                              [head_masks.mask_without(config, r)
-                               for r in removals]))
-  return [{"k": k, "removed": r} for k, r in enumerate(removals)], masks
+    return entries, {}
+  subsets = {"kwon_tuned": removals, "kwon_tuned_attention_output": removals}
+  if oracle_removals is not None:
+    subsets["oracle_kwon_tuned"] = [ranked[0] for ranked in oracle_removals]
+  tuners = {"kwon_tuned": kwon.tune_masks,
+            "kwon_tuned_attention_output": kwon.tune_masks_attention_output,
+            "oracle_kwon_tuned": kwon.tune_masks}
+  tuned = {}
+  for name, chosen in subsets.items():
+    tuned[name], timings[f"{name}_s"] = timed(
+        log, f"{SEARCH_LABELS[name]}: least squares per layer, "
+        f"{n + 1} subsets",
+        lambda tune_fn=tuners[name], chosen=chosen: tune_fn(
+            model, params, validation,
+            [head_masks.mask_without(config, r) for r in chosen]))
+    stopped = [layer for layer in tuned[name].rejected_layers
+               if layer is not None]
+    if stopped:
+      log(f"  {len(stopped)} of {n + 1} masks stopped at a value outside "
+          f"[-{kwon.LIMIT:g}, {kwon.LIMIT:g}] (layers "
+          f"{', '.join(map(str, sorted(set(stopped))))})")
+  return entries, tuned
 
 
 def sampled_shapley(model: Transformer, params: Params, split: data.Split,
@@ -762,10 +797,13 @@ def analyze_seed(model: Transformer, params: Params,
         name: _oracle_entries(config, plan, "all", val, test, ids)
         for name, ids in plan.searches.items()}
     out["search_evaluations"] = m["search_evaluations"]
-    # Mask tuning's real-valued masks, [L][H] per k (0: removed).
-    for entry, mask_id in zip(out["searches"].get("kwon_tuned", []),
-                              plan.searches.get("kwon_tuned", [])):
-      entry["mask"] = plan.masks[mask_id].tolist()
+    # Mask tuning's real-valued masks, [L][H] per k (0: removed), and the
+    # layer where Kwon et al.'s bound stopped it (None: every layer tuned).
+    for name in TUNED:
+      for k, (entry, mask_id) in enumerate(zip(
+          out["searches"].get(name, []), plan.searches.get(name, []))):
+        entry["mask"] = plan.masks[mask_id].tolist()
+        entry["rejected_layer"] = m["rejected_layers"][name][k]
     # Exact-K gates: the target whose gates chose each subset.
     for entry, found in zip(out["searches"].get("gates_k", []),
                             m["gates_k"]["entries"] if m["gates_k"] else []):
@@ -838,7 +876,8 @@ def aggregate(seed_results: Sequence[Mapping[str, Any]],
   return out
 
 
-__all__ = ["CURVE_LABELS", "SEARCH_LABELS", "BOOTSTRAP_ORDERINGS",
+__all__ = ["CURVE_LABELS", "SEARCH_LABELS", "TUNED",
+           "BOOTSTRAP_ORDERINGS",
            "replicate_orders", "Plan", "run_searches", "search_estimate", "run_kwon",
            "run_exact_k", "plan_masks", "Resamples", "analyze_seed",
            "custom_pruning", "aggregate"]

@@ -63,8 +63,11 @@ class StudyOptions:
   kwon: bool = _option(
       True, "Kwon et al.'s retraining-free pruning per number of heads "
       "removed, on validation: Fisher mask search with rearrangement within "
-      "layers (searches.kwon) and with the kept heads' mask values tuned by "
-      "least squares (searches.kwon_tuned).")
+      "layers (searches.kwon); with the kept heads' mask values tuned by "
+      "least squares as Kwon et al. do, to the layer output with the "
+      "residual (searches.kwon_tuned), and to the attention output alone "
+      "(searches.kwon_tuned_attention_output); and the oracle's subsets "
+      "tuned as Kwon et al. do (searches.oracle_kwon_tuned).")
   beam_width: int = _option(
       8, "Subsets kept per level of the beam search.")
   surrogate_top: int = _option(

@@ -6,6 +6,8 @@ measured after each removal. This module draws the figures of such a study:
 
 * :func:`plot_pruning_curves`: accuracy vs fraction of heads removed, one mean
   line (with a spread band over runs) per ordering;
+* :func:`plot_pruning_curve_panels`: the same as small multiples, one panel
+  per family of orderings, each with the same reference curves;
 * :func:`plot_importance_heatmaps`: one ``[layer, head]`` heatmap per measure;
 * :func:`plot_importance_scatter`: one per-head measure against another, one
   colour per run (seed);
@@ -41,6 +43,8 @@ from mha.run import figures
 __all__ = [
     "pruning_curves_figure",
     "plot_pruning_curves",
+    "pruning_curve_panels_figure",
+    "plot_pruning_curve_panels",
     "importance_heatmaps_figure",
     "plot_importance_heatmaps",
     "importance_scatter_figure",
@@ -90,6 +94,14 @@ ORDERING_STYLES: dict[str, dict[str, object]] = {
         color="#8C564B", marker="<", linestyle="-.", fillstyle="none"),
     "Kwon et al., mask tuned": dict(color="#8C564B", marker=">",
                                     linestyle=(0, (5, 1, 1, 1, 1, 1))),
+    "Kwon et al., mask tuned (layer output)": dict(
+        color="#8C564B", marker=">", linestyle=(0, (5, 1, 1, 1, 1, 1))),
+    "Kwon et al., mask tuned (attention output)": dict(
+        color="#C49C94", marker="^", linestyle=(0, (5, 1, 1, 1, 1, 1))),
+    "oracle's subset, mask tuned (Kwon et al.)": dict(
+        color="#555555", marker="*", linestyle="-"),
+    # The best nested chain of subsets: the ceiling of every ordering.
+    "best ordering": dict(color="#000000", marker="", linestyle=(0, (4, 2))),
     "oracle (best subset)": dict(color="#000000", marker="", linestyle="-"),
     # The searches lie on or near the oracle: dashed and hollow-marked, in
     # colours no ordering has, so that the black line shows beneath them.
@@ -102,6 +114,9 @@ ORDERING_STYLES: dict[str, dict[str, object]] = {
     "exact-K gates (one per k)": dict(color="#B8860B", marker="d",
                                       linestyle="--", fillstyle="none"),
 }
+#: The colours of the curves within one panel of the small multiples: the
+#: Okabe-Ito ones but black (the oracle's), then two more.
+_PANEL_COLOURS = OKABE_ITO[:6] + ("#8C564B", "#7A5195")
 #: Runs up to this many get a min-max band; more get a percentile band.
 MINMAX_MAX_RUNS = 5
 #: Percentiles of the band drawn for more than ``MINMAX_MAX_RUNS`` runs.
@@ -366,6 +381,119 @@ def plot_pruning_curves(
                             bands=bands,
                             intervals=intervals,
                             points=points), path)
+
+
+def _panel_grid(count: int) -> tuple[int, int]:
+  """Rows and columns of ``count`` small panels: at most 3 a row."""
+  cols = min(3, count)
+  return math.ceil(count / cols), cols
+
+
+def pruning_curve_panels_figure(
+    fractions: np.ndarray,
+    panels: Mapping[str, Mapping[str, np.ndarray]],
+    references: Mapping[str, np.ndarray],
+    *,
+    metric: str = "token accuracy",
+    baseline: float | None = None,
+    title: str | None = None,
+) -> Figure:
+  """Builds (but does not save) the figure of
+  :func:`plot_pruning_curve_panels`."""
+  if not panels:
+    raise ValueError("panels is empty: pass at least one title -> curves.")
+  fractions, refs = _check_curves(fractions, references) if references else (
+      np.asarray(fractions, np.float64), {})
+  checked = {t: _check_curves(fractions, c)[1] for t, c in panels.items()}
+  rows, cols = _panel_grid(len(checked))
+  fig = _new_figure(3.6 * cols, 3.5 * rows + 0.5)
+  axes = fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False)
+  ref_styles = {name: dict(ORDERING_STYLES.get(name, {}), marker="")
+                for name in refs}
+  ref_handles = {}
+  for ax, (panel, curves) in zip(axes.flat, checked.items()):
+    for name, values in refs.items():
+      style = ref_styles[name]
+      (line,) = ax.plot(fractions, _quiet_nan_reduce(np.nanmean, values,
+                                                     axis=0),
+                        linewidth=2.2 if style.get("color") == "#000000"
+                        else 1.4, zorder=2,
+                        **{**style, "color": style.get("color", "0.5")})
+      ref_handles[name] = line
+    styles = _ordering_styles(list(curves))
+    for i, (name, values) in enumerate(curves.items()):
+      # A panel's own colours, so that a family's curves (one hue in
+      # ORDERING_STYLES) stay apart; markers and dashes kept.
+      style = dict(styles[name], color=_PANEL_COLOURS[i % len(
+          _PANEL_COLOURS)])
+      ax.plot(fractions, _quiet_nan_reduce(np.nanmean, values, axis=0),
+              linewidth=1.6, markersize=4.0,
+              markevery=max(1, len(fractions) // 30), zorder=3,
+              label=name, **style)
+    if baseline is not None:
+      ax.axhline(baseline - 0.01, color="0.25", linestyle=(0, (1, 2)),
+                 linewidth=1.0, zorder=1.5)
+    ax.set_title(panel, fontsize=10)
+    ax.grid(True, color="0.9", linewidth=0.8)
+    ax.set_axisbelow(True)
+    # Every panel's fractions labelled: a row's panel may have none below.
+    ax.tick_params(labelsize=_TICK_SIZE, labelbottom=True)
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_xlim(-0.02, 1.02)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=7.5,
+              frameon=False, ncol=1)
+  spare = list(axes.flat[len(checked):])
+  for ax in spare:
+    ax.set_axis_off()
+  for ax in axes[-1]:
+    ax.set_xlabel("fraction of heads removed", fontsize=_LABEL_SIZE)
+  for ax in axes[:, 0]:
+    ax.set_ylabel(metric, fontsize=_LABEL_SIZE)
+  handles = dict(ref_handles)
+  if baseline is not None:
+    handles["unpruned \u2212 1 pt"] = Line2D([], [], color="0.25",
+                                             linestyle=(0, (1, 2)))
+  if handles and spare:  # In the first empty cell.
+    spare[0].legend(list(handles.values()), list(handles), loc="center",
+                    fontsize=8.5, frameon=False, title="in every panel",
+                    title_fontsize=8.5)
+  elif handles:
+    fig.legend(list(handles.values()), list(handles),
+               loc="outside lower center", ncol=len(handles), fontsize=8.5,
+               frameon=False, title="in every panel", title_fontsize=8.5)
+  if title:
+    fig.suptitle(title, fontsize=11)
+  return fig
+
+
+def plot_pruning_curve_panels(
+    fractions: np.ndarray,
+    panels: Mapping[str, Mapping[str, np.ndarray]],
+    references: Mapping[str, np.ndarray],
+    path: str,
+    *,
+    metric: str = "token accuracy",
+    baseline: float | None = None,
+    title: str | None = None,
+) -> str:
+  """Writes small multiples of pruning curves: one panel per family of
+  orderings (``panels``: title -> ordering name -> ``[R, P]`` or ``[P]``),
+  each with the ``references`` (name -> values, e.g. the oracle and random)
+  drawn beneath its curves, the mean over runs of each, without bands.
+  Panels share their axes, at most three a row; each lists its curves
+  below it, the references once above all. ``baseline``: as
+  :func:`plot_pruning_curves`.
+
+  Returns:
+    ``path``.
+
+  Raises:
+    ValueError: if ``panels`` is empty or a curve is not ``[R, P]`` /
+      ``[P]`` with ``P = len(fractions)``.
+  """
+  return _save(pruning_curve_panels_figure(
+      fractions, panels, references, metric=metric, baseline=baseline,
+      title=title), path)
 
 
 # --------------------------------------------------------------------------

@@ -4,8 +4,11 @@ Reads the results of :func:`mha.pruning.study.run` (the JSON form of
 ``results.json``; NumPy arrays work alike) and writes, beside ``results.json``:
 
 * ``curves_token_accuracy.png``, ``curves_exact_match.png``: test accuracy
-  vs fraction of heads removed for every ordering and the oracle, with 95%
-  bootstrap intervals;
+  vs fraction of heads removed of the oracle, the best ordering, the best
+  search, the three best orderings and random (:func:`lead_curves`), with
+  95% bootstrap intervals of the oracle and random;
+* ``curves_token_accuracy_families.png``: every curve, one panel per family
+  (:data:`CURVE_FAMILIES`), each with the oracle and random;
 * ``curves_no_layer_emptied.png``: the same orderings never emptying a layer;
 * ``importance_seed<s>.png``: layers x heads heatmaps of every measure;
 * ``ablation_seed<s>.png``: Michel et al.'s two tables as heatmaps;
@@ -33,10 +36,12 @@ from mha.pruning import stats
 from mha.pruning.study import markdown as md
 from mha.pruning.study import plots as pruning_plots
 from mha.pruning.study import report_extensions
+from mha.pruning.study.summary import UNTUNED
 
 _CURVE_FILES = {"token_accuracy": "curves_token_accuracy.png",
                 "exact_match": "curves_exact_match.png"}
 _NO_LAYER_EMPTIED_PNG = "curves_no_layer_emptied.png"
+_FAMILIES_PNG = "curves_token_accuracy_families.png"
 #: Accuracies this close are equal (float rounding of means and sums).
 _TIE = 1e-12
 _METRIC_LABELS = {"token_accuracy": "token accuracy",
@@ -56,24 +61,97 @@ def _labels(results: Mapping[str, Any]) -> dict[str, str]:
 
 def _curve_plot(results: Mapping[str, Any], group: Mapping[str, Any],
                 fractions: np.ndarray, metric: str, path: str,
-                title: str, points: Mapping[str, Any] | None = None) -> str:
+                title: str, points: Mapping[str, Any] | None = None,
+                keys: Sequence[str] | None = None,
+                bands: Sequence[str] = _BANDS) -> str:
   """One figure of ``group`` (an aggregate variant): the mean over seeds of
-  each curve and, for a few, its 95% interval."""
+  each curve (of ``keys``, in that order; default every one) and, for those
+  in ``bands``, its 95% interval."""
   labels = _labels(results)
   curves, intervals = {}, {}
-  for key, label in labels.items():
+  for key in labels if keys is None else keys:
     entry = group["curves"].get(key)
     if entry is None:
       continue
+    label = labels.get(key, key)
     curves[label] = np.asarray(entry[metric], np.float64)
-    if key in _BANDS:
+    if key in bands:
       ci = np.asarray(entry[f"{metric}_ci"], np.float64)
       intervals[label] = (ci[:, 0], ci[:, 1])
-  seeds = results["seeds"]
-  base = float(np.mean([s["test"][metric] for s in seeds]))
   return pruning_plots.plot_pruning_curves(
-      fractions, curves, path, metric=_METRIC_LABELS[metric], baseline=base,
-      intervals=intervals, title=title, points=points)
+      fractions, curves, path, metric=_METRIC_LABELS[metric],
+      baseline=_unpruned(results, metric), intervals=intervals, title=title,
+      points=points)
+
+
+def _unpruned(results: Mapping[str, Any], metric: str) -> float:
+  """The unpruned model's test ``metric``, the mean over seeds."""
+  return float(np.mean([s["test"][metric] for s in results["seeds"]]))
+
+
+#: The small multiples' panels: the families of curves, by key. A curve of
+#: no family gets a panel "other".
+CURVE_FAMILIES = {
+    "gradient": ("gradient", "gradient_l2", "gradient_iterative",
+                 "reverse_gradient"),
+    "patching and ablation": ("leave_one_out", "shapley", "attribution_zero",
+                              "attribution_mean", "attribution_resample"),
+    "Kwon et al.": ("fisher", "kwon", "kwon_tuned",
+                    "kwon_tuned_attention_output", "oracle_kwon_tuned"),
+    "heuristics": ("confidence", "entropy"),
+    "searches": ("best_ordering", "surrogate", "beam", "gates_k"),
+}
+#: Drawn in every panel of the small multiples, and in the lead figure.
+_REFERENCES = ("oracle", "random")
+#: Curves the lead figure never picks as "an ordering" or "a search": the
+#: references, the best ordering (drawn as itself) and the tuned oracle
+#: (a ceiling of tuning, not a search).
+_NOT_CANDIDATES = _REFERENCES + ("best_ordering", "oracle_kwon_tuned",
+                                 "reverse_gradient")
+#: How many of the orderings the lead figure draws, best AUC first.
+LEAD_ORDERINGS = 3
+
+
+def lead_curves(results: Mapping[str, Any]) -> list[str]:
+  """The curves of the lead figure, at most 7: the oracle, the best ordering
+  (``best_ordering``, when the results hold it), the search of best test
+  token-accuracy AUC, the :data:`LEAD_ORDERINGS` orderings of best AUC, and
+  random (each when present)."""
+  summary = results["aggregate"]["curve_summary"]
+  searches = set(_search_names(results))
+  auc = lambda k: summary[k].get("auc_token_accuracy", -np.inf)
+  present = [k for k in _labels(results) if k in summary]
+  candidates = [k for k in present if k not in _NOT_CANDIDATES]
+  best_search = sorted((k for k in candidates if k in searches), key=auc,
+                       reverse=True)[:1]
+  orderings = sorted((k for k in candidates if k not in searches), key=auc,
+                     reverse=True)[:LEAD_ORDERINGS]
+  lead = (["oracle", "best_ordering"] + best_search + orderings + ["random"])
+  return [k for k in lead if k in summary or k in results["aggregate"][
+      "curves"]]
+
+
+def _families_plot(results: Mapping[str, Any], metric: str, path: str,
+                   title: str) -> str:
+  """The small multiples: a panel per family (:data:`CURVE_FAMILIES`) of
+  the curves present, the references in each."""
+  group, labels = results["aggregate"], _labels(results)
+  drawn = [k for k in list(labels) + list(group["curves"])
+           if k in group["curves"] and k not in _REFERENCES]
+  drawn = list(dict.fromkeys(drawn))
+  families = {name: [k for k in keys if k in drawn]
+              for name, keys in CURVE_FAMILIES.items()}
+  known = {k for keys in CURVE_FAMILIES.values() for k in keys}
+  families["other"] = [k for k in drawn if k not in known]
+  values = lambda k: np.asarray(group["curves"][k][metric], np.float64)
+  panels = {name: {labels.get(k, k): values(k) for k in keys}
+            for name, keys in families.items() if keys}
+  references = {labels.get(k, k): values(k) for k in _REFERENCES
+                if k in group["curves"]}
+  return pruning_plots.plot_pruning_curve_panels(
+      np.asarray(results["seeds"][0]["fractions"], np.float64), panels,
+      references, path, metric=_METRIC_LABELS[metric],
+      baseline=_unpruned(results, metric), title=title)
 
 
 def _importance_plot(results: Mapping[str, Any], out_dir: str) -> str:
@@ -156,6 +234,38 @@ def _speed_plot(results: Mapping[str, Any], out_dir: str) -> str:
       f"({results['jax']['backend']})")
 
 
+#: Names a study's results.json once used for what is now another name:
+#: before Kwon et al.'s own mask tuning became ``kwon_tuned``, that name held
+#: the attention-output fit, now ``kwon_tuned_attention_output``.
+RENAMED = {"kwon_tuned": "kwon_tuned_attention_output",
+           "kwon_tuned_s": "kwon_tuned_attention_output_s"}
+_RENAMED_LABELS = {"Kwon et al., mask tuned":
+                   "Kwon et al., mask tuned (attention output)"}
+
+
+def upgrade(results: dict[str, Any]) -> dict[str, Any]:
+  """``results`` read from an older results.json with its curves under
+  today's names (:data:`RENAMED`): a study whose ``kwon_tuned`` was the
+  attention-output fit has no ``kwon_tuned_attention_output`` beside it.
+  A study of today comes back as it is."""
+  searches = [set(s.get("searches", {})) for s in results.get("seeds", [])]
+  if not any("kwon_tuned" in s for s in searches) or any(
+      "kwon_tuned_attention_output" in s for s in searches):
+    return results
+
+  def rename(value: Any) -> Any:
+    if isinstance(value, dict):
+      return {RENAMED.get(k, k): rename(v) for k, v in value.items()}
+    if isinstance(value, list):
+      return [rename(v) for v in value]
+    return value
+  out = rename(results)
+  for group in ("curve_labels", "orderings"):
+    if isinstance(out.get(group), dict):
+      out[group] = {k: _RENAMED_LABELS.get(v, v) for k, v in out[group].items()}
+  return out
+
+
 # The top-level keys of every study's results.json (outputs.write_outputs).
 STUDY_KEYS = ("workdir", "task", "options", "seeds", "aggregate", "timings")
 
@@ -194,13 +304,18 @@ def _write_plots(results: Mapping[str, Any], out_dir: str) -> list[str]:
   seeds, agg = results["seeds"], results["aggregate"]
   runs = f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''}"
   paths = []
+  lead = lead_curves(results)
   for metric, name in _CURVE_FILES.items():
     paths.append(_curve_plot(
         results, agg, np.asarray(seeds[0]["fractions"], np.float64), metric,
         os.path.join(out_dir, md.figure(results, name)),
         f"{results['task']}: test {_METRIC_LABELS[metric]}, {runs}",
         report_extensions.gate_points(results) if metric == "token_accuracy"
-        else None))
+        else None, keys=lead, bands=_REFERENCES))
+  paths.append(_families_plot(
+      results, "token_accuracy",
+      os.path.join(out_dir, md.figure(results, _FAMILIES_PNG)),
+      f"{results['task']}: test token accuracy by family, {runs}"))
   paths.append(_curve_plot(
       results, agg["no_layer_emptied"],
       np.asarray(seeds[0]["no_layer_emptied"]["fractions"], np.float64),
@@ -229,6 +344,7 @@ def report_lines(results: Mapping[str, Any]) -> list[str]:
   lines += _curves_section(results)
   lines += _oracle_section(results)
   lines += _searches_section(results)
+  lines += _tuning_section(results)
   lines += _no_layer_emptied_section(results)
   lines += _spearman_section(results)
   lines += _attribution_section(results)
@@ -492,8 +608,15 @@ def _curves_section(results: Mapping[str, Any]) -> list[str]:
       f"{opts['num_random_orders']} random orders per seed. The oracle is, "
       "for each number of heads removed, the subset with the best validation "
       "token accuracy (its subsets need not be nested).", "",
+      "The first two figures draw the oracle, the best ordering (the best "
+      "nested chain of subsets, where the results hold it), the search and "
+      f"the {LEAD_ORDERINGS} orderings of best AUC (test token accuracy), "
+      "and random, with the 95% intervals of the oracle and random; the "
+      "third draws every curve, one panel per family, each with the oracle "
+      "and random.", "",
       md.image(results, "token accuracy", "curves_token_accuracy.png"), "",
       md.image(results, "exact match", "curves_exact_match.png"), "",
+      md.image(results, "token accuracy by family", _FAMILIES_PNG), "",
       "AUC: area under the test curve over the fraction removed (1 = no "
       f"loss). Prunable: the most heads removed with every validation point "
       f"within {tol:g} point(s) of the unpruned validation accuracy, chosen "
@@ -586,8 +709,8 @@ def _searches_section(results: Mapping[str, Any]) -> list[str]:
          "(per-example gradients squared), rearranges each layer's removals "
          "to minimise the layer's block of the Fisher matrix"
          + (", and, tuned, refits the kept heads' mask values by least "
-            "squares to the unpruned model's attention outputs, layer by "
-            "layer" if "kwon_tuned" in names else "")
+            "squares, layer by layer (section 'Mask tuning')"
+            if "kwon_tuned" in names else "")
          + ". Its seconds exclude the Fisher information (the ordering "
          "'Fisher')."
          if "kwon" in names else "")
@@ -623,6 +746,10 @@ def _searches_section(results: Mapping[str, Any]) -> list[str]:
   first = seeds[0]
   orderings = [k for k in labels if k in first.get("curves", {})
                and k not in names and k != "oracle"]
+  # The other tunings' subsets are Kwon et al.'s or the oracle's: section
+  # 'Mask tuning'.
+  names = [k for k in names if k not in ("kwon_tuned_attention_output",
+                                         "oracle_kwon_tuned")]
   counts = list(first["counts"])
   rows = []
   for k in counts:
@@ -649,6 +776,52 @@ def _searches_section(results: Mapping[str, Any]) -> list[str]:
             "that is above every ordering's at the same number (point "
             "estimates on test, without intervals).", ""]
   return lines + md.table(header + ["best ordering there"], rows)
+
+
+def _tuning_section(results: Mapping[str, Any]) -> list[str]:
+  """Kwon et al.'s mask tuning: per tuned curve its AUC, the untuned one's,
+  the paired difference (tuned minus untuned, same resamples) and its
+  effect on the prunable level, and how often a layer's solution was
+  rejected."""
+  summary = results["aggregate"]["curve_summary"]
+  names = [k for k in UNTUNED if k in summary and UNTUNED[k] in summary]
+  if not names:
+    return []
+  labels, seeds = _labels(results), results["seeds"]
+  key = "auc_token_accuracy"
+  rows = []
+  for name in names:
+    entry, untuned = summary[name], summary[UNTUNED[name]]
+    entries = [e for s in seeds for e in s["searches"].get(name, [])]
+    stopped = [e for e in entries if e.get("rejected_layer") is not None]
+    rows.append([
+        labels[name], labels[UNTUNED[name]], md.ci(entry, key),
+        md.ci(untuned, key), md.ci(entry, f"{key}_minus_untuned", sign=True),
+        md.ci(entry, "prunable_heads_token_accuracy_minus_untuned", 1,
+              sign=True),
+        f"{len(stopped)} of {len(entries)}" if entries and all(
+            "rejected_layer" in e for e in entries) else "n/a"])
+  lines = [
+      "## Mask tuning", "",
+      "Kwon et al.'s third step makes the kept heads' mask values real "
+      "numbers, fitted by least squares layer by layer from the bottom on "
+      "validation. As their code does it (`kwon_tuned`): the target is the "
+      "layer's output before LayerNorm with the residual (here the block's "
+      "input plus its attention output: the residual stream after the "
+      "attention sublayer), so a layer also corrects what the layers below "
+      "left in the residual stream; layer 0 is not tuned; a solution with a "
+      "value outside [-10, 10] is rejected, and that layer and those above "
+      "keep their 0/1 values. `kwon_tuned_attention_output` fits the "
+      "attention output alone, from layer 0 up, without the bound. The "
+      "oracle's subset tuned as Kwon et al. do (`oracle_kwon_tuned`) is the "
+      "ceiling of tuning: the best subset per number removed, tuned. Tuned "
+      "masks are real-valued, the oracle's are 0/1 subsets. The difference "
+      "is paired: the same resamples of examples and seeds for both curves. "
+      "Test token accuracy; 95% intervals over examples and seeds.", ""]
+  lines += md.table(["tuned", "untuned", "AUC tuned", "AUC untuned",
+                     "Δ AUC (tuned − untuned)", "Δ prunable heads (val.)",
+                     "masks stopped by the bound"], rows)
+  return lines
 
 
 def _no_layer_emptied_section(results: Mapping[str, Any]) -> list[str]:
@@ -1037,7 +1210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"no {', '.join(missing)}); nothing written", file=sys.stderr)
     return 2
   try:
-    written = write(results, args.dir, figures=not args.noplots)
+    written = write(upgrade(results), args.dir, figures=not args.noplots)
   except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
     print(f"report: error: {path} is incomplete or from another version "
           f"({type(e).__name__}: {e}); report.md left as it was",

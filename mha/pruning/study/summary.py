@@ -41,6 +41,14 @@ BASELINES = ("random", "reverse_gradient")
 #: The curves every other curve's AUC is compared with.
 REFERENCES = ("random", "reverse_gradient", "oracle")
 
+#: Each tuned curve and the curve of the same subsets untuned: its
+#: ``<stat>_minus_untuned`` (AUC, prunable heads, test accuracy there, and
+#: every curve point) is the paired difference tuning makes. The oracle is
+#: chosen again in each replicate, the tuned oracle's subsets are the full
+#: split's choice.
+UNTUNED = {"kwon_tuned": "kwon", "kwon_tuned_attention_output": "kwon",
+           "oracle_kwon_tuned": "oracle"}
+
 Key = tuple[str, str, str]  # (variant, curve, statistic)
 
 
@@ -209,6 +217,13 @@ def _differences(out: dict[Key, np.ndarray], variant: str,
         for stat in (f"auc_{metric}", f"prunable_heads_{metric}"):
           out[(variant, name, f"{stat}_minus_{ref}")] = (
               out[(variant, name, stat)] - out[(variant, ref, stat)])
+    for name, untuned in UNTUNED.items():
+      if name not in names or untuned not in names:
+        continue
+      for stat in (f"auc_{metric}", f"prunable_heads_{metric}",
+                   f"test_{metric}_at_prunable", f"curve_{metric}"):
+        out[(variant, name, f"{stat}_minus_untuned")] = (
+            out[(variant, name, stat)] - out[(variant, untuned, stat)])
 
 
 def _no_layer_emptied_change(out: dict[Key, np.ndarray],
@@ -360,4 +375,5 @@ def _simultaneous(out: dict[str, Any],
 
 
 __all__ = ["FAMILIES", "CURVE_METRICS", "BASELINES", "REFERENCES",
+           "UNTUNED",
            "with_full_sample", "seed_statistics", "seed_summary", "aggregate_statistics"]
