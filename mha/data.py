@@ -46,6 +46,11 @@ from mha.run import absl_logs
 from mha.run import write_failures
 
 TASKS: tuple[str, ...] = ("reverse", "sort", "histogram", "spell")
+# The next-token (language-model style) tasks: their targets at position i
+# are the token at i + 1, so only a causal model (``model.causal``) may train
+# on them, and a causal model only on them (today's seq2seq tasks need the
+# whole input: reverse's first output is the last input).
+CAUSAL_TASKS: frozenset[str] = frozenset()
 
 # Bump when the generation code changes so that stale prepared data on disk is
 # never silently reused (the version is part of the on-disk path).

@@ -44,9 +44,9 @@ import numpy as np
 
 from mha import data
 from mha.aliases import Array, Params
-from mha.attention import padding_mask_from_tokens
 from mha.head_masks import existing_heads, full_head_mask
 from mha.model import Transformer, TransformerConfig
+from mha.model import attention_mask as model_mask
 from mha.pruning import core
 from mha.pruning import oracle
 from mha.run import arguments
@@ -203,7 +203,7 @@ def tune_masks(model: Transformer, params: Params, split: data.Split,
   outputs (the targets every mask is fitted to) computed once for all."""
   config = model.config
   inputs = jnp.asarray(split.inputs)
-  attention_mask = padding_mask_from_tokens(inputs)
+  attention_mask = model_mask(config, inputs)
   valid = np.asarray(split.inputs) != 0
   full_mask = full_head_mask(config)
   # The unpruned model, layer by layer: each head's outputs and their sum.
