@@ -120,37 +120,6 @@ def test_every_config_field_has_a_declared_type():
   assert config_validation.RESUMABLE_KEYS <= set(types)
 
 
-def test_grouped_heads_and_causal_models_are_checked(monkeypatch):
-  problems = lambda arg: config_validation.config_problems(
-      default.get_config(arg))
-  assert problems("tiny,model.num_kv_heads=1") == []
-  assert problems("tiny,model.num_kv_heads=3") == [
-      "model.num_kv_heads=3 does not divide model.num_heads=2: each key/value "
-      "head serves a group of query heads"]
-  assert problems("tiny,model.num_kv_heads=0") == [
-      "model.num_kv_heads=0 must be >= 1"]
-  assert problems("tiny,model.num_heads=[2,4],model.head_dim=8,"
-                  "model.num_kv_heads=4") == [
-      "model.num_kv_heads=4 does not divide model.num_heads=[2, 4]: each "
-      "key/value head serves a group of query heads"]
-  assert problems("sort,model.causal=True")[0].startswith(
-      "model.causal=True cannot learn task='sort': it needs bidirectional "
-      "attention")
-  # A task declares itself next-token by its name in data.CAUSAL_TASKS.
-  from mha import data  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(data, "CAUSAL_TASKS", frozenset({"sort"}))
-  assert problems("sort,model.causal=True") == []
-  assert problems("sort") == [
-      "task='sort' is a next-token task: it needs model.causal=True (an "
-      "encoder would read the token it predicts)"]
-  # A config saved before the two fields loads as the model it was.
-  saved = default.get_config("tiny").to_dict()
-  del saved["model"]["causal"], saved["model"]["num_kv_heads"]
-  loaded = ckpt_lib.complete_config(saved)
-  assert (loaded.model.causal, loaded.model.num_kv_heads) == (False, None)
-  assert config_validation.resume_conflicts(saved, loaded) == []
-
-
 def test_per_layer_heads_and_configs_saved_before_head_dim():
   # A pruned model: one head count per layer, 0 allowed, head_dim required.
   fields = default.get_config("tiny").to_dict()
