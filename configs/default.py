@@ -65,7 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.init_from = config_dict.placeholder(str)
 
   config.model = ml_collections.ConfigDict()
-  config.model.num_layers = 2  # Encoder blocks.
+  config.model.num_layers = 2  # Transformer blocks.
   # Attention heads per layer: an int, or a list of one count per layer (a
   # pruned model; 0 allowed, model.head_dim required).
   config.model.num_heads = 4
@@ -80,6 +80,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Computation dtype: float32|bfloat16 (parameters, softmax and loss stay
   # float32; bfloat16 lets GPUs run cuDNN flash attention).
   config.model.dtype = "float32"
+  # A decoder-only language model: causal masks, next-token targets (only
+  # with a next-token task, mha.data.CAUSAL_TASKS).
+  config.model.causal = False
+  # Key/value heads shared by the query heads (grouped-query attention); it
+  # must divide num_heads. None: num_heads (plain multi-head attention).
+  config.model.num_kv_heads = config_dict.placeholder(int)
 
   config.mesh = ml_collections.ConfigDict()
   config.mesh.data = -1  # Devices along the data (batch) axis; -1 = all.

@@ -1,5 +1,6 @@
-"""mha: multi-head attention that returns its weights, an encoder-only
-Transformer built on it, training on toy sequence tasks, and head pruning.
+"""mha: multi-head attention that returns its weights, a Transformer built on
+it (an encoder, or a causal decoder that generates through a cache of keys
+and values), training on toy sequence tasks, and head pruning.
 
 The public names are imported on first use (PEP 562), so that ``import
 mha.run.cli`` and an entry point refusing a mistyped flag do not import JAX,

@@ -46,6 +46,11 @@ from mha.run import absl_logs
 from mha.run import write_failures
 
 TASKS: tuple[str, ...] = ("reverse", "sort", "histogram", "spell")
+# The next-token (language-model style) tasks: their targets at position i
+# are the token at i + 1, so only a causal model (``model.causal``) may train
+# on them, and a causal model only on them (today's seq2seq tasks need the
+# whole input: reverse's first output is the last input).
+CAUSAL_TASKS: frozenset[str] = frozenset()
 
 # Bump when the generation code changes so that stale prepared data on disk is
 # never silently reused (the version is part of the on-disk path).
@@ -468,6 +473,10 @@ class Split:
   inputs: np.ndarray  # [N, max_len] int32
   targets: np.ndarray  # [N, max_len] int32
   task: str | None = None  # What `token_names` to read the tokens as.
+  # [N, max_len] float32 loss weight of each position, or None: every
+  # non-padding input position counts (``inputs != 0``). A next-token task
+  # gives 0 to the positions it does not score (a prompt, the last token).
+  weights: np.ndarray | None = None
 
   def __len__(self) -> int:
     return int(self.inputs.shape[0])
@@ -476,6 +485,23 @@ class Split:
   def lengths(self) -> np.ndarray:
     """[N] int32 number of valid (non-padding) positions per example."""
     return (self.inputs != 0).sum(axis=1).astype(np.int32)
+
+
+def next_token_arrays(tokens: np.ndarray, scored_from: int | np.ndarray = 0
+                      ) -> dict[str, np.ndarray]:
+  """A next-token task's ``inputs``, ``targets`` and ``weights`` ``[N, L]``
+  from token rows ``[N, L + 1]`` (0 = padding): position i reads
+  ``tokens[:, i]`` and predicts ``tokens[:, i + 1]``; it is scored (weight
+  1) when that target is not padding and ``i + 1 >= scored_from`` (an int,
+  or one per row ``[N]``: the first target token that counts, so a prompt
+  before it is context only)."""
+  tokens = np.asarray(tokens, np.int32)
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+  first = np.reshape(np.asarray(scored_from), (-1, 1))
+  scored = (targets != 0) & (np.arange(1, tokens.shape[1]) >= first)
+  return {"inputs": np.ascontiguousarray(inputs),
+          "targets": np.ascontiguousarray(targets),
+          "weights": scored.astype(np.float32)}
 
 
 def read_split(source: Any, spec: DataSpec) -> Split:
@@ -608,7 +634,8 @@ def train_batch(
   head of the next).
 
   Returns:
-    {'inputs': [B, L] int32, 'targets': [B, L] int32}.
+    {'inputs': [B, L] int32, 'targets': [B, L] int32}, and 'weights' [B, L]
+    float32 when the split has them.
   """
   n = len(split)
   if n == 0:
@@ -621,23 +648,32 @@ def train_batch(
   for e in np.unique(epochs):
     sel = epochs == e
     idx[sel] = _epoch_permutation(int(seed), int(e), n)[pos[sel]]
-  return {"inputs": split.inputs[idx], "targets": split.targets[idx]}
+  batch = {"inputs": split.inputs[idx], "targets": split.targets[idx]}
+  if split.weights is not None:
+    batch["weights"] = split.weights[idx]
+  return batch
 
 
 def eval_batches(split: Split, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
   """Deterministic in-order batches covering `split` exactly once.
 
   The last partial batch is padded to `batch_size` with all-zero rows (pure
-  padding: no valid tokens, so metrics ignore them); every batch has shape
-  [batch_size, max_len] (a single compilation).
+  padding: no valid tokens and zero weights, so metrics ignore them); every
+  batch has shape [batch_size, max_len] (a single compilation). A split with
+  weights gives 'weights' too.
   """
   if batch_size < 1:
     raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
   n = len(split)
+  arrays = {"inputs": (split.inputs, np.int32),
+            "targets": (split.targets, np.int32)}
+  if split.weights is not None:
+    arrays["weights"] = (split.weights, np.float32)
   for start in range(0, n, batch_size):
-    x = split.inputs[start : start + batch_size]
-    y = split.targets[start : start + batch_size]
-    if len(x) < batch_size:
-      pad = ((0, batch_size - len(x)), (0, 0))
-      x, y = np.pad(x, pad), np.pad(y, pad)
-    yield {"inputs": np.asarray(x, np.int32), "targets": np.asarray(y, np.int32)}
+    batch = {}
+    for key, (values, dtype) in arrays.items():
+      rows = values[start : start + batch_size]
+      if len(rows) < batch_size:
+        rows = np.pad(rows, ((0, batch_size - len(rows)), (0, 0)))
+      batch[key] = np.asarray(rows, dtype)
+    yield batch

@@ -30,8 +30,8 @@ Metrics = dict[str, Array]
 SUM_KEYS = ("loss_sum", "correct", "tokens", "exact", "sequences")
 
 
-def example_metric_sums(logits: Array, targets: Array,
-                        inputs: Array) -> Metrics:
+def example_metric_sums(logits: Array, targets: Array, inputs: Array,
+                        weights: Array | None = None) -> Metrics:
   """The sums and counts of :func:`metric_sums` per example, ``[B]`` each
   (their sums over the batch are the batch's): what a bootstrap resample
   over examples needs.
@@ -40,31 +40,54 @@ def example_metric_sums(logits: Array, targets: Array,
     logits: ``[B, L, V]``.
     targets: ``[B, L]`` int.
     inputs: ``[B, L]`` int, 0 = padding (defines the valid positions).
+    weights: optional float ``[B, L]``, each position's weight in the sums
+      (the Flax lm1b example's): a next-token task scores only some
+      positions (``mha.data.next_token_arrays``). None: 1 at every valid
+      position, the sums above exactly.
 
   Returns:
-    ``loss_sum``, ``correct`` and ``tokens`` (token-level sums), and
-    ``exact`` and ``sequences`` (1 when every valid position is right, 1
-    when the sequence is not empty).
+    ``loss_sum``, ``correct`` and ``tokens`` (token-level sums, weighted),
+    and ``exact`` and ``sequences`` (1 when every valid position, or every
+    position of nonzero weight, is right; 1 when there is one).
   """
-  valid = inputs != 0
   ce = optax.softmax_cross_entropy_with_integer_labels(
       logits.astype(jnp.float32), targets)
-  right = (jnp.argmax(logits, -1) == targets) & valid
+  if weights is None:
+    valid = inputs != 0
+    right = (jnp.argmax(logits, -1) == targets) & valid
+    loss_sum = jnp.sum(jnp.where(valid, ce, 0.0), axis=-1)
+    correct, tokens = jnp.sum(right, axis=-1), jnp.sum(valid, axis=-1)
+  else:
+    weights = jnp.asarray(weights, jnp.float32)
+    valid = weights != 0
+    right = (jnp.argmax(logits, -1) == targets) & valid
+    loss_sum = jnp.sum(weights * ce, axis=-1)
+    correct = jnp.sum(jnp.where(right, weights, 0.0), axis=-1)
+    tokens = jnp.sum(weights, axis=-1)
   nonempty = jnp.any(valid, axis=-1)
   return {
-      "loss_sum": jnp.sum(jnp.where(valid, ce, 0.0), axis=-1),
-      "correct": jnp.sum(right, axis=-1),
-      "tokens": jnp.sum(valid, axis=-1),
+      "loss_sum": loss_sum,
+      "correct": correct,
+      "tokens": tokens,
       "exact": (jnp.all(right | ~valid, axis=-1) & nonempty).astype(jnp.int32),
       "sequences": nonempty.astype(jnp.int32),
   }
 
 
-def metric_sums(logits: Array, targets: Array, inputs: Array) -> Metrics:
-  """Sums and counts over the valid (non-padding) positions of a batch: the
-  sums over the batch of :func:`example_metric_sums` (same arguments)."""
+def metric_sums(logits: Array, targets: Array, inputs: Array,
+                weights: Array | None = None) -> Metrics:
+  """Sums and counts over the valid (non-padding, or nonzero-weight)
+  positions of a batch: the sums over the batch of
+  :func:`example_metric_sums` (same arguments)."""
   return {k: jnp.sum(v) for k, v in
-          example_metric_sums(logits, targets, inputs).items()}
+          example_metric_sums(logits, targets, inputs, weights).items()}
+
+
+def batch_metric_sums(logits: Array, batch: Mapping[str, Array]) -> Metrics:
+  """:func:`metric_sums` of a batch of :mod:`mha.data`: its ``inputs``,
+  ``targets`` and, when it has them, ``weights``."""
+  return metric_sums(logits, batch["targets"], batch["inputs"],
+                     batch.get("weights"))
 
 
 def summarize(sums: Mapping[str, np.ndarray | float]
@@ -88,7 +111,7 @@ def eval_step(model: Transformer, params: Params,
   """Metric sums of ``model`` on one batch (deterministic, no weights)."""
   logits, _ = model.apply({"params": params}, batch["inputs"],
                           return_weights=False)
-  return metric_sums(logits, batch["targets"], batch["inputs"])
+  return batch_metric_sums(logits, batch)
 
 
 def evaluate(model: Transformer, params: Params, split: data.Split,

@@ -1,10 +1,18 @@
-"""An encoder-only Transformer built on :class:`mha.attention.MultiHeadAttention`.
+"""A Transformer built on :class:`mha.attention.MultiHeadAttention`.
 
 The model predicts one output token per input position (the toy tasks are
 per-position), and returns every layer's attention weights beside the logits:
 
     logits, attention = Transformer(config).apply(
         {"params": params}, tokens, head_mask=head_mask)
+
+By default it is an encoder (every position sees the whole sequence); with
+``TransformerConfig(causal=True)`` the same blocks get causal masks and it is
+a decoder-only language model, position i predicting token i + 1; with
+``num_kv_heads`` its heads share fewer heads of keys and values
+(grouped-query attention). ``decode=True`` runs one position a call through
+a cache of keys and values (Flax's ``cache`` collection; :mod:`mha.decode`
+generates with it).
 
 ``config.num_heads`` may be an int or a per-layer tuple, so a model whose heads
 were physically pruned (different head counts per layer, possibly zero) is an
@@ -17,11 +25,13 @@ import dataclasses
 from typing import Sequence
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mha.aliases import Array
-from mha.attention import MultiHeadAttention, padding_mask_from_tokens
+from mha.attention import (MultiHeadAttention, causal_mask, combine_masks,
+                           padding_mask_from_tokens)
 
 
 POSITIONAL_KINDS = ("learned", "sinusoidal")
@@ -30,7 +40,7 @@ DTYPES = ("float32", "bfloat16")  # computation dtypes (model.dtype)
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """Hyperparameters of the encoder-only Transformer (static, hashable).
+  """Hyperparameters of the Transformer (static, hashable).
 
   Attributes:
     vocab_size: size of the token space (inputs and outputs); 0 is padding.
@@ -48,6 +58,13 @@ class TransformerConfig:
     positional: "learned" or "sinusoidal" position embeddings.
     dtype: computation dtype, "float32" or "bfloat16" (a ``jnp`` dtype is
       taken too); parameters, the softmax and the loss stay float32.
+    causal: a decoder: position i attends to positions <= i only (the
+      padding mask still applies).
+    num_kv_heads: heads of keys and values in every layer (grouped-query
+      attention, Ainslie et al. 2023); it must divide every layer's head
+      count. None: ``num_heads`` (the same parameters as before the field).
+    decode: one position a call through the ``cache`` collection (needs
+      ``causal``; the first call, ``init``, sizes the cache from its tokens).
   """
 
   vocab_size: int
@@ -62,6 +79,9 @@ class TransformerConfig:
   pre_norm: bool = True
   positional: str = "learned"
   dtype: str = "float32"
+  causal: bool = False
+  num_kv_heads: int | None = None
+  decode: bool = False
 
   def __post_init__(self):
     if isinstance(self.num_heads, (list, tuple, np.ndarray)):
@@ -87,6 +107,13 @@ class TransformerConfig:
     if self.positional not in POSITIONAL_KINDS:
       raise ValueError(f"positional must be one of {POSITIONAL_KINDS}, got "
                        f"{self.positional!r}.")
+    if self.num_kv_heads is not None and (self.num_kv_heads < 1 or any(
+        h % self.num_kv_heads for h in self.heads_per_layer)):
+      raise ValueError(
+          f"num_kv_heads ({self.num_kv_heads}) must be >= 1 and divide "
+          f"num_heads ({self.num_heads}).")
+    if self.decode and not self.causal:
+      raise ValueError("decode=True needs a causal model (causal=True).")
 
   @property
   def heads_per_layer(self) -> tuple[int, ...]:
@@ -124,6 +151,16 @@ def sinusoidal_positions(max_len: int, d_model: int) -> np.ndarray:
   return table
 
 
+def attention_mask(config: TransformerConfig, tokens: Array) -> Array:
+  """The mask every layer of the model gets for ``tokens [..., L]``: the
+  padding mask ``[..., 1, L, L]`` (:func:`padding_mask_from_tokens`), and
+  causal too when ``config.causal``."""
+  mask = padding_mask_from_tokens(tokens)
+  if config.causal:
+    mask = combine_masks(mask, causal_mask(tokens.shape[-1]))
+  return mask
+
+
 class MlpBlock(nn.Module):
   """Position-wise feed-forward block: Dense, GELU, dropout, Dense."""
 
@@ -139,7 +176,8 @@ class MlpBlock(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-  """Self-attention and feed-forward sublayers with residual connections."""
+  """Self-attention and feed-forward sublayers with residual connections
+  (the decoder's block too: the mask makes it causal)."""
 
   config: TransformerConfig
   num_heads: int
@@ -163,6 +201,8 @@ class EncoderBlock(nn.Module):
         # and heads by default); the model has always dropped this way.
         broadcast_dropout=False,
         dtype=cfg.compute_dtype,
+        num_kv_heads=cfg.num_kv_heads,
+        decode=cfg.decode,
         name="attention",
     )(y, mask=mask, head_mask=head_mask, deterministic=deterministic,
       return_weights=return_weights)
@@ -179,13 +219,18 @@ class EncoderBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-  """Encoder-only Transformer for per-position prediction.
+  """Transformer for per-position prediction: an encoder, or with
+  ``config.causal`` a decoder-only language model.
 
   Called as ``logits, attention = model(tokens, head_mask=..., ...)`` with
   tokens int ``[..., L]`` (0 = padding; the padding mask is derived from
   them), logits ``[..., L, vocab_size]`` and ``attention`` a tuple with one
   ``[..., H_l, L, L]`` array per layer (None entries when
   ``return_weights=False``).
+
+  With ``config.decode`` each call after ``init`` takes tokens ``[..., 1]``
+  at the next position and updates the ``cache`` collection (apply with
+  ``mutable=["cache"]``); the attention is then ``[..., H_l, 1, L_cache]``.
   """
 
   config: TransformerConfig
@@ -208,6 +253,9 @@ class Transformer(nn.Module):
       self.ln_final = nn.LayerNorm(dtype=cfg.compute_dtype, name="ln_final")
     self.logits_dense = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype,
                                  name="logits")
+    if cfg.decode:  # The position of the next token (wmt's cache_index).
+      self.cache_index = self.variable("cache", "cache_index",
+                                       lambda: jnp.array(0, jnp.int32))
 
   def embed(self, tokens: Array, *, deterministic: bool = True) -> Array:
     """The input of the first block: token embeddings plus positions,
@@ -219,6 +267,10 @@ class Transformer(nn.Module):
       pos = self.pos_embedding
     else:
       pos = jnp.asarray(sinusoidal_positions(cfg.max_len, cfg.d_model))
+    if cfg.decode and not self.is_initializing():
+      index = self.cache_index.value
+      self.cache_index.value = index + 1
+      pos = jax.lax.dynamic_slice_in_dim(pos, index, 1)
     x = x + jnp.broadcast_to(pos[:tokens.shape[-1]].astype(x.dtype), x.shape)
     return self.embed_dropout(x, deterministic=deterministic)
 
@@ -238,7 +290,7 @@ class Transformer(nn.Module):
       deterministic: bool = True,
       return_weights: bool = True,
   ) -> tuple[Array, tuple[Array | None, ...]]:
-    """Runs the encoder.
+    """Runs the model.
 
     Args:
       tokens: int ``[..., L]``, ``L <= max_len``, 0 = padding.
@@ -269,7 +321,9 @@ class Transformer(nn.Module):
           f"L <= max_len = {cfg.max_len}.")
     head_masks = self._split_head_mask(head_mask)
     x = self.embed(tokens, deterministic=deterministic)
-    mask = padding_mask_from_tokens(tokens)  # built once, passed down
+    # Built once, passed down; when decoding, each layer's cache masks the
+    # positions not yet written.
+    mask = None if cfg.decode else attention_mask(cfg, tokens)
     attention = []
     for block, layer_mask in zip(self.blocks, head_masks):
       x, weights = block(x, mask, layer_mask, deterministic=deterministic,

@@ -96,7 +96,7 @@ def train_step(state: TrainState, batch: Mapping[str, Array], rng: Array, *,
     logits, _ = model.apply({"params": params}, batch["inputs"],
                             deterministic=False, return_weights=False,
                             rngs={"dropout": dropout_rng})
-    sums = eval_lib.metric_sums(logits, batch["targets"], batch["inputs"])
+    sums = eval_lib.batch_metric_sums(logits, batch)
     return sums["loss_sum"] / jnp.maximum(sums["tokens"], 1), sums
 
   grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)

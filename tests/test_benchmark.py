@@ -419,3 +419,25 @@ def test_end_to_end_benchmark_refuses_a_peer_python_without_torch(
   assert lines[0].startswith(f"end_to_end_benchmark.py: error: --peer_python "
                              f"{missing}")
   assert os.listdir(tmp_path) == []
+
+
+def test_decode_benchmark_compares_the_cache_with_recomputing(tmp_path,
+                                                              subprocess_env):
+  script = os.path.join(BENCHMARKS, "decode_benchmark.py")
+  out = tmp_path / "decode.json"
+  result = run([sys.executable, script, "--length=8", "--d_model=16",
+                "--heads=2", "--kv_heads=1", "--mlp_dim=32", "--vocab=11",
+                "--repeats=1", f"--out={out}"], cwd=tmp_path,
+               env=subprocess_env, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  results = json.loads(out.read_text())
+  _check_record(results, "decode")
+  measured = results["measured"]
+  assert measured["same_tokens"] is True
+  assert measured["ratio_generate"] > 0 and measured["ratio_token"] > 0
+  assert "| generating 8 tokens (one scan) |" in result.stdout
+  result = run([sys.executable, script, "--heads=3", "--kv_heads=2",
+                "--d_model=12"], cwd=tmp_path, env=subprocess_env, timeout=120)
+  assert result.returncode == 2
+  assert result.stderr.strip() == ("decode_benchmark.py: error: --kv_heads=2 "
+                                   "does not divide --heads=3")

@@ -15,6 +15,7 @@ from configs import default
 
 from conftest import gpu_deterministic_ops
 from mha import build
+from mha import checkpoint as ckpt_lib
 from mha.run import config_validation
 from mha import data
 from mha import train
@@ -227,3 +228,33 @@ def test_model_dtype_key_trains_in_bfloat16():
   state, metrics = step(state, {"inputs": tokens, "targets": tokens})
   assert np.isfinite(metrics["loss_sum"]) and np.isfinite(metrics["grad_norm"])
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(state.params))
+
+
+def test_grouped_heads_and_causal_models_are_checked(monkeypatch):
+  problems = lambda arg: config_validation.config_problems(
+      default.get_config(arg))
+  assert problems("tiny,model.num_kv_heads=1") == []
+  assert problems("tiny,model.num_kv_heads=3") == [
+      "model.num_kv_heads=3 does not divide model.num_heads=2: each key/value "
+      "head serves a group of query heads"]
+  assert problems("tiny,model.num_kv_heads=0") == [
+      "model.num_kv_heads=0 must be >= 1"]
+  assert problems("tiny,model.num_heads=[2,4],model.head_dim=8,"
+                  "model.num_kv_heads=4") == [
+      "model.num_kv_heads=4 does not divide model.num_heads=[2, 4]: each "
+      "key/value head serves a group of query heads"]
+  assert problems("sort,model.causal=True")[0].startswith(
+      "model.causal=True cannot learn task='sort': it needs bidirectional "
+      "attention")
+  # A task declares itself next-token by its name in data.CAUSAL_TASKS.
+  monkeypatch.setattr(data, "CAUSAL_TASKS", frozenset({"sort"}))
+  assert problems("sort,model.causal=True") == []
+  assert problems("sort") == [
+      "task='sort' is a next-token task: it needs model.causal=True (an "
+      "encoder would read the token it predicts)"]
+  # A config saved before the two fields loads as the model it was.
+  saved = default.get_config("tiny").to_dict()
+  del saved["model"]["causal"], saved["model"]["num_kv_heads"]
+  loaded = ckpt_lib.complete_config(saved)
+  assert (loaded.model.causal, loaded.model.num_kv_heads) == (False, None)
+  assert config_validation.resume_conflicts(saved, loaded) == []

@@ -328,3 +328,26 @@ def test_eval_batches(n, batch_size):
   np.testing.assert_array_equal(x[:n], split.inputs)
   np.testing.assert_array_equal(y[:n], split.targets)
   assert np.all(x[n:] == 0) and np.all(y[n:] == 0)
+
+
+def test_next_token_arrays_score_targets_after_the_prompt():
+  tokens = np.array([[5, 6, 7, 8, 0], [1, 2, 3, 4, 9]], np.int32)
+  arrays = data.next_token_arrays(tokens, scored_from=np.array([1, 3]))
+  np.testing.assert_array_equal(arrays["inputs"], tokens[:, :-1])
+  np.testing.assert_array_equal(arrays["targets"], tokens[:, 1:])
+  # Row 0: every real target (the padding after 8 is not one); row 1: the
+  # targets from position 3 of the tokens on.
+  np.testing.assert_array_equal(arrays["weights"], [[1, 1, 1, 0], [0, 0, 1, 1]])
+  assert arrays["weights"].dtype == np.float32
+
+
+def test_batches_carry_weights_when_the_split_has_them():
+  split = _split(3)
+  weighted = data.Split(split.inputs, split.targets,
+                        weights=np.full(split.inputs.shape, 0.5, np.float32))
+  assert "weights" not in data.train_batch(split, seed=0, step=0, batch_size=2)
+  batch = data.train_batch(weighted, seed=0, step=0, batch_size=2)
+  assert batch["weights"].shape == (2, 4)
+  last = list(data.eval_batches(weighted, 2))[-1]
+  np.testing.assert_array_equal(last["weights"], [[0.5] * 4, [0.0] * 4])
+  assert last["weights"].dtype == np.float32

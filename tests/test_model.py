@@ -128,7 +128,39 @@ def test_variants_run(positional, pre_norm):
   assert np.all(np.isfinite(logits))
 
 
+def test_causal_positions_never_see_later_tokens():
+  cfg = TransformerConfig(**{**CFG.__dict__, "causal": True})
+  params = _init(cfg)
+  model = Transformer(cfg)
+  logits, attention = model.apply(params, TOKENS)
+  assert all(np.all(np.triu(np.asarray(a), 1) == 0) for a in attention)
+  changed, _ = model.apply(params, TOKENS.at[1, 5].set(1))
+  np.testing.assert_array_equal(changed[1, :5], logits[1, :5])
+  assert not np.allclose(changed[1, 5:], logits[1, 5:])
+  # Same parameters as the encoder's: only the mask differs.
+  assert (jax.tree.map(jnp.shape, params)
+          == jax.tree.map(jnp.shape, _init()))
+
+
+def test_grouped_kv_heads_and_the_default_unchanged():
+  gqa = TransformerConfig(**{**CFG.__dict__, "num_kv_heads": 2})
+  params = _init(gqa)["params"]["layer_0"]["attention"]
+  assert params["key"]["kernel"].shape == (32, 2, 8)
+  assert params["value"]["bias"].shape == (2, 8)
+  assert params["query"]["kernel"].shape == (32, 4, 8)
+  logits, attention = Transformer(gqa).apply(_init(gqa), TOKENS)
+  assert attention[0].shape == (2, 4, 8, 8) and np.all(np.isfinite(logits))
+  # num_kv_heads = num_heads is the model without the field, bitwise.
+  same = TransformerConfig(**{**CFG.__dict__, "num_kv_heads": 4})
+  expected, _ = Transformer(CFG).apply(_init(), TOKENS)
+  got, _ = Transformer(same).apply(_init(same), TOKENS)
+  np.testing.assert_array_equal(got, expected)
+
+
 @pytest.mark.parametrize("kwargs, match", [
+    (dict(num_kv_heads=3), r"num_kv_heads \(3\) must be >= 1 and divide"),
+    (dict(num_kv_heads=0), r"num_kv_heads \(0\) must be >= 1"),
+    (dict(decode=True), r"decode=True needs a causal model"),
     (dict(num_heads=3), r"d_model \(32\) must be divisible by num_heads \(3\)"),
     (dict(num_heads=(2, 2, 2)), r"num_heads has 3 entries"),
     (dict(num_heads=(2, 2)), r"head_dim is required"),

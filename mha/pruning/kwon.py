@@ -49,9 +49,9 @@ import numpy as np
 
 from mha import data
 from mha.aliases import Array, Params
-from mha.attention import padding_mask_from_tokens
 from mha.head_masks import existing_heads, full_head_mask
 from mha.model import Transformer, TransformerConfig
+from mha.model import attention_mask as model_mask
 from mha.pruning import core
 from mha.pruning import oracle
 from mha.run import arguments
@@ -269,7 +269,7 @@ def tune_masks(model: Transformer, params: Params, split: data.Split,
   """
   config = model.config
   inputs = jnp.asarray(split.inputs)
-  attention_mask = padding_mask_from_tokens(inputs)
+  attention_mask = model_mask(model.config, inputs)
   valid = np.asarray(split.inputs) != 0
   full = _unpruned_layers(model, params, inputs, attention_mask)
   out, rejected = [], []
@@ -326,7 +326,7 @@ def tune_masks_attention_output(model: Transformer, params: Params,
   """
   config = model.config
   inputs = jnp.asarray(split.inputs)
-  attention_mask = padding_mask_from_tokens(inputs)
+  attention_mask = model_mask(model.config, inputs)
   valid = np.asarray(split.inputs) != 0
   full = _unpruned_layers(model, params, inputs, attention_mask)
   out = []

@@ -49,8 +49,9 @@ from mha import data
 from mha import evaluate as eval_lib
 from mha import head_masks
 from mha.aliases import Array, Log, Params
-from mha.attention import MultiHeadAttention, padding_mask_from_tokens
+from mha.attention import MultiHeadAttention
 from mha.model import EncoderBlock, Transformer, TransformerConfig
+from mha.model import attention_mask as model_mask
 from mha.run.progress import Tenths, quiet, timed
 from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
@@ -421,7 +422,7 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
     ``tokens``, ``sequences``: ``[B]``.
   """
   cfg = model.config
-  attention_mask = padding_mask_from_tokens(inputs)
+  attention_mask = model_mask(cfg, inputs)
   xs = embed_tokens(model, params, inputs)[None]  # [prefixes, B, T, D]
   valid = inputs != 0
   fast = positions is not None and cfg.heads_per_layer[-1] > 0

@@ -131,6 +131,15 @@ def _head_problems(values: Mapping[str, Any]) -> list[str]:
   elif head_dim is None and width % heads:
     problems.append(f"model.d_model={width} is not divisible by "
                     f"model.num_heads={heads}")
+  kv_heads = values.get("model.num_kv_heads")
+  if kv_heads is not None and kv_heads < 1:
+    problems.append(f"model.num_kv_heads={kv_heads} must be >= 1")
+  elif kv_heads is not None and any(
+      h % kv_heads for h in (heads if isinstance(heads, (list, tuple))
+                             else [heads])):
+    problems.append(f"model.num_kv_heads={kv_heads} does not divide "
+                    f"model.num_heads={heads}: each key/value head serves a "
+                    "group of query heads")
   return problems
 
 
@@ -157,7 +166,7 @@ def _range_problems(values: Mapping[str, Any]) -> list[str]:
   """The values out of range of a config whose every field has its type."""
   # Imported here: this module is imported by command lines before JAX
   # (mha.data imports TFDS, mha.model Flax).
-  from mha.data import MAX_WORD_LEN, TASKS  # pylint: disable=import-outside-toplevel
+  from mha.data import CAUSAL_TASKS, MAX_WORD_LEN, TASKS  # pylint: disable=import-outside-toplevel
   from mha.model import DTYPES, POSITIONAL_KINDS  # pylint: disable=import-outside-toplevel
 
   def value(key):
@@ -186,6 +195,15 @@ def _range_problems(values: Mapping[str, Any]) -> list[str]:
     if not 0 <= value(key) < 1:
       problems.append(f"{key}={value(key)} must be in [0, 1)")
   problems += _head_problems(values)
+  if value("model.causal") and value("task") not in CAUSAL_TASKS:
+    problems.append(
+        f"model.causal=True cannot learn task={value('task')!r}: it needs "
+        "bidirectional attention (a causal model takes a next-token task: "
+        f"{', '.join(sorted(CAUSAL_TASKS)) or 'none yet'})")
+  elif not value("model.causal") and value("task") in CAUSAL_TASKS:
+    problems.append(
+        f"task={value('task')!r} is a next-token task: it needs "
+        "model.causal=True (an encoder would read the token it predicts)")
   if value("model.positional") not in POSITIONAL_KINDS:
     problems.append(f"model.positional={value('model.positional')!r} is not "
                     f"one of {', '.join(POSITIONAL_KINDS)}")
