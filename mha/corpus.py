@@ -102,6 +102,8 @@ def _read(root: str) -> tuple[list[str], list[bytes], str]:
     ValueError: no file (one line), or a file holding a NUL byte (token 0
       is padding; Python refuses such source too).
   """
+  if not os.path.isdir(root):
+    raise ValueError(f"the pylm corpus folder {root} is not a folder")
   paths = source_files(root)
   if not paths:
     raise ValueError(f"the pylm corpus is empty: no .py files under {root} "

@@ -61,6 +61,8 @@ def test_empty_corpus_and_nul_bytes(tmp_path):
     with pytest.raises(ValueError, match="corpus is empty") as raised:
       read(str(tmp_path))
     assert "\n" not in str(raised.value)
+  with pytest.raises(ValueError, match="not a folder"):
+    corpus.load(str(tmp_path / "nowhere"))
   (tmp_path / "bad.py").write_bytes(b"x = 1\0\n")
   with pytest.raises(ValueError, match="NUL byte"):
     corpus.load(str(tmp_path))
