@@ -581,7 +581,7 @@ class _LocalDatasetInfo(tfds.core.DatasetInfo):
 
 class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """Toy per-position sequence-to-sequence tasks (reverse, sort, histogram,
-  spell).
+  spell) and the causal tasks (mqar, passkey, pylm).
 
   Not registered in the global tfds registry (build it with `make_builder`),
   so re-importing this module (e.g. as `__main__`) cannot collide.

@@ -177,7 +177,7 @@ def test_causal_batches_carry_weights():
 
 def test_recall_tasks_on_disk(data_dir):
   for task, kw in (("mqar", TINY_MQAR), ("passkey", TINY_PASSKEY)):
-    spec = data.DataSpec(task=task, **kw)
+    spec = data.DataSpec(task=task, **{**kw, "num_train_examples": 32})
     splits = data.load_splits(spec, data_dir)
     direct = data._generate_causal(spec)
     for name, split in splits.items():
