@@ -101,6 +101,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # spell only: 1..max_digits digits in; data.max_len must hold the longest
   # spelling, 5 letters a digit (spell ignores num_symbols and min_len).
   config.data.max_digits = 4
+  # Causal tasks (mqar, passkey, pylm) only: the tokens of an example's
+  # inputs, and the model's positions (they ignore min_len and max_len).
+  config.data.context_length = 128
+  config.data.num_pairs = 8  # mqar only: key-value pairs, each queried once.
   config.data.data_dir = "~/tensorflow_datasets"  # Where TFDS prepares data.
 
   for part in filter(None, _split_variants(arg or "")):

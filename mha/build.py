@@ -49,7 +49,8 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
       **config.model,
       vocab_size=data.vocab_size(config.task, config.data.num_symbols,
                                  config.data.max_len),
-      max_len=config.data.max_len,
+      max_len=data.example_length(config.task, config.data.max_len,
+                                  config.data.context_length),
   )
 
 

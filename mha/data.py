@@ -25,6 +25,40 @@ written to disk by ``tfds`` in the ``array_record`` format and read back with
 Each example is one feature, ``tokens`` ``[2, max_len]`` (inputs, targets) as
 raw int32 bytes, so a split is read as raw records and decoded at once (the
 default 22,000 examples in well under a second).
+
+Causal tasks (:data:`CAUSAL_TASKS`), for a decoder's next-token loss: an
+example is a sequence of ``context_length + 1`` tokens, whose first
+``context_length`` are the ``inputs`` and last ``context_length`` the
+``targets`` (the next token at each position), with a per-position loss
+``weights`` (1 where the loss counts) and, for the recall tasks
+(:data:`RECALL_TASKS`), per-position ``distances``: how many tokens back the
+answer at that position was planted (0 where nothing is recalled).
+
+* ``mqar`` (multi-query associative recall, Arora et al. 2023, "Zoology"):
+  ``num_pairs`` key-value pairs (distinct keys ``k1..kS``, distinct values
+  ``v1..vS``, ``S = num_symbols``) open the sequence; the rest is filler
+  (``S`` tokens of its own) cut into two-token slots, of which ``num_pairs``
+  at random hold a query, ``key value``, each pair asked once in a random
+  order. Weights: 1 on the values of the queries only. (Zoology draws the
+  query slots from a power law favouring early slots and its filler from the
+  whole vocabulary; here both are uniform, and the filler its own.)
+* ``passkey``: a key marker and ``PASSKEY_DIGITS`` digits planted in random
+  filler, a query marker and the digits again at the end; weights on those
+  last digits. The distance, drawn uniformly per example in
+  ``[PASSKEY_DIGITS + 1, context_length - PASSKEY_DIGITS]``, is how far each
+  digit lies before its recall.
+* ``pylm``: bytes (tokens ``0..255``; 0 never occurs in Python source) of
+  the Python standard library's own ``.py`` files (:mod:`mha.corpus`), split
+  into train, validation and test by a hash of each file's path, each split's
+  stream cut into windows (:func:`mha.corpus.windows`); weights all 1. It
+  depends on the corpus and ``context_length`` only (not on the seed or the
+  example counts); the corpus hash is part of its config name, and it and
+  the Python version are in the dataset's metadata and description.
+
+Their tokens are stored as one feature, ``tokens`` ``[3, context_length + 1]``
+int32 (the sequence, its weights and distances, both aligned with the
+sequence's token they score) or, for ``pylm``, ``[1, context_length + 1]``
+uint8.
 """
 
 from __future__ import annotations
@@ -35,6 +69,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -42,6 +77,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.proto import tf_example_pb2
 
+from mha import corpus
 from mha.run import absl_logs
 from mha.run import write_failures
 
@@ -50,7 +86,11 @@ TASKS: tuple[str, ...] = ("reverse", "sort", "histogram", "spell")
 # are the token at i + 1, so only a causal model (``model.causal``) may train
 # on them, and a causal model only on them (today's seq2seq tasks need the
 # whole input: reverse's first output is the last input).
-CAUSAL_TASKS: frozenset[str] = frozenset()
+#: The tasks for a causal decoder (next-token targets and loss weights).
+CAUSAL_TASKS: tuple[str, ...] = ("mqar", "passkey", "pylm")
+#: The causal tasks that recall a planted token: they have ``distances``.
+RECALL_TASKS: tuple[str, ...] = ("mqar", "passkey")
+_ALL_TASKS = TASKS + CAUSAL_TASKS
 
 # Bump when the generation code changes so that stale prepared data on disk is
 # never silently reused (the version is part of the on-disk path).
@@ -86,13 +126,45 @@ def spell_tokens(digits: Sequence[int]) -> tuple[list[int], list[int]]:
   return inputs, [_LETTER_0 + LETTERS.index(c) for c in letters]
 
 
-def token_names(task: str) -> tuple[str, ...] | None:
+# --------------------------------------------------------------------------
+# The causal tasks' tokens
+# --------------------------------------------------------------------------
+
+PASSKEY_DIGITS = 5  # Digits of a passkey.
+PASSKEY_MARK = 1  # passkey: the token before the planted key.
+PASSKEY_ASK = 2  # passkey: the token before the key's recall.
+_PASSKEY_DIGIT_0 = 3  # passkey: digit d is token 3 + d; filler follows them.
+_PASSKEY_FILLER_0 = _PASSKEY_DIGIT_0 + 10
+PYLM_VOCAB = 256  # pylm: one token a byte.
+
+
+def _byte_name(byte: int) -> str:
+  """A byte as the explorer shows it: printable ASCII as itself."""
+  escapes = {9: "\\t", 10: "\\n", 13: "\\r", 32: "\u2423"}
+  if byte in escapes:
+    return escapes[byte]
+  return chr(byte) if 32 < byte < 127 else f"\\x{byte:02x}"
+
+
+def token_names(task: str, num_symbols: int = 10) -> tuple[str, ...] | None:
   """What each token id of ``task`` reads as, indexed by id (``0``: ``""``,
   padding), where it is not the number itself: spell's digits, blank (``_``)
-  and letters. None for the other tasks (their tokens are numbers)."""
-  if task != "spell":
-    return None
-  return ("", *map(str, range(len(DIGIT_WORDS))), "_", *LETTERS)
+  and letters; mqar's keys ``k1..``, values ``v1..`` and filler ``f1..``;
+  passkey's markers ``KEY`` and ``ASK``, digits and filler ``f1..``; pylm's
+  bytes (printable ASCII as itself, a space as ``\u2423``, others escaped).
+  ``num_symbols`` (``DataSpec.num_symbols``) sizes mqar's and passkey's.
+  None for the other tasks (their tokens are numbers)."""
+  symbols = range(1, num_symbols + 1)
+  if task == "spell":
+    return ("", *map(str, range(len(DIGIT_WORDS))), "_", *LETTERS)
+  if task == "mqar":
+    return ("", *(f"{kind}{i}" for kind in "kvf" for i in symbols))
+  if task == "passkey":
+    return ("", "KEY", "ASK", *map(str, range(10)),
+            *(f"f{i}" for i in symbols))
+  if task == "pylm":
+    return ("", *map(_byte_name, range(1, PYLM_VOCAB)))
+  return None
 
 
 # --------------------------------------------------------------------------
@@ -112,10 +184,21 @@ class DataSpec:
   num_eval_examples: int = 1000  # size of EACH of validation and test
   seed: int = 0  # data-generation seed
   max_digits: int = 4  # spell only: inputs of 1..max_digits digits.
+  # Causal tasks only: the tokens of an example's inputs (and targets).
+  context_length: int = 128
+  num_pairs: int = 8  # mqar only: key-value pairs (and queries) an example.
+  # pylm only: the corpus folder; "" = the interpreter's standard library.
+  corpus_dir: str = ""
 
   def __post_init__(self) -> None:
-    if self.task not in TASKS:
-      raise ValueError(f"Unknown task {self.task!r}; expected one of {TASKS}.")
+    if self.task not in _ALL_TASKS:
+      raise ValueError(
+          f"Unknown task {self.task!r}; expected one of {_ALL_TASKS}.")
+    problems = causal_problems(self.task, context_length=self.context_length,
+                               num_pairs=self.num_pairs,
+                               num_symbols=self.num_symbols)
+    if problems:
+      raise ValueError(f"{problems[0]}.")
     if self.num_symbols < 1:
       raise ValueError(f"num_symbols must be >= 1, got {self.num_symbols}.")
     if not 1 <= self.min_len <= self.max_len:
@@ -139,12 +222,59 @@ class DataSpec:
     """Letters in the longest ``spell`` target (of ``max_digits`` digits)."""
     return MAX_WORD_LEN * self.max_digits
 
+  @property
+  def length(self) -> int:
+    """Positions of an example (the model's): ``example_length``."""
+    return example_length(self.task, self.max_len, self.context_length)
+
+
+def causal_problems(task: str, *, context_length: int, num_pairs: int,
+                    num_symbols: int) -> list[str]:
+  """What keeps a causal task's fields from making examples, one phrase
+  each (empty for the other tasks, which ignore these fields)."""
+  if task not in CAUSAL_TASKS:
+    return []
+  problems = []
+  if context_length < 1:
+    problems.append(f"data.context_length={context_length} must be >= 1")
+  if task == "mqar":
+    if num_pairs < 1:
+      problems.append(f"data.num_pairs={num_pairs} must be >= 1")
+    elif num_symbols < num_pairs:
+      problems.append(
+          f"mqar: data.num_symbols={num_symbols} keys cannot make "
+          f"data.num_pairs={num_pairs} pairs of distinct keys")
+    elif context_length < 4 * num_pairs - 1:
+      problems.append(
+          f"mqar: data.context_length={context_length} cannot hold "
+          f"data.num_pairs={num_pairs} pairs and their queries (needs "
+          f">= {4 * num_pairs - 1})")
+  if task == "passkey" and context_length < 2 * PASSKEY_DIGITS + 1:
+    problems.append(
+        f"passkey: data.context_length={context_length} cannot hold a "
+        f"planted key and its recall at any distance (needs >= "
+        f"{2 * PASSKEY_DIGITS + 1})")
+  return problems
+
+
+def example_length(task: str, max_len: int, context_length: int) -> int:
+  """Positions of one example of ``task`` (the model's ``max_len``):
+  ``context_length`` for a causal task, else ``max_len``."""
+  return context_length if task in CAUSAL_TASKS else max_len
+
+
+def bits_per_char(loss: Any) -> Any:
+  """A mean next-token loss in nats as bits per token (per byte for pylm,
+  which is per character for its ASCII: :mod:`mha.corpus`): ``loss / ln
+  2``. Numbers and arrays alike."""
+  return loss / math.log(2)
+
 
 def vocab_size(task: str, num_symbols: int, max_len: int) -> int:
   """Size of the token space covering inputs and targets (including pad 0).
 
   Args:
-    task: one of `TASKS`.
+    task: one of `TASKS` or `CAUSAL_TASKS`.
     num_symbols: input symbols are ``1..num_symbols``.
     max_len: maximum sequence length.
 
@@ -152,8 +282,16 @@ def vocab_size(task: str, num_symbols: int, max_len: int) -> int:
     ``num_symbols + 1`` for reverse/sort (targets are input symbols);
     ``max(num_symbols, max_len) + 1`` for histogram (targets are counts in
     ``1..max_len``); for spell the pad, 10 digits, the blank and the letters
-    (27, whatever ``num_symbols`` and ``max_len``).
+    (27, whatever ``num_symbols`` and ``max_len``); for mqar the pad and
+    ``num_symbols`` keys, values and fillers each; for passkey the pad, two
+    markers, 10 digits and ``num_symbols`` fillers; for pylm 256 (bytes).
   """
+  if task == "mqar":
+    return 1 + 3 * num_symbols
+  if task == "passkey":
+    return _PASSKEY_FILLER_0 + num_symbols
+  if task == "pylm":
+    return PYLM_VOCAB
   if task == "spell":
     return _LETTER_0 + len(LETTERS)
   if task in ("reverse", "sort"):
@@ -283,6 +421,109 @@ def _generate_arrays(spec: DataSpec) -> dict[str, dict[str, np.ndarray]]:
   return out
 
 
+def _mqar_tokens(rng: np.random.Generator, spec: DataSpec,
+                 num: int) -> np.ndarray:
+  """``num`` mqar examples ``[num, 3, L + 1]`` int32: sequence, weights,
+  distances (module docstring)."""
+  symbols, pairs, width = spec.num_symbols, spec.num_pairs, spec.context_length + 1
+  rows = np.arange(num)[:, None]
+
+  def distinct(count: int, first: int) -> np.ndarray:
+    """``count`` distinct tokens a row from ``first .. first + S - 1``."""
+    order = np.argsort(rng.random((num, symbols)), axis=1)
+    return order[:, :count] + first
+
+  keys, values = distinct(pairs, 1), distinct(pairs, 1 + symbols)
+  seq = rng.integers(1 + 2 * symbols, 1 + 3 * symbols, size=(num, width))
+  seq[:, 0:2 * pairs:2], seq[:, 1:2 * pairs:2] = keys, values
+  num_slots = (width - 2 * pairs) // 2
+  slots = np.argsort(rng.random((num, num_slots)), axis=1)[:, :pairs]
+  asked = np.argsort(rng.random((num, pairs)), axis=1)  # The pair of a slot.
+  key_at = 2 * pairs + 2 * slots  # Where each query's key is.
+  seq[rows, key_at] = keys[rows, asked]
+  seq[rows, key_at + 1] = values[rows, asked]
+  weights, distances = np.zeros_like(seq), np.zeros_like(seq)
+  weights[rows, key_at + 1] = 1
+  distances[rows, key_at + 1] = key_at + 1 - (2 * asked + 1)
+  return np.stack([seq, weights, distances], axis=1).astype(np.int32)
+
+
+def _passkey_tokens(rng: np.random.Generator, spec: DataSpec,
+                    num: int) -> np.ndarray:
+  """``num`` passkey examples ``[num, 3, L + 1]`` int32: sequence, weights,
+  distances (module docstring)."""
+  length, digits = spec.context_length, PASSKEY_DIGITS
+  rows = np.arange(num)[:, None]
+  seq = rng.integers(_PASSKEY_FILLER_0, _PASSKEY_FILLER_0 + spec.num_symbols,
+                     size=(num, length + 1))
+  distance = rng.integers(digits + 1, length - digits + 1, size=num)
+  mark = length - digits - distance  # The planted key's marker, >= 0.
+  key = rng.integers(0, 10, size=(num, digits)) + _PASSKEY_DIGIT_0
+  seq[rows, mark[:, None]] = PASSKEY_MARK
+  seq[rows, mark[:, None] + 1 + np.arange(digits)] = key
+  seq[:, length - digits] = PASSKEY_ASK
+  seq[:, length - digits + 1:] = key
+  weights, distances = np.zeros_like(seq), np.zeros_like(seq)
+  weights[:, length - digits + 1:] = 1
+  distances[:, length - digits + 1:] = distance[:, None]
+  return np.stack([seq, weights, distances], axis=1).astype(np.int32)
+
+
+def _generate_causal(spec: DataSpec,
+                     text: corpus.Corpus | None = None
+                     ) -> dict[str, np.ndarray]:
+  """Every split's records of causal ``spec``: {split: ``[N, rows, L + 1]``}
+  (int32 sequence, weights, distances; pylm's uint8 sequence alone).
+
+  mqar and passkey: deterministic in ``spec``, each split from its own
+  stream ``default_rng([seed, split index])`` (their example spaces are too
+  large for repeats across splits to matter, so none are rejected). pylm:
+  the windows of ``text`` (default: :func:`mha.corpus.load` of
+  ``spec.corpus_dir``).
+
+  Raises:
+    ValueError: a pylm split too short for one window (one line).
+  """
+  if spec.task == "pylm":
+    text = text or corpus.load(spec.corpus_dir or None)
+    out = {}
+    for split in _SPLITS:
+      windows = corpus.windows(text.streams[split], spec.context_length)
+      if not len(windows):
+        raise ValueError(
+            f"pylm: the {split} split of {text.root} ({len(text.files[split])}"
+            f" files, {len(text.streams[split])} bytes) is shorter than one "
+            f"window of data.context_length + 1 = {spec.context_length + 1} "
+            "bytes")
+      out[split] = windows[:, None, :]
+    return out
+  make = {"mqar": _mqar_tokens, "passkey": _passkey_tokens}[spec.task]
+  sizes = {"train": spec.num_train_examples,
+           "validation": spec.num_eval_examples,
+           "test": spec.num_eval_examples}
+  return {split: make(np.random.default_rng([spec.seed, split_id]), spec,
+                      sizes[split])
+          for split_id, split in enumerate(_SPLITS)}
+
+
+def causal_split(records: np.ndarray, task: str) -> "Split":
+  """The :class:`Split` of a causal task's records ``[N, rows, L + 1]``
+  (as stored: :func:`_generate_causal`)."""
+  seq = records[:, 0].astype(np.int32)
+  inputs = np.ascontiguousarray(seq[:, :-1])
+  targets = np.ascontiguousarray(seq[:, 1:])
+  if task in RECALL_TASKS:
+    weights = records[:, 1, 1:].astype(np.float32)
+    distances = np.ascontiguousarray(records[:, 2, 1:], dtype=np.int32)
+  else:
+    weights, distances = np.ones(targets.shape, np.float32), None
+  for array in (inputs, targets, weights, distances):
+    if array is not None:
+      array.setflags(write=False)
+  return Split(inputs=inputs, targets=targets, task=task, weights=weights,
+               distances=distances)
+
+
 # --------------------------------------------------------------------------
 # TFDS builder
 # --------------------------------------------------------------------------
@@ -300,6 +541,10 @@ class ToySeq2SeqConfig(tfds.core.BuilderConfig):
   num_eval_examples: int = 1000
   seed: int = 0
   max_digits: int = 4
+  context_length: int = 128
+  num_pairs: int = 8
+  corpus_dir: str = ""
+  corpus_hash: str = ""  # pylm: the hash of the corpus it was named for.
 
   @property
   def spec(self) -> DataSpec:
@@ -309,11 +554,16 @@ class ToySeq2SeqConfig(tfds.core.BuilderConfig):
     })
 
   @classmethod
-  def from_spec(cls, name: str, spec: DataSpec) -> "ToySeq2SeqConfig":
-    """Config named `name` carrying `spec`."""
+  def from_spec(cls, name: str, spec: DataSpec,
+                corpus_hash: str = "") -> "ToySeq2SeqConfig":
+    """Config named `name` carrying `spec` (and, for pylm, the hash of the
+    corpus it was named for)."""
+    kind = ("Causal next-token" if spec.task in CAUSAL_TASKS
+            else "Toy per-position seq2seq")
     return cls(
         name=name,
-        description=f"Toy per-position seq2seq: {spec}",
+        description=f"{kind}: {spec}",
+        corpus_hash=corpus_hash,
         **dataclasses.asdict(spec),
     )
 
@@ -335,7 +585,7 @@ class _LocalDatasetInfo(tfds.core.DatasetInfo):
 
 class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """Toy per-position sequence-to-sequence tasks (reverse, sort, histogram,
-  spell).
+  spell) and the causal tasks (mqar, passkey, pylm).
 
   Not registered in the global tfds registry (build it with `make_builder`),
   so re-importing this module (e.g. as `__main__`) cannot collide.
@@ -351,30 +601,51 @@ class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
       "1.0.0": "Initial release.",
       "1.1.0": "No stored `length` feature (it is `inputs != 0`).",
       "1.2.0": "One feature, `tokens` [2, max_len]: inputs and targets as "
-               "raw int32 bytes, so that a split decodes at once.",
+               "raw int32 bytes, so that a split decodes at once. (Later, "
+               "without changing these: the causal tasks mqar, passkey and "
+               "pylm, `tokens` [3 or 1, context_length + 1].)",
   }
-  # spell has none: its DataSpec defaults (max_len 16) cannot hold 4 digits.
+  # spell has none: its DataSpec defaults (max_len 16) cannot hold 4 digits;
+  # pylm neither: its name holds the hash of the corpus it reads.
   BUILDER_CONFIGS = [
       ToySeq2SeqConfig.from_spec(task, DataSpec(task=task))
-      for task in ("reverse", "sort", "histogram")
+      for task in ("reverse", "sort", "histogram", "mqar", "passkey")
   ]
   DEFAULT_BUILDER_CONFIG_NAME = "reverse"
 
   def _info(self) -> tfds.core.DatasetInfo:
-    spec = self.builder_config.spec
+    config = self.builder_config
+    spec = config.spec
+    shape, dtype = _record_layout(spec)
+    description = ("Toy per-position seq2seq tasks for encoder-only "
+                   "Transformers. Symbols 1..num_symbols, 0 = padding.")
+    metadata = None
+    if spec.task == "pylm":
+      # What a run compares with its checkpoint's (and what to read the
+      # bits per character against).
+      metadata = tfds.core.MetadataDict(
+          python_version=corpus.python_version(),
+          corpus_hash=config.corpus_hash,
+          corpus_dir=_corpus_root(spec))
+      description = (
+          "Bytes of the .py files of the Python standard library (pylm), "
+          f"read by Python {corpus.python_version()} from "
+          f"{_corpus_root(spec)}; corpus hash {config.corpus_hash}.")
+    elif spec.task in CAUSAL_TASKS:
+      description = (f"Causal recall task {spec.task}: next-token targets, "
+                     "loss weights on the answers, planted distances.")
     return _LocalDatasetInfo(
         builder=self,
-        description=(
-            "Toy per-position seq2seq tasks for encoder-only Transformers. "
-            "Symbols 1..num_symbols, 0 = padding."
-        ),
+        description=description,
         # One fixed-length raw-bytes value per example (inputs, then
-        # targets), which `_read_split` decodes for a whole split at once.
+        # targets; a causal task's sequence, weights and distances), which
+        # `read_split` decodes for a whole split at once.
         features=tfds.features.FeaturesDict({
             "tokens": tfds.features.Tensor(
-                shape=(2, spec.max_len), dtype=np.int32,
+                shape=shape, dtype=dtype,
                 encoding=tfds.features.Encoding.BYTES),
         }),
+        metadata=metadata,
         disable_shuffling=True,  # keep the generation order on disk.
     )
 
@@ -390,37 +661,90 @@ class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
   def _split_generators(self, dl_manager):  # pylint: disable=unused-argument
     del dl_manager
-    arrays = _generate_arrays(self.builder_config.spec)
+    spec = self.builder_config.spec
+    if spec.task in CAUSAL_TASKS:
+      return {split: self._generate_records(records)
+              for split, records in self._causal_records(spec).items()}
+    arrays = _generate_arrays(spec)
     return {split: self._generate_examples(arrays[split]) for split in _SPLITS}
+
+  def _causal_records(self, spec: DataSpec) -> dict[str, np.ndarray]:
+    """The records of a causal ``spec``; pylm's corpus checked against the
+    hash in the config's name, its files and bytes a split put in the
+    metadata."""
+    if spec.task != "pylm":
+      return _generate_causal(spec)
+    text = corpus.load(_corpus_root(spec))
+    if text.hash != self.builder_config.corpus_hash:
+      raise ValueError(f"pylm: the corpus under {text.root} changed while "
+                       "its dataset was being prepared; prepare it again")
+    self.info.metadata.update(
+        num_files={s: len(text.files[s]) for s in _SPLITS},
+        num_bytes={s: len(text.streams[s]) for s in _SPLITS})
+    return _generate_causal(spec, text)
 
   def _generate_examples(self, arrays: dict[str, np.ndarray]):
     tokens = np.stack([arrays["inputs"], arrays["targets"]], axis=1)
     for i, example in enumerate(tokens):
       yield i, {"tokens": example}
 
+  def _generate_records(self, records: np.ndarray):
+    for i, example in enumerate(records):
+      yield i, {"tokens": example}
+
+
+def _record_layout(spec: DataSpec) -> tuple[tuple[int, int], type]:
+  """Shape and dtype of one stored example's ``tokens`` (module
+  docstring)."""
+  if spec.task == "pylm":
+    return (1, spec.context_length + 1), np.uint8
+  if spec.task in CAUSAL_TASKS:
+    return (3, spec.context_length + 1), np.int32
+  return (2, spec.max_len), np.int32
+
+
+def _corpus_root(spec: DataSpec) -> str:
+  """The folder pylm reads: ``corpus_dir``, else the standard library."""
+  return os.path.abspath(os.path.expanduser(
+      spec.corpus_dir or corpus.stdlib_dir()))
+
+
+# The fields each kind of task ignores (added after the seq2seq tasks, or
+# theirs alone): left out of the name of its data on disk.
+_SEQ2SEQ_ONLY = ("min_len", "max_len", "max_digits")
+_CAUSAL_ONLY = ("context_length", "num_pairs", "corpus_dir")
+
 
 def _identity(spec: DataSpec) -> dict[str, object]:
-  """The fields that name `spec`'s data on disk: all of them, except
-  ``max_digits`` (added with spell) for the other tasks, so that every spec
-  of theirs keeps the name, and the prepared data, it had before."""
+  """The fields that name `spec`'s data on disk: for the seq2seq tasks all of
+  them, except ``max_digits`` (added with spell) for the other tasks and the
+  causal tasks' fields, so that every spec of theirs keeps the name, and the
+  prepared data, it had before; for mqar and passkey the fields they use;
+  for pylm ``context_length`` and the corpus hash (reads the corpus)."""
   fields = dataclasses.asdict(spec)
-  if spec.task != "spell":
-    del fields["max_digits"]
+  if spec.task == "pylm":
+    return {"task": spec.task, "context_length": spec.context_length,
+            "corpus_hash": corpus.corpus_hash(_corpus_root(spec))}
+  unused = _CAUSAL_ONLY if spec.task in TASKS else _SEQ2SEQ_ONLY + (
+      "corpus_dir",) + (("num_pairs",) if spec.task == "passkey" else ())
+  if spec.task in TASKS and spec.task != "spell":
+    unused += ("max_digits",)
+  for name in unused:
+    del fields[name]
   return fields
-
-
-def _spec_hash(spec: DataSpec) -> str:
-  """Short stable hash of `spec` (independent of Python's `hash()`)."""
-  blob = json.dumps(_identity(spec), sort_keys=True).encode()
-  return hashlib.sha256(blob).hexdigest()[:10]
 
 
 def config_name(spec: DataSpec) -> str:
   """Builder config name for `spec` (see `make_builder`)."""
+  return _config_name(spec, _identity(spec))
+
+
+def _config_name(spec: DataSpec, identity: dict[str, object]) -> str:
   if (spec.task in ToySeq2Seq.builder_configs
-      and _identity(spec) == _identity(DataSpec(task=spec.task))):
+      and identity == _identity(DataSpec(task=spec.task))):
     return spec.task
-  return f"{spec.task}_{_spec_hash(spec)}"
+  blob = json.dumps(identity, sort_keys=True).encode()
+  return f"{spec.task}_{hashlib.sha256(blob).hexdigest()[:10]}"
 
 
 def make_builder(spec: DataSpec, data_dir: str) -> ToySeq2Seq:
@@ -429,16 +753,19 @@ def make_builder(spec: DataSpec, data_dir: str) -> ToySeq2Seq:
   A spec equal to a task's default BuilderConfig uses that config's name
   ('reverse', ...); any other spec gets its own config named
   f"{task}_{short hash of the spec}" so that prepared data for different specs
-  never collide on disk (``data_dir/toy_seq2seq/<config>/<version>/``).
+  never collide on disk (``data_dir/toy_seq2seq/<config>/<version>/``). A
+  pylm spec's name hashes the corpus too (read once here), so a changed
+  corpus is prepared anew, never read stale.
   """
-  name = config_name(spec)
+  identity = _identity(spec)
+  name = _config_name(spec, identity)
   if name == spec.task:
     # tfds requires predefined configs to be passed by name (or by identity).
     return ToySeq2Seq(data_dir=data_dir, config=name)
   with _quiet_tfds():
     return ToySeq2Seq(
-        data_dir=data_dir, config=ToySeq2SeqConfig.from_spec(name, spec)
-    )
+        data_dir=data_dir, config=ToySeq2SeqConfig.from_spec(
+            name, spec, corpus_hash=str(identity.get("corpus_hash", ""))))
 
 
 class _ToyDataFilter(logging.Filter):
@@ -473,10 +800,11 @@ class Split:
   inputs: np.ndarray  # [N, max_len] int32
   targets: np.ndarray  # [N, max_len] int32
   task: str | None = None  # What `token_names` to read the tokens as.
-  # [N, max_len] float32 loss weight of each position, or None: every
-  # non-padding input position counts (``inputs != 0``). A next-token task
-  # gives 0 to the positions it does not score (a prompt, the last token).
+  # Causal tasks: [N, context_length] float32, 1 where the loss counts.
   weights: np.ndarray | None = None
+  # Recall tasks: [N, context_length] int32, how far back each position's
+  # answer was planted (0: no answer there).
+  distances: np.ndarray | None = None
 
   def __len__(self) -> int:
     return int(self.inputs.shape[0])
@@ -508,25 +836,30 @@ def read_split(source: Any, spec: DataSpec) -> Split:
   """Reads a whole data source of :func:`data_sources` (raw records) into
   memory at once."""
   records = source.__getitems__(range(len(source)))
-  tokens = _decode_tokens(records, spec.max_len)
+  shape, dtype = _record_layout(spec)
+  tokens = _decode_tokens(records, shape, dtype)
+  if spec.task in CAUSAL_TASKS:
+    return causal_split(tokens, spec.task)
   inputs, targets = (np.ascontiguousarray(tokens[:, i]) for i in (0, 1))
   inputs.setflags(write=False)
   targets.setflags(write=False)
   return Split(inputs=inputs, targets=targets, task=spec.task)
 
 
-def _decode_tokens(records: list[bytes], max_len: int) -> np.ndarray:
-  """The ``tokens`` [N, 2, max_len] of serialized ``tf.train.Example``
-  records, decoded at once.
+def _decode_tokens(records: list[bytes], shape: tuple[int, int],
+                   dtype: type) -> np.ndarray:
+  """The ``tokens`` [N, *shape] of serialized ``tf.train.Example`` records,
+  decoded at once (``shape`` and ``dtype``: :func:`_record_layout`).
 
   Every record holds one feature of the same byte length, so records of
   equal length share their layout: the bytes before the value (the proto's
   tags and lengths and the feature's name) are the same in all of them and
-  the value is the last ``8 * max_len`` bytes. Checked (equal lengths, equal
-  heads, the first record parsed as a proto); if a check fails, each record
-  is parsed as a proto instead (slower, same result).
+  the value is the last ``prod(shape) * itemsize`` bytes (``8 * max_len``
+  for a seq2seq task). Checked (equal lengths, equal heads, the first record
+  parsed as a proto); if a check fails, each record is parsed as a proto
+  instead (slower, same result).
   """
-  size = 2 * max_len * np.dtype(np.int32).itemsize
+  size = int(np.prod(shape)) * np.dtype(dtype).itemsize
   width = len(records[0]) if records else 0
   if records and all(len(r) == width for r in records):
     table = np.frombuffer(b"".join(records), np.uint8).reshape(-1, width)
@@ -535,9 +868,9 @@ def _decode_tokens(records: list[bytes], max_len: int) -> np.ndarray:
                                      _parse_value(records[0]))
         and (table[:, :head] == table[0, :head]).all()):
       values = np.ascontiguousarray(table[:, head:])
-      return values.view(np.int32).reshape(-1, 2, max_len)
+      return values.view(dtype).reshape(-1, *shape)
   joined = b"".join(_parse_value(r) for r in records)
-  return np.frombuffer(joined, np.int32).reshape(-1, 2, max_len)
+  return np.frombuffer(joined, dtype).reshape(-1, *shape)
 
 
 def _parse_value(record: bytes) -> bytes:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -215,3 +215,58 @@ def write_attention_plots(model: Transformer, params: Params,
                "predicted right"))
     paths.append(path)
   return paths
+
+
+class DistanceAccuracy(NamedTuple):
+  """Accuracy by distance bucket: bucket ``k`` holds the distances
+  ``lower[k] .. upper[k]`` (inclusive)."""
+
+  lower: np.ndarray  # [K] int64
+  upper: np.ndarray  # [K] int64
+  accuracy: np.ndarray  # [K] float64; nan for a bucket that holds nothing.
+  count: np.ndarray  # [K] int64: answers (or examples) in the bucket.
+
+
+def accuracy_by_distance(correct: Any, distances: Any,
+                         edges: Sequence[int] | None = None
+                         ) -> DistanceAccuracy:
+  """Accuracy of a recall task's answers by how far back each was planted,
+  so that a model that only attends locally shows as accurate in the short
+  buckets alone.
+
+  Args:
+    correct: bool, per answer position (``[N, L]``, e.g. ``argmax(logits)
+      == targets``) or per example (``[N]``, e.g. every passkey digit right).
+    distances: int, the same shape: ``Split.distances`` per position, or
+      per example ``Split.distances.max(axis=1)`` (passkey's one distance).
+      Entries of distance 0 are not answers and count nowhere.
+    edges: increasing bucket starts (``>= 1``); bucket ``k`` is ``edges[k]
+      .. edges[k+1] - 1``, the last one up to the largest distance. Default:
+      powers of two, 1, 2, 4, ... up to the largest distance.
+
+  Raises:
+    ValueError: shapes that differ, or edges not increasing from >= 1.
+  """
+  correct = np.asarray(correct, bool)
+  distances = np.asarray(distances, np.int64)
+  if correct.shape != distances.shape:
+    raise ValueError(f"correct {correct.shape} and distances "
+                     f"{distances.shape} differ in shape")
+  answers = distances > 0
+  largest = int(distances.max(initial=0))
+  if edges is None:
+    edges = 2 ** np.arange(max(largest, 1).bit_length())
+  edges = np.asarray(edges, np.int64)
+  if edges.ndim != 1 or not len(edges) or edges[0] < 1 or np.any(
+      np.diff(edges) <= 0):
+    raise ValueError(f"edges {edges.tolist()} must increase from >= 1")
+  upper = np.append(edges[1:] - 1, max(largest, edges[-1]))
+  bucket = np.searchsorted(edges, distances[answers], side="right") - 1
+  keep = bucket >= 0  # Distances below the first edge count nowhere.
+  count = np.bincount(bucket[keep], minlength=len(edges))
+  right = np.bincount(bucket[keep], weights=correct[answers][keep],
+                      minlength=len(edges))
+  with np.errstate(invalid="ignore", divide="ignore"):
+    accuracy = np.where(count > 0, right / np.maximum(count, 1), np.nan)
+  return DistanceAccuracy(lower=edges, upper=upper, accuracy=accuracy,
+                          count=count)

@@ -121,6 +121,30 @@ def data_dir(tmp_path_factory) -> str:
   return str(tmp_path_factory.mktemp("tfds"))
 
 
+#: A tiny pylm corpus (``tiny_corpus``): paths whose hash puts them in each
+#: split (``mha.corpus.split_of``), and files that are not in the corpus.
+TINY_CORPUS = {
+    "mod1.py": "import os\n\n\ndef main():\n  return os.getcwd()\n" * 4,
+    "pkg/sub0.py": "class A:\n  def f(self, x):\n    return x + 1\n" * 4,
+    "pkg/sub12.py": "def g(a, b):\n  \"\"\"Adds.\"\"\"\n  return a + b\n" * 2,
+    "mod0.py": "for i in range(10):\n  print(i * i)\n" * 2,
+    "test/test_mod1.py": "import unittest\n" * 20,  # a test folder
+    "site-packages/other.py": "x = 1\n" * 20,  # installed, not stdlib
+    "README.txt": "not python\n" * 20,
+}
+
+
+@pytest.fixture
+def tiny_corpus(tmp_path) -> str:
+  """A fresh folder holding ``TINY_CORPUS``: a corpus of 4 files, 2 of them
+  in train, 1 in validation, 1 in test."""
+  root = tmp_path / "corpus"
+  for path, text in TINY_CORPUS.items():
+    (root / path).parent.mkdir(parents=True, exist_ok=True)
+    (root / path).write_text(text)
+  return str(root)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _jit_cache(tmp_path_factory) -> str:
   """The session's persistent compilation cache, on before any test runs."""

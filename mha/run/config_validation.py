@@ -46,7 +46,7 @@ _AT_LEAST_ONE = (
     "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
     "model.num_layers", "model.d_model", "model.mlp_dim", "data.num_symbols",
     "data.min_len", "data.num_train_examples", "data.num_eval_examples",
-    "data.max_digits")
+    "data.max_digits", "data.context_length", "data.num_pairs")
 # ``seed`` draws the train batches' order with numpy, which takes no
 # negative seed (and the initialisation with it too).
 _AT_LEAST_ZERO = ("seed", "warmup_steps", "data.seed")
@@ -166,7 +166,7 @@ def _range_problems(values: Mapping[str, Any]) -> list[str]:
   """The values out of range of a config whose every field has its type."""
   # Imported here: this module is imported by command lines before JAX
   # (mha.data imports TFDS, mha.model Flax).
-  from mha.data import CAUSAL_TASKS, MAX_WORD_LEN, TASKS  # pylint: disable=import-outside-toplevel
+  from mha.data import CAUSAL_TASKS, MAX_WORD_LEN, TASKS, causal_problems  # pylint: disable=import-outside-toplevel
   from mha.model import DTYPES, POSITIONAL_KINDS  # pylint: disable=import-outside-toplevel
 
   def value(key):
@@ -219,6 +219,11 @@ def _range_problems(values: Mapping[str, Any]) -> list[str]:
         f"data.max_len={value('data.max_len')} cannot hold the longest "
         f"spelling of data.max_digits={value('data.max_digits')} digits "
         f"({MAX_WORD_LEN * value('data.max_digits')} letters)")
+  if not problems:  # A causal task's fields, each >= 1 by now.
+    problems += causal_problems(
+        value("task"), context_length=value("data.context_length"),
+        num_pairs=value("data.num_pairs"),
+        num_symbols=value("data.num_symbols"))
   if not value("data.data_dir"):
     problems.append("data.data_dir is empty")
   if value("mesh.data") != -1 and value("mesh.data") < 1:
