@@ -7,7 +7,9 @@ measured 2026-11-24 on an AMD EPYC):
 
 Variants come from the argument after the colon, comma-separated: a task name
 (`reverse`, `sort`, `histogram`, `spell`: the last one also sets its
-`data.max_len` and training steps), a model with more heads for the
+`data.max_len` and training steps), a causal decoder on a next-token task
+(`mqar`, `passkey`, `pylm`; `gqa` after them shares each key/value head
+between two query heads), a model with more heads for the
 pruning study (`wide`: 2 x 8 heads; `deep`: 3 x 4; `deep64`: 3 x 4 of width 16;
 `wide6`: 2 x 6; `deep8`: 4 x 8),
 `tiny` (a seconds-long smoke-test model), or `key=value` pairs; any field can
@@ -32,6 +34,9 @@ import ml_collections
 from ml_collections import config_dict
 
 TASKS = ("reverse", "sort", "histogram", "spell")
+# Next-token tasks, for a causal decoder (mha.data.CAUSAL_TASKS); their
+# variants also set model.causal and a model that learns them.
+CAUSAL_TASKS = ("mqar", "passkey", "pylm")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -133,6 +138,34 @@ def _apply_variant(config: ml_collections.ConfigDict, part: str) -> None:
     config.num_train_steps = 2000  # About 20 s on 2 CPU cores to 100% test.
   elif part in TASKS:
     config.task = part
+  elif part == "mqar":
+    # Multi-query associative recall (Arora et al. 2023): 8 key-value pairs,
+    # then each key queried, in a context of 128 tokens.
+    _decoder(config, part, context_length=128, num_train_steps=2000)
+    config.data.num_pairs = 8
+  elif part == "passkey":
+    # A 5-digit key planted at a random distance in 256 tokens of filler,
+    # recalled at the end.
+    _decoder(config, part, context_length=256, num_train_steps=1500)
+  elif part == "pylm":
+    # A character (byte) language model on the interpreter's own standard
+    # library (3 x 4 = 12 heads: within the exact oracle's reach).
+    _decoder(config, part, context_length=128, num_train_steps=3000)
+    config.model.num_layers = 3
+    config.model.d_model = 128
+    config.model.mlp_dim = 512
+    config.learning_rate = 3e-3
+    config.batch_size = 32
+    config.eval_batch_size = 256
+    config.log_every_steps = 100
+    config.eval_every_steps = 500
+    config.checkpoint_every_steps = 500
+  elif part == "gqa":
+    # Grouped-query attention: two query heads share each key/value head
+    # (of the model as configured so far: put it after the model variants).
+    if not isinstance(config.model.num_heads, int):
+      raise ValueError("variant 'gqa' needs an int model.num_heads")
+    config.model.num_kv_heads = max(1, config.model.num_heads // 2)
   elif part == "wide":
     # 8 heads per layer of width 8 (16 heads in all): the model of the
     # README's wide example, whose pruning study is then two commands.
@@ -210,5 +243,26 @@ def _apply_variant(config: ml_collections.ConfigDict, part: str) -> None:
                        f"{kind.__name__}, not {value.strip()!r}") from e
   else:
     raise ValueError(
-        f"unknown config variant {part!r}: expected one of {TASKS}, 'wide', "
-        "'deep', 'deep64', 'wide6', 'deep8', 'tiny', or key=value")
+        f"unknown config variant {part!r}: expected one of "
+        f"{TASKS + CAUSAL_TASKS}, 'wide', 'deep', 'deep64', 'wide6', 'deep8', "
+        "'gqa', 'tiny', or key=value")
+
+
+def _decoder(config: ml_collections.ConfigDict, task: str, *,
+             context_length: int, num_train_steps: int) -> None:
+  """A causal decoder on next-token ``task``: 2 layers x 4 heads of width
+  16, AdamW at 1e-3 after 200 warmup steps."""
+  config.task = task
+  config.model.causal = True
+  config.data.context_length = context_length
+  config.num_train_steps = num_train_steps
+  config.model.d_model = 64
+  config.model.mlp_dim = 256
+  config.batch_size = 64
+  config.eval_batch_size = 500
+  config.learning_rate = 1e-3
+  config.warmup_steps = 200
+  config.log_every_steps = 100
+  config.eval_every_steps = 250
+  config.checkpoint_every_steps = 500
+  config.data.num_train_examples = 20000

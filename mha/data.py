@@ -48,9 +48,9 @@ answer at that position was planted (0 where nothing is recalled).
   ``[PASSKEY_DIGITS + 1, context_length - PASSKEY_DIGITS]``, is how far each
   digit lies before its recall.
 * ``pylm``: bytes (tokens ``0..255``; 0 never occurs in Python source) of
-  the Python standard library's own ``.py`` files (:mod:`mha.corpus`), split
+  the Python standard library's own ``.py`` files (:func:`load_corpus`), split
   into train, validation and test by a hash of each file's path, each split's
-  stream cut into windows (:func:`mha.corpus.windows`); weights all 1. It
+  stream cut into windows (:func:`corpus_windows`); weights all 1. It
   depends on the corpus and ``context_length`` only (not on the seed or the
   example counts); the corpus hash is part of its config name, and it and
   the Python version are in the dataset's metadata and description.
@@ -71,13 +71,14 @@ import json
 import logging
 import math
 import os
+import platform
+import sysconfig
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.proto import tf_example_pb2
 
-from mha import corpus
 from mha.run import absl_logs
 from mha.run import write_failures
 
@@ -90,6 +91,8 @@ TASKS: tuple[str, ...] = ("reverse", "sort", "histogram", "spell")
 CAUSAL_TASKS: tuple[str, ...] = ("mqar", "passkey", "pylm")
 #: The causal tasks that recall a planted token: they have ``distances``.
 RECALL_TASKS: tuple[str, ...] = ("mqar", "passkey")
+#: The causal tasks on text, whose loss is also given in bits per character.
+LANGUAGE_MODEL_TASKS: tuple[str, ...] = ("pylm",)
 _ALL_TASKS = TASKS + CAUSAL_TASKS
 
 # Bump when the generation code changes so that stale prepared data on disk is
@@ -265,7 +268,7 @@ def example_length(task: str, max_len: int, context_length: int) -> int:
 
 def bits_per_char(loss: Any) -> Any:
   """A mean next-token loss in nats as bits per token (per byte for pylm,
-  which is per character for its ASCII: :mod:`mha.corpus`): ``loss / ln
+  which is per character for its ASCII: :func:`load_corpus`): ``loss / ln
   2``. Numbers and arrays alike."""
   return loss / math.log(2)
 
@@ -299,6 +302,158 @@ def vocab_size(task: str, num_symbols: int, max_len: int) -> int:
   if task == "histogram":
     return max(num_symbols, max_len) + 1
   raise ValueError(f"Unknown task {task!r}; expected one of {TASKS}.")
+
+
+# --------------------------------------------------------------------------
+# The character LM's corpus: the Python standard library's own source.
+# --------------------------------------------------------------------------
+
+#
+# The ``.py`` files under the running interpreter's standard library
+# (``sysconfig.get_paths()["stdlib"]``), read as bytes; nothing is downloaded.
+# Left out: ``site-packages`` (what is installed, not the library) and the test
+# folders (``test``, ``tests``, ``idle_test``: two thirds of the bytes, much of
+# them generated tables and deliberately malformed files). On CPython 3.11.7
+# that leaves 734 files and 12.1 MB, 99.98% of the bytes ASCII, so bits per
+# byte are bits per character up to those 2,185 bytes.
+#
+# Each file goes to train, validation or test by a hash of its path relative to
+# the root (90/5/5, :func:`corpus_split_of`), so the split of a file does not depend on
+# which other files exist. A split's stream is its files' bytes, one after the
+# other in the order of their paths; :func:`corpus_windows` cuts a stream into
+# fixed-length windows. :func:`corpus_hash` names the contents, so a run can
+# tell that the corpus under it changed (another Python, an edited file).
+
+CORPUS_SPLITS: tuple[str, ...] = ("train", "validation", "test")
+#: Per cent of the files (by path hash) in train and validation; test is the
+#: rest.
+CORPUS_SPLIT_PERCENT: tuple[int, int] = (90, 5)
+#: Folders never entered: installed packages and the library's own tests.
+CORPUS_EXCLUDED_DIRS: frozenset[str] = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test",
+     "__pycache__"})
+
+
+def stdlib_dir() -> str:
+  """The running interpreter's standard library folder."""
+  return sysconfig.get_paths()["stdlib"]
+
+
+def python_version() -> str:
+  """The running interpreter's version, e.g. ``3.11.7``."""
+  return platform.python_version()
+
+
+def corpus_source_files(root: str) -> list[str]:
+  """The ``.py`` files under ``root`` outside :data:`CORPUS_EXCLUDED_DIRS`, as
+  sorted ``/``-separated paths relative to ``root`` (symlinked folders are
+  not followed)."""
+  found = []
+  for folder, dirs, files in os.walk(root):
+    dirs[:] = [d for d in dirs if d not in CORPUS_EXCLUDED_DIRS]
+    rel = os.path.relpath(folder, root)
+    for name in files:
+      if name.endswith(".py"):
+        path = name if rel == "." else os.path.join(rel, name)
+        found.append(path.replace(os.sep, "/"))
+  return sorted(found)
+
+
+def corpus_split_of(path: str) -> str:
+  """The split of the file at ``path`` (relative, ``/``-separated): the first
+  8 bytes of its SHA-256 modulo 100, below 90 train, below 95 validation,
+  else test."""
+  bucket = int.from_bytes(hashlib.sha256(path.encode()).digest()[:8],
+                          "big") % 100
+  train, validation = CORPUS_SPLIT_PERCENT
+  if bucket < train:
+    return "train"
+  return "validation" if bucket < train + validation else "test"
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+  """The corpus read once: each split's stream and what names it."""
+
+  root: str
+  python_version: str  # Of the interpreter that read it.
+  hash: str  # :func:`corpus_hash` of these contents.
+  files: dict[str, tuple[str, ...]]  # {split: relative paths, in order}.
+  streams: dict[str, bytes]  # {split: the files' bytes, concatenated}.
+
+  def describe(self) -> str:
+    """One line: the root, the Python, files and bytes a split, the hash."""
+    parts = ", ".join(f"{s} {len(self.files[s])} files {len(self.streams[s]):,}"
+                      " bytes" for s in CORPUS_SPLITS)
+    return (f"{self.root} (Python {self.python_version}): {parts}; "
+            f"corpus hash {self.hash[:16]}")
+
+
+def _corpus_dir(root: str | None) -> str:
+  return os.path.abspath(os.path.expanduser(root or stdlib_dir()))
+
+
+def _read_corpus(root: str) -> tuple[list[str], list[bytes], str]:
+  """The files under ``root``, their bytes and the corpus hash.
+
+  Raises:
+    ValueError: no file (one line), or a file holding a NUL byte (token 0
+      is padding; Python refuses such source too).
+  """
+  if not os.path.isdir(root):
+    raise ValueError(f"the pylm corpus folder {root} is not a folder")
+  paths = corpus_source_files(root)
+  if not paths:
+    raise ValueError(f"the pylm corpus is empty: no .py files under {root} "
+                     f"(outside {', '.join(sorted(CORPUS_EXCLUDED_DIRS))})")
+  contents, digest = [], hashlib.sha256()
+  for path in paths:
+    with open(os.path.join(root, path), "rb") as f:
+      content = f.read()
+    if b"\0" in content:
+      raise ValueError(f"the pylm corpus file {path} under {root} holds a NUL "
+                       "byte (not Python source; byte 0 is padding)")
+    contents.append(content)
+    digest.update(path.encode() + b"\0")
+    digest.update(hashlib.sha256(content).digest())
+  return paths, contents, digest.hexdigest()
+
+
+def corpus_hash(root: str | None = None) -> str:
+  """SHA-256 (hex) of the corpus under ``root`` (default: the standard
+  library): of every file's relative path and its contents' SHA-256, in path
+  order. Raises ``ValueError`` (one line) for an empty corpus."""
+  return _read_corpus(_corpus_dir(root))[2]
+
+
+def load_corpus(root: str | None = None) -> Corpus:
+  """Reads the corpus under ``root`` (default: the standard library) into
+  its three split streams. Raises ``ValueError`` (one line) for an empty
+  corpus."""
+  root = _corpus_dir(root)
+  paths, contents, digest = _read_corpus(root)
+  files = {split: [] for split in CORPUS_SPLITS}
+  streams = {split: [] for split in CORPUS_SPLITS}
+  for path, content in zip(paths, contents):
+    files[corpus_split_of(path)].append(path)
+    streams[corpus_split_of(path)].append(content)
+  return Corpus(root=root, python_version=python_version(), hash=digest,
+                files={s: tuple(files[s]) for s in CORPUS_SPLITS},
+                streams={s: b"".join(streams[s]) for s in CORPUS_SPLITS})
+
+
+def corpus_windows(stream: bytes, context_length: int) -> np.ndarray:
+  """``stream`` cut into ``[N, context_length + 1]`` uint8 windows that
+  overlap by one byte: window ``i`` is ``stream[i*L : i*L + L + 1]``, so
+  its first ``L`` bytes are a model's inputs and its last ``L`` the next
+  bytes, and every byte after the first is a target once. The tail that
+  fills no whole window (under ``L`` bytes) is left out."""
+  if context_length < 1:
+    raise ValueError(f"context_length must be >= 1, got {context_length}")
+  data = np.frombuffer(stream, np.uint8)
+  count = max(len(data) - 1, 0) // context_length
+  starts = np.arange(count)[:, None] * context_length
+  return data[starts + np.arange(context_length + 1)[None, :]]
 
 
 # --------------------------------------------------------------------------
@@ -470,7 +625,7 @@ def _passkey_tokens(rng: np.random.Generator, spec: DataSpec,
 
 
 def _generate_causal(spec: DataSpec,
-                     text: corpus.Corpus | None = None
+                     text: Corpus | None = None
                      ) -> dict[str, np.ndarray]:
   """Every split's records of causal ``spec``: {split: ``[N, rows, L + 1]``}
   (int32 sequence, weights, distances; pylm's uint8 sequence alone).
@@ -478,17 +633,17 @@ def _generate_causal(spec: DataSpec,
   mqar and passkey: deterministic in ``spec``, each split from its own
   stream ``default_rng([seed, split index])`` (their example spaces are too
   large for repeats across splits to matter, so none are rejected). pylm:
-  the windows of ``text`` (default: :func:`mha.corpus.load` of
+  the windows of ``text`` (default: :func:`load_corpus` of
   ``spec.corpus_dir``).
 
   Raises:
     ValueError: a pylm split too short for one window (one line).
   """
   if spec.task == "pylm":
-    text = text or corpus.load(spec.corpus_dir or None)
+    text = text or load_corpus(spec.corpus_dir or None)
     out = {}
     for split in _SPLITS:
-      windows = corpus.windows(text.streams[split], spec.context_length)
+      windows = corpus_windows(text.streams[split], spec.context_length)
       if not len(windows):
         raise ValueError(
             f"pylm: the {split} split of {text.root} ({len(text.files[split])}"
@@ -624,12 +779,12 @@ class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
       # What a run compares with its checkpoint's (and what to read the
       # bits per character against).
       metadata = tfds.core.MetadataDict(
-          python_version=corpus.python_version(),
+          python_version=python_version(),
           corpus_hash=config.corpus_hash,
           corpus_dir=_corpus_root(spec))
       description = (
           "Bytes of the .py files of the Python standard library (pylm), "
-          f"read by Python {corpus.python_version()} from "
+          f"read by Python {python_version()} from "
           f"{_corpus_root(spec)}; corpus hash {config.corpus_hash}.")
     elif spec.task in CAUSAL_TASKS:
       description = (f"Causal recall task {spec.task}: next-token targets, "
@@ -674,7 +829,7 @@ class ToySeq2Seq(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     metadata."""
     if spec.task != "pylm":
       return _generate_causal(spec)
-    text = corpus.load(_corpus_root(spec))
+    text = load_corpus(_corpus_root(spec))
     if text.hash != self.builder_config.corpus_hash:
       raise ValueError(f"pylm: the corpus under {text.root} changed while "
                        "its dataset was being prepared; prepare it again")
@@ -706,7 +861,7 @@ def _record_layout(spec: DataSpec) -> tuple[tuple[int, int], type]:
 def _corpus_root(spec: DataSpec) -> str:
   """The folder pylm reads: ``corpus_dir``, else the standard library."""
   return os.path.abspath(os.path.expanduser(
-      spec.corpus_dir or corpus.stdlib_dir()))
+      spec.corpus_dir or stdlib_dir()))
 
 
 # The fields each kind of task ignores (added after the seq2seq tasks, or
@@ -724,7 +879,7 @@ def _identity(spec: DataSpec) -> dict[str, object]:
   fields = dataclasses.asdict(spec)
   if spec.task == "pylm":
     return {"task": spec.task, "context_length": spec.context_length,
-            "corpus_hash": corpus.corpus_hash(_corpus_root(spec))}
+            "corpus_hash": corpus_hash(_corpus_root(spec))}
   unused = _CAUSAL_ONLY if spec.task in TASKS else _SEQ2SEQ_ONLY + (
       "corpus_dir",) + (("num_pairs",) if spec.task == "passkey" else ())
   if spec.task in TASKS and spec.task != "spell":

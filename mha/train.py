@@ -219,11 +219,15 @@ class _Run:
     """Evaluates on split ``name`` and writes (and prints) the metrics."""
     metrics = eval_lib.evaluate(self.model, params, self.splits[name],
                                 self.config.eval_batch_size, mesh=self.mesh)
+    if self.config.task in data.LANGUAGE_MODEL_TASKS:
+      metrics["bits_per_char"] = data.bits_per_char(metrics["loss"])
     self.writer.write_scalars(step,
                               {f"{name}/{k}": v for k, v in metrics.items()})
     self.log(f"{name} @ step {step}: loss {metrics['loss']:.4f} | "
              f"tok_acc {metrics['token_accuracy']:.4f} | "
              f"exact {metrics['exact_match']:.4f} "
+             + (f"| {metrics['bits_per_char']:.4f} bits/char "
+                if "bits_per_char" in metrics else "") +
              f"({format_duration(time.time() - self.start_time)} since start)")
     return metrics
 

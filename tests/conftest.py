@@ -122,7 +122,7 @@ def data_dir(tmp_path_factory) -> str:
 
 
 #: A tiny pylm corpus (``tiny_corpus``): paths whose hash puts them in each
-#: split (``mha.corpus.split_of``), and files that are not in the corpus.
+#: split (``mha.data.corpus_split_of``), and files that are not in the corpus.
 TINY_CORPUS = {
     "mod1.py": "import os\n\n\ndef main():\n  return os.getcwd()\n" * 4,
     "pkg/sub0.py": "class A:\n  def f(self, x):\n    return x + 1\n" * 4,

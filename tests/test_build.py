@@ -230,7 +230,7 @@ def test_model_dtype_key_trains_in_bfloat16():
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(state.params))
 
 
-def test_grouped_heads_and_causal_models_are_checked(monkeypatch):
+def test_grouped_heads_and_causal_models_are_checked():
   problems = lambda arg: config_validation.config_problems(
       default.get_config(arg))
   assert problems("tiny,model.num_kv_heads=1") == []
@@ -246,12 +246,12 @@ def test_grouped_heads_and_causal_models_are_checked(monkeypatch):
   assert problems("sort,model.causal=True")[0].startswith(
       "model.causal=True cannot learn task='sort': it needs bidirectional "
       "attention")
-  # A task declares itself next-token by its name in data.CAUSAL_TASKS.
-  monkeypatch.setattr(data, "CAUSAL_TASKS", frozenset({"sort"}))
-  assert problems("sort,model.causal=True") == []
-  assert problems("sort") == [
-      "task='sort' is a next-token task: it needs model.causal=True (an "
+  # The next-token tasks (data.CAUSAL_TASKS) need a causal model.
+  assert problems("mqar") == []
+  assert problems("mqar,model.causal=False") == [
+      "task='mqar' is a next-token task: it needs model.causal=True (an "
       "encoder would read the token it predicts)"]
+  assert problems("pylm,gqa") == []
   # A config saved before the two fields loads as the model it was.
   saved = default.get_config("tiny").to_dict()
   del saved["model"]["causal"], saved["model"]["num_kv_heads"]

@@ -9,7 +9,6 @@ import os
 import numpy as np
 import pytest
 
-from mha import corpus
 from mha import data
 from mha import evaluate
 
@@ -202,9 +201,9 @@ def test_recall_tasks_on_disk(data_dir):
 def test_pylm_on_disk(tiny_corpus, data_dir):
   spec = data.DataSpec(task="pylm", context_length=16, corpus_dir=tiny_corpus)
   splits = data.load_splits(spec, data_dir)
-  text = corpus.load(tiny_corpus)
+  text = data.load_corpus(tiny_corpus)
   for name, split in splits.items():
-    windows = corpus.windows(text.streams[name], 16)
+    windows = data.corpus_windows(text.streams[name], 16)
     assert len(split) == len(windows) > 0
     np.testing.assert_array_equal(split.inputs, windows[:, :-1])
     np.testing.assert_array_equal(split.targets, windows[:, 1:])
@@ -213,10 +212,10 @@ def test_pylm_on_disk(tiny_corpus, data_dir):
   builder = data.make_builder(spec, data_dir)
   assert builder.builder_config_name.startswith("pylm_")
   metadata = builder.info.metadata
-  assert metadata["corpus_hash"] == corpus.corpus_hash(tiny_corpus)
-  assert metadata["python_version"] == corpus.python_version()
+  assert metadata["corpus_hash"] == data.corpus_hash(tiny_corpus)
+  assert metadata["python_version"] == data.python_version()
   assert metadata["num_files"] == {s: len(text.files[s])
-                                   for s in corpus.SPLITS}
+                                   for s in data.CORPUS_SPLITS}
   assert metadata["corpus_hash"] in builder.info.description
   assert builder.info.features["tokens"].np_dtype == np.uint8
   # The seed and example counts name nothing: one dataset.
@@ -228,7 +227,7 @@ def test_pylm_on_disk(tiny_corpus, data_dir):
 def test_pylm_changed_corpus_is_new_data(tiny_corpus, tmp_path):
   spec = data.DataSpec(task="pylm", context_length=16, corpus_dir=tiny_corpus)
   before = data.config_name(spec)
-  path = os.path.join(tiny_corpus, sorted(corpus.source_files(tiny_corpus))[0])
+  path = os.path.join(tiny_corpus, sorted(data.corpus_source_files(tiny_corpus))[0])
   with open(path, "ab") as f:
     f.write(b"# one more line\n")
   assert data.config_name(spec) != before

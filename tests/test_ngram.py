@@ -1,11 +1,11 @@
-"""Tests for mha/ngram.py (the byte n-gram baseline of the character LM)."""
+"""Tests for benchmarks/ngram.py (the byte n-gram baseline of the character LM)."""
 
 import collections
 
 import numpy as np
 import pytest
 
-from mha import ngram
+from benchmarks import ngram
 
 TEXT = (b"def f(x):\n  return x + 1\n\n\ndef g(y):\n  return f(y) * 2\n\n"
         b"class A:\n  def h(self):\n    return g(3)\n") * 3
@@ -107,7 +107,7 @@ def test_pylm_targets_and_bad_input():
 
 
 def test_baseline_script_on_a_tiny_corpus(tiny_corpus):
-  from scripts import ngram_baseline  # pylint: disable=import-outside-toplevel
+  from benchmarks import ngram_baseline  # pylint: disable=import-outside-toplevel
   results = ngram_baseline.baseline((1, 2), 16, tiny_corpus)
   assert [row["order"] for row in results["rows"]] == [1, 2]
   for row in results["rows"]:

@@ -173,9 +173,9 @@ def _range_problems(values: Mapping[str, Any]) -> list[str]:
     return values[key]
 
   problems = []
-  if value("task") not in TASKS:
+  if value("task") not in TASKS + CAUSAL_TASKS:
     problems.append(f"task={value('task')!r} is not a task; the tasks are "
-                    f"{', '.join(TASKS)}")
+                    f"{', '.join(TASKS + CAUSAL_TASKS)}")
   problems += [f"{key}={value(key)} must be >= 1" for key in _AT_LEAST_ONE
                if value(key) < 1]
   problems += [f"{key}={value(key)} must be >= 0" for key in _AT_LEAST_ZERO

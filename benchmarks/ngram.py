@@ -199,7 +199,7 @@ def bits_per_char(model: KneserNey, stream: bytes | np.ndarray,
 
 def pylm_targets(stream_length: int, context_length: int) -> np.ndarray:
   """The stream positions a pylm split scores: the targets of its windows
-  (:func:`mha.corpus.windows`), positions ``1 .. N * context_length``."""
+  (:func:`mha.data.corpus_windows`), positions ``1 .. N * context_length``."""
   count = max(stream_length - 1, 0) // context_length
   return np.arange(1, count * context_length + 1)
 

@@ -1,10 +1,10 @@
 r"""Bits per character of byte n-gram models on the character LM's corpus.
 
-    python scripts/ngram_baseline.py
-    python scripts/ngram_baseline.py --context_length 256 --out runs/ngram.json
+    python benchmarks/ngram_baseline.py
+    python benchmarks/ngram_baseline.py --context_length 256 --out runs/ngram.json
 
-Fits interpolated modified Kneser-Ney models (:mod:`mha.ngram`) of every
-order in ``--orders`` on the pylm train split (:mod:`mha.corpus`: the
+Fits interpolated modified Kneser-Ney models (:mod:`benchmarks.ngram`) of every
+order in ``--orders`` on the pylm train split (:func:`mha.data.load_corpus`: the
 running interpreter's standard library, or ``--corpus_dir``) and prints
 their bits per character on the validation and test splits: on exactly the
 bytes a Transformer of context ``--context_length`` is scored on (its
@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Sequence
 
 from absl import app
 from absl import flags
 
-from mha import corpus
-from mha import ngram
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# pylint: disable=wrong-import-position
+from benchmarks import ngram
+from mha import data
 from mha.run import cli
 
 _PROG = "ngram_baseline.py"
@@ -46,7 +50,7 @@ def baseline(orders: Sequence[int], context_length: int,
              corpus_dir: str | None = None) -> dict:
   """The table's rows, the corpus's description and the times taken."""
   start = time.perf_counter()
-  text = corpus.load(corpus_dir or None)
+  text = data.load_corpus(corpus_dir or None)
   loaded = time.perf_counter()
   models = ngram.fit_all(text.streams["train"], tuple(orders))
   fitted = time.perf_counter()
