@@ -105,6 +105,7 @@ def test_layer_lowers_for_cuda_and_tpu(return_weights):
     assert got[1] is None and want[1] is None
 
 
+@pytest.mark.slow  # Over 5 s on 2 cores: outside the fast loop.
 def test_streamed_oracle_lowers_for_cuda_and_tpu():
   # One program for every platform: the last layer goes a prefix at a time,
   # its masks in groups (oracle.MASKS_PER_STEP), with no backend branch.

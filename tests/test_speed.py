@@ -119,6 +119,7 @@ def test_compiled_costs_reads_xla_cost_analysis():
   assert costs["bytes_accessed"] >= 3 * 8 * 8 * 4  # x in, x again, out
 
 
+@pytest.mark.slow  # Over 5 s on 2 cores: outside the fast loop.
 def test_time_models_rotates_every_round_and_pairs_the_ratios(monkeypatch,
                                                               models):
   row_of = {id(p): row for row, (_, p) in enumerate(models)}
