@@ -118,6 +118,10 @@ def main(argv):
       study = explorer.load_study(workdir)
     except ValueError as e:
       cli.fail("eval.py", e)
+  try:  # A corpus changed under the checkpoint: before anything is written.
+    data.check_corpus(config.task, workdir)
+  except data.CorpusChangedError as e:
+    cli.fail("eval.py", e)
   out_dir = cli.writable_dir("eval.py", os.path.join(workdir, "eval"))
   compilation_cache.configure(config.compilation_cache_dir, "eval.py")
   try:

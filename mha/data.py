@@ -266,6 +266,53 @@ def example_length(task: str, max_len: int, context_length: int) -> int:
   return context_length if task in CAUSAL_TASKS else max_len
 
 
+#: The file in a language-model run's workdir naming the corpus it trained on.
+CORPUS_RECORD = "corpus.json"
+
+
+class CorpusChangedError(ValueError):
+  """A workdir's run was trained on another corpus than the one here now."""
+
+
+def check_corpus(task: str, workdir: str, root: str | None = None) -> None:
+  """Raises :class:`CorpusChangedError` (one line) if ``workdir``'s
+  :data:`CORPUS_RECORD` names another corpus than ``root``'s (default: this
+  interpreter's standard library) now; nothing for a task without a corpus
+  or a workdir without the record."""
+  if task not in LANGUAGE_MODEL_TASKS:
+    return
+  try:
+    with open(os.path.join(workdir, CORPUS_RECORD), encoding="utf-8") as f:
+      saved = json.load(f)
+  except FileNotFoundError:
+    return
+  except (OSError, ValueError) as e:
+    raise CorpusChangedError(f"{os.path.join(workdir, CORPUS_RECORD)} "
+                             f"cannot be read: {e}") from e
+  now = corpus_hash(root)
+  if saved.get("corpus_hash") != now:
+    raise CorpusChangedError(
+        f"the corpus changed under {workdir}: it was trained on corpus "
+        f"{str(saved.get('corpus_hash'))[:12]} (Python "
+        f"{saved.get('python_version')}), the corpus here is {now[:12]} "
+        f"(Python {python_version()}): another interpreter or edited files; "
+        "evaluate with the interpreter that trained it, or train anew in "
+        "another workdir")
+
+
+def write_corpus_record(task: str, workdir: str,
+                        root: str | None = None) -> None:
+  """Writes :data:`CORPUS_RECORD` (the corpus hash and Python version) in
+  ``workdir`` for a language-model task, unless it is there already."""
+  path = os.path.join(workdir, CORPUS_RECORD)
+  if task not in LANGUAGE_MODEL_TASKS or os.path.exists(path):
+    return
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump({"corpus_hash": corpus_hash(root),
+               "python_version": python_version()}, f)
+    f.write("\n")
+
+
 def bits_per_char(loss: Any) -> Any:
   """A mean next-token loss in nats as bits per token (per byte for pylm,
   which is per character for its ASCII: :func:`load_corpus`): ``loss / ln

@@ -379,6 +379,10 @@ def _checked_workdir(config: ml_collections.ConfigDict,
   saved = ckpt_lib.saved_config(workdir)
   if saved is not None:
     config_validation.check_resume(saved, config, workdir)
+  try:
+    data.check_corpus(config.task, workdir)
+  except data.CorpusChangedError as e:
+    raise config_validation.ConfigError(str(e)) from None
   return workdir
 
 
@@ -399,6 +403,7 @@ def _write_run_header(run: _Run, state: TrainState) -> None:
     if not unchanged:  # A resumed run leaves an unchanged config as it was.
       with open(path, "w", encoding="utf-8") as f:
         f.write(text)
+    data.write_corpus_record(config.task, run.workdir)
   if step < config.num_train_steps:
     run.writer.write_header(step, provenance.environment())
   if step == 0:

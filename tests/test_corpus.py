@@ -83,3 +83,20 @@ def test_windows():
 def test_stdlib_is_default():
   assert os.path.isfile(os.path.join(data.stdlib_dir(), "os.py"))
   assert "os.py" in data.corpus_source_files(data.stdlib_dir())
+
+
+def test_a_corpus_changed_under_a_run_is_one_line(tiny_corpus, tmp_path):
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  data.check_corpus("pylm", workdir, tiny_corpus)  # No record yet: fine.
+  data.write_corpus_record("pylm", workdir, tiny_corpus)
+  data.check_corpus("pylm", workdir, tiny_corpus)  # The same corpus.
+  data.write_corpus_record("reverse", str(tmp_path), tiny_corpus)
+  assert not os.path.exists(tmp_path / data.CORPUS_RECORD)  # No corpus.
+  with open(os.path.join(tiny_corpus, "mod1.py"), "ab") as f:
+    f.write(b"# edited\n")
+  with pytest.raises(data.CorpusChangedError) as e:
+    data.check_corpus("pylm", workdir, tiny_corpus)
+  message = str(e.value)
+  assert "\n" not in message and message.startswith(
+      f"the corpus changed under {workdir}: it was trained on corpus ")
