@@ -38,8 +38,17 @@ from mha.pruning import stats
 
 CURVE_METRICS = ("token_accuracy", "exact_match")
 BASELINES = ("random", "reverse_gradient")
-#: The curves every other curve's AUC is compared with.
-REFERENCES = ("random", "reverse_gradient", "oracle")
+#: The curves every other curve's AUC is compared with. An ordering's gap
+#: to the oracle is its gap to the best ordering (the ranking error) plus
+#: the best ordering's gap to the oracle (the price of nesting).
+REFERENCES = ("random", "reverse_gradient", "oracle", "best_ordering")
+#: The reference of the loss curves: the oracle chosen by validation loss,
+#: the objective the gradient family ranks by.
+LOSS_REFERENCE = "oracle_by_loss"
+#: Fractions of the heads removed at which each curve's test accuracy is
+#: reported (``test_<metric>_at_<p>pct_removed``): the point with the most
+#: heads removed not beyond the fraction.
+REPORTED_FRACTIONS = (0.25, 0.5)
 
 Key = tuple[str, str, str]  # (variant, curve, statistic)
 
@@ -88,19 +97,41 @@ def _curve_statistics(fractions: np.ndarray, counts: np.ndarray,
       f"prunable_heads_{metric}": counts[last].astype(np.float64).mean(1),
       f"test_{metric}_at_prunable": at.mean(1),
   }
+  for fraction in REPORTED_FRACTIONS:
+    point = _point_at(fractions, fraction)
+    out[f"test_{metric}_at_{round(fraction * 100)}pct_removed"] = (
+        test[..., point].mean(1))
   if per_order:
     out[f"auc_{metric}_per_order"] = auc
   return out
 
 
+def _point_at(fractions: np.ndarray, fraction: float) -> int:
+  """The index of the curve point with the most heads removed whose
+  fraction (increasing along the curve) is at most ``fraction`` (up to
+  rounding)."""
+  return int(np.flatnonzero(fractions <= fraction + 1e-9)[-1])
+
+
+def _loss_statistics(fractions: np.ndarray, val: np.ndarray,
+                     test: np.ndarray) -> dict[str, np.ndarray]:
+  """The loss curves (``[1 + R, orders, points]`` each) on test and
+  validation and the area under the test one (the mean test loss over the
+  fractions removed; lower is better)."""
+  return {"curve_loss": test.mean(1), "validation_curve_loss": val.mean(1),
+          "auc_loss": _auc(fractions, test).mean(1)}
+
+
 def _select(ids: np.ndarray, val_m: Mapping[str, np.ndarray],
             test_m: Mapping[str, np.ndarray], metric: str,
-            *others: Mapping[str, np.ndarray]) -> tuple[np.ndarray, ...]:
+            *others: Mapping[str, np.ndarray],
+            by: str = "token_accuracy") -> tuple[np.ndarray, ...]:
   """``[1 + R, 1, P]`` validation and test values (and those of ``others``)
-  of the candidate (a row of ``ids``) with the best validation token
-  accuracy in each replicate (ties: the first, i.e. the best on the full
-  split)."""
-  choice = np.argmax(val_m["token_accuracy"][:, ids], axis=1)[:, None]
+  of the candidate (a row of ``ids``) with the best validation ``by`` in
+  each replicate (the highest; for the loss, the lowest; ties: the first,
+  i.e. the best on the full split)."""
+  sign = -1.0 if by == "loss" else 1.0
+  choice = np.argmax(sign * val_m[by][:, ids], axis=1)[:, None]
   pick = lambda m: np.take_along_axis(m[metric][:, ids], choice, axis=1)
   return tuple(pick(m) for m in (val_m, test_m, *others))
 
@@ -110,12 +141,15 @@ def _values(name: str, ids: np.ndarray, val_m: Mapping[str, np.ndarray],
             select: Collection[str], *others: Mapping[str, np.ndarray]
             ) -> tuple[np.ndarray, ...]:
   """The ``[1 + R, orders, P]`` values of curve ``name`` on validation, test
-  and ``others``; a curve in ``select`` is chosen on ``val_m``. ``ids``
-  ``[orders, P]`` are the same masks in every replicate; ``[1 + R, 1, P]``
-  (an ordering re-estimated in each replicate) a row of masks per
-  replicate."""
+  and ``others``; a curve in ``select`` is chosen on ``val_m`` (by
+  ``select[name]`` when ``select`` is a mapping; else by token accuracy).
+  ``ids`` ``[orders, P]`` are the same masks in every replicate;
+  ``[1 + R, 1, P]`` (an ordering re-estimated in each replicate) a row of
+  masks per replicate."""
   if name in select:
-    return _select(ids, val_m, test_m, metric, *others)
+    by = (select[name] if isinstance(select, Mapping)
+          else "token_accuracy")
+    return _select(ids, val_m, test_m, metric, *others, by=by)
   if ids.ndim == 3:
     return tuple(np.take_along_axis(m[metric], ids[:, 0], axis=1)[:, None]
                  for m in (val_m, test_m, *others))
@@ -165,7 +199,9 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
     val_weights, test_weights: ``[R, n]`` resample counts.
     tolerance: accuracy loss counted as none.
     select: curves chosen again in each replicate among their candidates
-      (by validation token accuracy) rather than averaged over orders.
+      (by validation token accuracy; a mapping names the validation metric
+      that chooses each, ``"loss"`` the lowest) rather than averaged over
+      orders.
 
   Returns:
     ``(variant, curve, statistic) -> [1 + R, ...]``.
@@ -191,6 +227,10 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
         found.update(_half_split_statistics(counts[variant], first, second,
                                             test_h, metric, tolerance))
         out.update({(variant, name, k): v for k, v in found.items()})
+      if variant == "all":
+        val, test = _values(name, ids, val_m, test_m, "loss", select)
+        out.update({(variant, name, k): v for k, v in _loss_statistics(
+            fractions, val, test).items()})
     _differences(out, variant, list(by_name))
   _no_layer_emptied_change(out, curves, counts, num_heads, val_m, test_m,
                            select)
@@ -209,6 +249,12 @@ def _differences(out: dict[Key, np.ndarray], variant: str,
         for stat in (f"auc_{metric}", f"prunable_heads_{metric}"):
           out[(variant, name, f"{stat}_minus_{ref}")] = (
               out[(variant, name, stat)] - out[(variant, ref, stat)])
+  if LOSS_REFERENCE in names:  # Lower is better: the excess loss.
+    for name in names:
+      if name != LOSS_REFERENCE and (variant, name, "auc_loss") in out:
+        out[(variant, name, f"auc_loss_minus_{LOSS_REFERENCE}")] = (
+            out[(variant, name, "auc_loss")]
+            - out[(variant, LOSS_REFERENCE, "auc_loss")])
 
 
 def _no_layer_emptied_change(out: dict[Key, np.ndarray],
@@ -316,6 +362,8 @@ _PROPORTIONS = frozenset(
      for kind in ("auc_", "curve_", "validation_curve_")]
     + [f"test_{metric}_at_prunable{half}" for metric in CURVE_METRICS
        for half in ("", "_half_split")]
+    + [f"test_{metric}_at_{round(f * 100)}pct_removed"
+       for metric in CURVE_METRICS for f in REPORTED_FRACTIONS]
     + [f"half_split_holds_{metric}" for metric in CURVE_METRICS])
 
 
@@ -323,7 +371,8 @@ def _within_range(stat: str, ci: np.ndarray) -> np.ndarray:
   """``ci`` cut to the range ``stat`` can take (see ``_PROPORTIONS``)."""
   if stat in _PROPORTIONS:
     return np.clip(ci, 0.0, 1.0)
-  if stat.startswith("prunable_heads_") and "_minus_" not in stat:
+  if ((stat.startswith("prunable_heads_") and "_minus_" not in stat)
+      or stat == "auc_loss"):
     return np.maximum(ci, 0.0)
   return ci
 
@@ -331,6 +380,8 @@ def _within_range(stat: str, ci: np.ndarray) -> np.ndarray:
 #: The families of simultaneous intervals: every curve's AUC minus the
 #: reference's, one family per reference, variant and metric.
 FAMILIES = ("oracle", "random")
+#: Curves that are references, not methods: left out of the families.
+NOT_IN_FAMILIES = (LOSS_REFERENCE,)
 
 
 def _simultaneous(out: dict[str, Any],
@@ -344,7 +395,9 @@ def _simultaneous(out: dict[str, Any],
   ``"auc_<metric>_minus_<ref>" -> {"c": ..., "members": K}``."""
   families: dict[tuple[str, str], list[Key]] = {}
   for key in values:
-    variant, _, stat = key
+    variant, name, stat = key
+    if name in NOT_IN_FAMILIES:
+      continue
     for ref in FAMILIES:
       for metric in CURVE_METRICS:
         if stat == f"auc_{metric}_minus_{ref}":
