@@ -3,7 +3,9 @@
 Per seed, on the *validation* split: every importance measure and ordering
 (:mod:`mha.pruning.orderings`) and, with at most ``oracle_max_heads`` heads,
 every subset of heads (:mod:`mha.pruning.oracle`: the oracle, exact Shapley
-values). Then the pruning curves of every order and the oracle, on
+values, and from the same table the best nested ordering,
+:mod:`mha.pruning.best_ordering`, and the oracle chosen by validation
+loss). Then the pruning curves of every order and the oracle, on
 validation and test, plain and never emptying a layer; the level prunable
 within ``tolerance`` chosen on validation and its test accuracy reported;
 Michel et al.'s single-head ablation (paired t-tests, Benjamini-Hochberg)
@@ -952,7 +954,8 @@ def aggregate(seed_results: Sequence[Mapping[str, Any]],
   return out
 
 
-__all__ = ["CURVE_LABELS", "SEARCH_LABELS", "BOOTSTRAP_ORDERINGS",
+__all__ = ["CURVE_LABELS", "SEARCH_LABELS", "ORACLE_CURVE_LABELS",
+           "SELECTED", "COST_UNITS", "method_costs", "BOOTSTRAP_ORDERINGS",
            "replicate_orders", "Plan", "run_searches", "search_estimate", "run_kwon",
            "run_exact_k", "plan_masks", "Resamples", "analyze_seed",
            "custom_pruning", "aggregate"]

@@ -8,7 +8,9 @@
    tables (:mod:`mha.pruning.study.analysis`), then the extensions asked
    for (:mod:`mha.pruning.study.extensions`: gates, retraining, mean
    ablation).
-3. Across seeds: means with two-level bootstrap intervals.
+3. Across seeds: means with two-level bootstrap intervals; with
+   ``over_training`` (on by default), every other checkpoint each seed's
+   run keeps, analysed the same way (:mod:`mha.pruning.study.over_training`).
 4. On the first seed: physical pruning at ``speed_fractions`` of the heads,
    examples/s at ``batch_sizes`` against parameter and FLOP counts
    (:mod:`mha.pruning.speed`).

@@ -412,5 +412,6 @@ def _simultaneous(out: dict[str, Any],
         "c": c, "members": len(keys)}
 
 
-__all__ = ["FAMILIES", "CURVE_METRICS", "BASELINES", "REFERENCES",
+__all__ = ["FAMILIES", "NOT_IN_FAMILIES", "CURVE_METRICS", "BASELINES",
+           "REFERENCES", "LOSS_REFERENCE", "REPORTED_FRACTIONS",
            "with_full_sample", "seed_statistics", "seed_summary", "aggregate_statistics"]
