@@ -604,7 +604,8 @@ def _check_extensions_contract(results, out):
     report = f.read()
   for section in ("## Learned gates", "### Exact-K gates",
                   "## Retraining after pruning",
-                  "## Mean ablation", "## Searches for the best subset"):
+                  "## Mean ablation", "## Searches for the best subset",
+                  "## The oracle by loss", "## Over training"):
     assert section in report
   assert "and, tuned, refits the kept heads' mask values" in report
   for png in ("curves_mean_ablation.png", "retraining.png"):

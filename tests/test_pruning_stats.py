@@ -379,3 +379,28 @@ def test_loss_oracle_accuracy_at_fractions_and_the_gap_s_two_parts():
   members = nested["simultaneous_critical_values"][
       "auc_token_accuracy_minus_oracle"]["members"]
   assert members == 2  # best_ordering and a
+
+
+def test_the_half_split_oracle_chooses_among_its_own_candidates():
+  # Masks 0 (full), 1 and 2 (one head removed). The study's candidates
+  # (ranked on all of validation) hold mask 1 only; those ranked on the
+  # first half, mask 2 only: the half-split statistics use the latter.
+  correct = np.array([[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 1, 1]])
+  sums = {"correct": correct, "tokens": np.ones((3, 4)),
+          "loss_sum": np.zeros((3, 4)), "exact": correct,
+          "sequences": np.ones((3, 4))}
+  curves = {"all": {"oracle": np.array([[0, 1]])}}
+  weights = np.ones((2, 4))
+  plain = summary.seed_statistics(curves, {"all": np.array([0, 1])}, 2, sums,
+                                  sums, weights, weights, tolerance=0.01)
+  halves = summary.seed_statistics(
+      curves, {"all": np.array([0, 1])}, 2, sums, sums, weights, weights,
+      tolerance=0.01, half_split={"all": {"oracle": np.array([[0, 2]])}})
+  key = ("all", "oracle", "test_token_accuracy_at_prunable_half_split")
+  assert plain[key][0] == 1.0
+  # Mask 2 loses example 1 (of the first half): the level is 0 heads.
+  assert halves[("all", "oracle", "prunable_heads_token_accuracy_half_split")
+                ][0] == 0.0
+  # Everything else is the study's own candidates'.
+  key = ("all", "oracle", "auc_token_accuracy")
+  assert halves[key][0] == plain[key][0]

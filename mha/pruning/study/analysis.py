@@ -78,6 +78,10 @@ class Plan:
   searches: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
   #: ``best_ordering`` and ``oracle_by_loss``: their mask id at every ``k``.
   chains: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  #: Per variant, the oracle's ``[candidates, P]`` ids for its half-split
+  #: statistics: the candidates ranked on the first validation half.
+  half_split: dict[str, dict[str, np.ndarray]] = dataclasses.field(
+      default_factory=dict)
   single: np.ndarray | None = None
   all_but_one: np.ndarray | None = None
 
@@ -114,8 +118,8 @@ def plan_masks(config: TransformerConfig, orders: Mapping[str, np.ndarray],
                counts: np.ndarray,
                searches: Mapping[str, Sequence[Sequence[int]]] | None = None,
                tuned: Mapping[str, Sequence[np.ndarray]] | None = None,
-               by_loss: Sequence[Sequence[np.ndarray]] | None = None
-               ) -> Plan:
+               by_loss: Sequence[Sequence[np.ndarray]] | None = None,
+               half_split: Mapping[str, Any] | None = None) -> Plan:
   """Every curve of both variants (``all``; ``no_layer_emptied``, which
   skips a layer's last head and stops at ``N - layers with heads``), the
   full mask (id 0) and the single-head and all-but-one masks.
@@ -128,7 +132,9 @@ def plan_masks(config: TransformerConfig, orders: Mapping[str, np.ndarray],
   the removals of the best subsets by validation loss, best first (the
   oracle by loss's candidates; a curve of the ``all`` variant).
   ``orders["best_ordering"]``, when there, is also kept at every ``k``
-  (``plan.chains``)."""
+  (``plan.chains``). ``half_split``: as ``oracle_removals``, the
+  candidates ranked on the first half of validation alone; the oracle's
+  half-split statistics choose among them (``plan.half_split``)."""
   plan = Plan()
   plan.add(head_masks.full_head_mask(config))
   limit = core.removable_keeping_layers(config)
@@ -148,6 +154,13 @@ def plan_masks(config: TransformerConfig, orders: Mapping[str, np.ndarray],
                         for k in points])
       plan.oracle[variant] = np.asarray(
           [plan.add(head_masks.mask_without(config, r[0])) for r in ranked])
+    halves = (half_split or {}).get(variant)
+    if halves is not None:
+      plan.half_split.setdefault(variant, {})["oracle"] = np.asarray(
+          [[plan.add(head_masks.mask_without(
+              config, halves[k][min(c, len(halves[k]) - 1)]))
+            for k in points]
+           for c in range(max(len(r) for r in halves))], np.int64)
   if by_loss is not None:
     for c in range(max(len(r) for r in by_loss)):
       plan.add_curve("all", "oracle_by_loss", config,
@@ -318,10 +331,14 @@ def _measure_seed(model: Transformer, params: Params,
                                        timings)
   if oracle.oracle_applies(config, options.oracle_max_heads):
     log(f"  oracle: {oracle.describe_cost(config)}")
+  first_half: dict[str, np.ndarray] = {}
   subsets, shapley, removals = oracle.evaluate_oracle(
       model, params, val, batch_size=options.batch_size,
       max_heads=options.oracle_max_heads, log=log, timings=timings,
-      ablation=ablations["validation"])
+      ablation=ablations["validation"], first_half=first_half)
+  # The half-split level's oracle: candidates ranked on the first half.
+  half_removals = (oracle.removals_by_variant(
+      oracle.subset_values(first_half), config) if first_half else None)
   importance = orderings.measure_importance(
       model, params, val, batch_size=options.batch_size, log=log,
       timings=timings, subsets=subsets, ablation=ablations["validation"],
@@ -387,7 +404,8 @@ def _measure_seed(model: Transformer, params: Params,
   plan = plan_masks(config, orders, random_orders, removals,
                     core.pruning_counts(n, options.step_fraction),
                     {name: [e["removed"] for e in entries]
-                     for name, entries in found.items()}, tuned, by_loss)
+                     for name, entries in found.items()}, tuned, by_loss,
+                    half_removals)
   masks = np.stack(plan.masks)
   val_sums, timings["validation_masks_s"] = timed(
       log, f"{len(masks)} distinct masks on validation",
@@ -845,7 +863,7 @@ def analyze_seed(model: Transformer, params: Params,
   statistics = summary.seed_statistics(
       curves, plan.counts, m["num_heads"], m["val_sums"],
       m["test_sums"], resamples.validation, resamples.test,
-      options.tolerance, select=SELECTED)
+      options.tolerance, select=SELECTED, half_split=plan.half_split)
   val = core.summarize_examples(m["val_sums"])
   test = core.summarize_examples(m["test_sums"])
   nested = summary.seed_summary(statistics)

@@ -389,9 +389,8 @@ def _half_split_finding(oracle: Mapping[str, Any]) -> str:
     return "- (No half-split level in these results.)"
   return (
       "- Chosen on the first half of validation instead, checked on the "
-      "second (the oracle's candidates were ranked on all of validation, so "
-      "the second half is not held out from them; test is): the oracle "
-      "prunes "
+      "second (the oracle's candidates ranked on the first half alone; the "
+      "orderings were fitted on all of validation): the oracle prunes "
       f"{md.ci(oracle, f'prunable_heads_{key}_half_split', 1)} heads; the "
       "level holds on the second half in "
       f"{oracle[f'half_split_holds_{key}']:.0%} of seeds (its loss there "
@@ -685,9 +684,12 @@ def _over_training_section(results: Mapping[str, Any]) -> list[str]:
                          sign=True) for k in names])
   return [
       "## Over training", "",
-      f"Every checkpoint step all {len(seeds)} seeds' runs hold, analysed "
-      "as the study analyses its step (but no searches, Kwon et al., gates, "
-      "nor orderings re-estimated in each resample): the unpruned "
+      "Every checkpoint step that each seed's run holds ("
+      + (f"all {len(seeds)} seeds" if len(seeds) > 1 else "one seed")
+      + "), analysed as the study analyses its step (but no searches, Kwon "
+      "et al., gates, nor orderings re-estimated in each resample: at the "
+      "study's own step the re-estimated orderings' intervals include their "
+      "own uncertainty, at the others they are conditional): the unpruned "
       "validation loss and test token accuracy, the oracle's heads "
       "prunable within the tolerance, and each ordering's AUC gap to the "
       "oracle (test token accuracy; mean over seeds, 95% intervals). The "

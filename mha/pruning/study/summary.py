@@ -18,8 +18,10 @@ same examples: the level is chosen on the first half of validation (the
 first ``n // 2`` examples, as in :func:`mha.pruning.orderings.halves`),
 checked on the second half (does every point up to it stay within the
 tolerance there too?), and reported on test (``*_half_split`` statistics).
-The orderings and the oracle's candidates are still fitted on the whole of
-validation; test is the split that nothing was fitted on.
+The oracle's candidates for it are ranked on the first half alone where the
+study passes them (``half_split``), so the second half is held out from the
+oracle; the orderings are still fitted on the whole of validation; test is
+the split that nothing was fitted on.
 
 The oracle is chosen again in each replicate: among its candidates (the
 best few subsets for each number of heads removed on the full validation
@@ -184,8 +186,9 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
                     test_sums: Mapping[str, np.ndarray],
                     val_weights: np.ndarray, test_weights: np.ndarray,
                     tolerance: float,
-                    select: Collection[str] = ("oracle",)
-                    ) -> dict[Key, np.ndarray]:
+                    select: Collection[str] = ("oracle",),
+                    half_split: Mapping[str, Mapping[str, np.ndarray]]
+                    | None = None) -> dict[Key, np.ndarray]:
   """Every statistic of one seed under the full sample and each resample.
 
   Args:
@@ -202,6 +205,10 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
       (by validation token accuracy; a mapping names the validation metric
       that chooses each, ``"loss"`` the lowest) rather than averaged over
       orders.
+    half_split: variant -> curve name -> the ids its half-split statistics
+      use instead of ``curves``' (the oracle's candidates ranked on the
+      first half of validation alone, so that the second half is held out
+      from them).
 
   Returns:
     ``(variant, curve, statistic) -> [1 + R, ...]``.
@@ -221,9 +228,12 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
         found = _curve_statistics(fractions, counts[variant], val, test,
                                   metric, tolerance,
                                   per_order=name == "random")
-        # The oracle's candidate is chosen on the first half here.
-        first, test_h, second = _values(name, ids, half_m[0], test_m, metric,
-                                        select, half_m[1])
+        # The oracle's candidate is chosen on the first half here (among
+        # candidates ranked on the first half, where ``half_split`` has
+        # them).
+        half_ids = (half_split or {}).get(variant, {}).get(name, ids)
+        first, test_h, second = _values(name, half_ids, half_m[0], test_m,
+                                        metric, select, half_m[1])
         found.update(_half_split_statistics(counts[variant], first, second,
                                             test_h, metric, tolerance))
         out.update({(variant, name, k): v for k, v in found.items()})
