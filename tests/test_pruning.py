@@ -377,6 +377,25 @@ def _check_seed_contract(seed, num_heads):
   assert seed["curve_summary"]["oracle"]["auc_token_accuracy_minus_random"] \
       == pytest.approx(oracle_auc -
                        seed["curve_summary"]["random"]["auc_token_accuracy"])
+  # Issue 56: the best ordering (nested: one head more at each k), the
+  # oracle by loss (the lowest validation loss at each k), every method's
+  # cost and the checkpoints along training.
+  best, by_loss = seed["best_ordering"], seed["oracle_by_loss"]
+  assert [e["k"] for e in best] == [e["k"] for e in by_loss] == list(
+      range(num_heads + 1))
+  for before, after in zip(best, best[1:]):
+    assert set(map(tuple, before["removed"])) < set(map(tuple,
+                                                        after["removed"]))
+  for entry, chosen in zip(oracle, by_loss):
+    assert chosen["validation"]["loss"] <= entry["validation"]["loss"] + 1e-6
+  for name in seed["curve_summary"]:
+    assert set(seed["cost"][name]) >= {"subset_evaluations",
+                                       "forward_passes", "backward_passes",
+                                       "seconds"}, name
+  assert seed["cost"]["oracle"]["subset_evaluations"] == 2 ** num_heads
+  steps = [e["step"] for e in seed["checkpoints_over_training"]]
+  assert steps == [10, 20] and steps[-1] == seed["step"]
+  assert "gradient" in seed["checkpoints_over_training"][0]["orderings"]
 
 
 def test_script_end_to_end(tiny_workdir, tmp_path, subprocess_env):
@@ -594,7 +613,8 @@ def _check_extensions_contract(results, out):
     report = f.read()
   for section in ("## Learned gates", "### Exact-K gates",
                   "## Retraining after pruning",
-                  "## Mean ablation", "## Searches for the best subset"):
+                  "## Mean ablation", "## Searches for the best subset",
+                  "## The oracle by loss", "## Over training"):
     assert section in report
   assert "and, tuned, refits the kept heads' mask values" in report
   assert "## Mask tuning" in report and "Δ AUC (tuned − untuned)" in report

@@ -254,3 +254,33 @@ def test_an_option_added_after_the_grid_started_reads_as_its_default(
   with pytest.raises(grid.GridMismatchError, match="plots"):
     grid.run_grid(root, cells, StudyOptions(num_seeds=1, plots=False),
                   log=lambda m: None)
+
+
+def test_the_leaderboard_has_a_cost_column_and_no_cell_counts():
+  def method(gap, subsets, seconds):
+    return {"auc_token_accuracy": 0.5, "auc_token_accuracy_ci": [0.4, 0.6],
+            "gap_to_oracle": gap, "gap_to_oracle_ci": (
+                None if gap is None else [gap - .01, gap + .01]),
+            "prunable_heads": 2.0, "prunable_heads_ci": [1.0, 3.0],
+            "prunable_heads_half_split": 2.0,
+            "prunable_heads_half_split_ci": [1.0, 3.0],
+            "half_split_holds": 1.0,
+            "test_token_accuracy_at_prunable_half_split": 0.9,
+            "seconds_per_seed": seconds, "subset_evaluations": subsets,
+            "forward_passes": subsets or 1.0, "backward_passes": 1.0}
+  cell = {"status": "done", "seconds": 10.0, "num_seeds": 2, "num_heads": 8,
+          "model_config": {}, "test_exact_match": [0.9, 0.9],
+          "test_token_accuracy": [0.95, 0.95], "has_oracle": True,
+          "methods": {"oracle": method(None, 256.0, 3.0),
+                      "beam": method(-0.001, 25.5, 1.0),
+                      "gradient": method(-0.02, 0.0, 0.5)}}
+  board = grid.leaderboard({"a-x": cell, "b-y": cell})
+  beam = next(r for r in board if r["method"] == "beam")
+  assert beam["subset_evaluations"] == 25.5
+  text = grid.table_markdown(
+      {"cells": {"a-x": cell, "b-y": cell}, "leaderboard": board,
+       "labels": {}}, {"options": {"num_seeds": 2, "tolerance": 0.01},
+                       "overrides": []})
+  row = next(l for l in text.splitlines() if l.startswith("| 2 | beam"))
+  assert "| 25.5 | 25.5 / 1 | 1.00 |" in row
+  assert "cells below 0" not in text and " of 2 |" not in text

@@ -13,6 +13,7 @@ from mha import data
 from mha import evaluate as eval_lib
 from mha.model import Transformer, TransformerConfig
 from mha import head_masks
+from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
 from mha.pruning import orderings
 from mha.pruning import oracle
@@ -137,6 +138,34 @@ def test_streamed_oracle_equals_the_per_example_table():
                                 old["token_accuracy"])
   assert removals["all"][3][0].tolist() == oracle.ranked_removals(
       oracle.subset_values(old), config)[3][0].tolist()
+
+
+@pytest.mark.slow  # seconds of compiling: the full suite only
+def test_the_oracle_half_by_half_adds_up_to_the_whole():
+  """Streamed half by half (the half-split level's candidates are ranked on
+  the first half): the halves' sums add up to the whole's, and the first
+  half's metrics are its per-example table's; resample's donors are cut
+  with the examples."""
+  config = TransformerConfig(vocab_size=7, num_layers=2, num_heads=2,
+                             d_model=8, mlp_dim=8, max_len=6)
+  model, params, split = _random_model(config, n=21)
+  abl = ablation_lib.build(model, params, "resample", split, split,
+                           rng=np.random.default_rng(0))
+  table = oracle.evaluate_subsets(model, params, split, per_example=True,
+                                  batch_size=16, ablation=abl)
+  whole, _, _ = oracle.evaluate_oracle(model, params, split, batch_size=16,
+                                       max_heads=8, ablation=abl)
+  first_half = {}
+  halved, _, _ = oracle.evaluate_oracle(
+      model, params, split, batch_size=16, max_heads=8, ablation=abl,
+      first_half=first_half)
+  np.testing.assert_array_equal(halved["token_accuracy"],
+                                whole["token_accuracy"])
+  np.testing.assert_allclose(halved["loss"], whole["loss"], rtol=1e-6)
+  half = core.summarize_examples({k: np.asarray(v)[:, :10]
+                                  for k, v in table.items()})
+  np.testing.assert_array_equal(first_half["token_accuracy"],
+                                half["token_accuracy"])
 
 
 @pytest.mark.slow  # seconds of compiling: the full suite only

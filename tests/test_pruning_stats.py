@@ -359,3 +359,70 @@ def test_intervals_stay_where_the_statistic_can_be():
   assert low == 0.0 and high == 1.0  # -0.01 and 0.99 spread over t(1)
   low, high = entry["auc_token_accuracy_minus_random_ci"]
   assert low < -1.0  # a difference may be negative: not cut
+
+
+def test_loss_oracle_accuracy_at_fractions_and_the_gap_s_two_parts():
+  # Masks: 0 full; 1 and 2 one head removed; 3 two removed; 4 (four
+  # removed: every head). Mask 1 has the best accuracy and mask 2 the
+  # lowest loss; one example of one token each on both splits.
+  correct = np.array([[1, 1], [1, 1], [1, 0], [0, 1], [0, 0]])
+  loss = np.array([[0.1, 0.1], [0.9, 0.9], [0.2, 0.2], [1.0, 1.0],
+                   [2.0, 2.0]])
+  sums = {"correct": correct, "tokens": np.ones((5, 2)), "loss_sum": loss,
+          "exact": correct, "sequences": np.ones((5, 2))}
+  counts = {"all": np.array([0, 1, 2, 4])}  # points at 0, 25, 50, 100%
+  curves = {"all": {
+      "oracle": np.array([[0, 1, 3, 4], [0, 2, 3, 4]]),
+      "oracle_by_loss": np.array([[0, 2, 3, 4], [0, 1, 3, 4]]),
+      "best_ordering": np.array([[0, 2, 3, 4]]),
+      "a": np.array([[0, 2, 4, 4]])}}
+  weights = np.ones((3, 2))
+  out = summary.seed_statistics(
+      curves, counts, 4, sums, sums, weights, weights, tolerance=0.01,
+      select={"oracle": "token_accuracy", "oracle_by_loss": "loss"})
+  get = lambda name, stat: out[("all", name, stat)][0]
+  # The loss oracle keeps its lowest-loss candidate (mask 2) at 25%.
+  assert get("oracle_by_loss", "test_token_accuracy_at_25pct_removed") == 0.5
+  assert get("oracle", "test_token_accuracy_at_25pct_removed") == 1.0
+  assert get("oracle", "test_token_accuracy_at_50pct_removed") == 0.5
+  assert get("a", "test_token_accuracy_at_50pct_removed") == 0.0
+  # Loss AUC: trapezoid over 0, .25, .5, 1 of 0.1, 0.2, 1.0, 2.0.
+  want = np.trapezoid([0.1, 0.2, 1.0, 2.0], [0, .25, .5, 1])
+  assert get("oracle_by_loss", "auc_loss") == pytest.approx(want)
+  assert get("a", "auc_loss_minus_oracle_by_loss") == pytest.approx(
+      np.trapezoid([0.1, 0.2, 2.0, 2.0], [0, .25, .5, 1]) - want)
+  # The gap to the oracle is the ranking error plus the price of nesting.
+  assert get("a", "auc_token_accuracy_minus_oracle") == pytest.approx(
+      get("a", "auc_token_accuracy_minus_best_ordering")
+      + get("best_ordering", "auc_token_accuracy_minus_oracle"))
+  # The loss oracle is a reference: not a member of the families.
+  per_seed = [out, out]
+  nested = summary.aggregate_statistics(per_seed, np.zeros((3, 2)))["all"]
+  members = nested["simultaneous_critical_values"][
+      "auc_token_accuracy_minus_oracle"]["members"]
+  assert members == 2  # best_ordering and a
+
+
+def test_the_half_split_oracle_chooses_among_its_own_candidates():
+  # Masks 0 (full), 1 and 2 (one head removed). The study's candidates
+  # (ranked on all of validation) hold mask 1 only; those ranked on the
+  # first half, mask 2 only: the half-split statistics use the latter.
+  correct = np.array([[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 1, 1]])
+  sums = {"correct": correct, "tokens": np.ones((3, 4)),
+          "loss_sum": np.zeros((3, 4)), "exact": correct,
+          "sequences": np.ones((3, 4))}
+  curves = {"all": {"oracle": np.array([[0, 1]])}}
+  weights = np.ones((2, 4))
+  plain = summary.seed_statistics(curves, {"all": np.array([0, 1])}, 2, sums,
+                                  sums, weights, weights, tolerance=0.01)
+  halves = summary.seed_statistics(
+      curves, {"all": np.array([0, 1])}, 2, sums, sums, weights, weights,
+      tolerance=0.01, half_split={"all": {"oracle": np.array([[0, 2]])}})
+  key = ("all", "oracle", "test_token_accuracy_at_prunable_half_split")
+  assert plain[key][0] == 1.0
+  # Mask 2 loses example 1 (of the first half): the level is 0 heads.
+  assert halves[("all", "oracle", "prunable_heads_token_accuracy_half_split")
+                ][0] == 0.0
+  # Everything else is the study's own candidates'.
+  key = ("all", "oracle", "auc_token_accuracy")
+  assert halves[key][0] == plain[key][0]

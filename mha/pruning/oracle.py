@@ -911,11 +911,23 @@ def oracle_removals(model: Transformer, params: Params,
                          no_layer_emptied=no_layer_emptied, top=top)
 
 
+def _part(split: data.Split, ablation: ablation_lib.Ablation | None,
+          start: int, stop: int
+          ) -> tuple[data.Split, ablation_lib.Ablation | None]:
+  """Examples ``start:stop`` of ``split`` and the ``ablation`` built for it
+  (resample's donors are per example: cut alike)."""
+  part = data.Split(split.inputs[start:stop], split.targets[start:stop])
+  if ablation is not None and ablation.donors is not None:
+    ablation = ablation.replace(donors=ablation.donors[start:stop])
+  return part, ablation
+
+
 def evaluate_oracle(model: Transformer, params: Params,
                     validation: data.Split, *, batch_size: int,
                     max_heads: int, log: Log = quiet,
                     timings: dict[str, float] | None = None,
-                    ablation: ablation_lib.Ablation | None = None
+                    ablation: ablation_lib.Ablation | None = None,
+                    first_half: dict[str, np.ndarray] | None = None
                     ) -> tuple[dict[str, np.ndarray] | None, np.ndarray,
                                dict[str, list[list[np.ndarray]]]]:
   """Every subset on validation (removed heads replaced as ``ablation``,
@@ -924,7 +936,14 @@ def evaluate_oracle(model: Transformer, params: Params,
   ``[2**N]`` each), exact Shapley values ``[L, H]`` of token accuracy, and
   the oracle's candidates per variant (:func:`removals_by_variant`);
   ``(None, NaN, {})`` above ``max_heads``. ``timings["oracle_s"]``
-  receives the seconds it took."""
+  receives the seconds it took.
+
+  ``first_half``: when given (a dict), validation is streamed as its two
+  halves (the first ``len // 2`` examples, then the rest, as
+  :func:`mha.pruning.orderings.halves` cuts it), their sums added for the
+  whole, and ``first_half`` receives the first half's metrics: what
+  chooses the candidates of a level chosen on that half alone (about the
+  same work as one pass)."""
   arguments.check_count("batch_size", batch_size)
   arguments.check_count("max_heads", max_heads)
   config = model.config
@@ -934,11 +953,23 @@ def evaluate_oracle(model: Transformer, params: Params,
         f"--oracle_max_heads={max_heads}")
     return None, np.full(head_masks.existing_heads(config).shape, np.nan), {}
   timings = {} if timings is None else timings
-  totals, timings["oracle_s"] = timed(
-      log, f"oracle: all {2 ** n} subsets of heads on validation, layer by "
-      "layer, streamed", lambda: subset_totals(
-          model, params, validation, batch_size=batch_size, log=log,
-          ablation=ablation))
+  stream = lambda split, abl: subset_totals(
+      model, params, split, batch_size=batch_size, log=log, ablation=abl)
+  if first_half is None or len(validation) < 2:
+    totals, timings["oracle_s"] = timed(
+        log, f"oracle: all {2 ** n} subsets of heads on validation, layer "
+        "by layer, streamed", lambda: stream(validation, ablation))
+  else:
+    middle = len(validation) // 2
+
+    def by_halves():
+      a = stream(*_part(validation, ablation, 0, middle))
+      b = stream(*_part(validation, ablation, middle, len(validation)))
+      first_half.update(eval_lib.summarize(a))
+      return {k: a[k] + b[k] for k in a}
+    totals, timings["oracle_s"] = timed(
+        log, f"oracle: all {2 ** n} subsets of heads on validation, layer "
+        "by layer, streamed, half by half", by_halves)
   metrics = eval_lib.summarize(totals)
   removals = removals_by_variant(subset_values(metrics), config)
   shapley = shapley_values(metrics["token_accuracy"], config)

@@ -3,7 +3,9 @@
 Per seed, on the *validation* split: every importance measure and ordering
 (:mod:`mha.pruning.orderings`) and, with at most ``oracle_max_heads`` heads,
 every subset of heads (:mod:`mha.pruning.oracle`: the oracle, exact Shapley
-values). Then the pruning curves of every order and the oracle, on
+values, and from the same table the best nested ordering,
+:mod:`mha.pruning.best_ordering`, and the oracle chosen by validation
+loss). Then the pruning curves of every order and the oracle, on
 validation and test, plain and never emptying a layer; the level prunable
 within ``tolerance`` chosen on validation and its test accuracy reported;
 Michel et al.'s single-head ablation (paired t-tests, Benjamini-Hochberg)
@@ -26,6 +28,7 @@ from mha.aliases import Log, Params
 from mha.model import Transformer, TransformerConfig
 from mha.run.progress import timed
 from mha.pruning import ablation as ablation_lib
+from mha.pruning import best_ordering
 from mha.pruning import core
 from mha.pruning import gates as gates_lib
 from mha.pruning import kwon
@@ -57,8 +60,18 @@ SEARCH_LABELS = {"surrogate": "surrogate search (layer-additive)",
 TUNED = ("kwon_tuned", "kwon_tuned_attention_output", "oracle_kwon_tuned")
 #: The curves: every ordering, the oracle and the searches (not orderings:
 #: their subsets for k and k + 1 heads removed need not be nested).
+#: The curves read off the oracle's table besides the oracle: the best
+#: nested chain (an ordering, :mod:`mha.pruning.best_ordering`) and the
+#: oracle chosen by validation loss instead of token accuracy.
+ORACLE_CURVE_LABELS = {
+    "best_ordering": "best ordering (nested, from the oracle's table)",
+    "oracle_by_loss": "oracle by loss (best subset by validation loss)"}
 CURVE_LABELS = {**orderings.ORDERINGS, "oracle": "oracle (best subset)",
-                **SEARCH_LABELS}
+                **ORACLE_CURVE_LABELS, **SEARCH_LABELS}
+#: The curves chosen again in each bootstrap replicate among their
+#: candidates, and the validation metric that chooses (higher is better
+#: but for the loss).
+SELECTED = {"oracle": "token_accuracy", "oracle_by_loss": "loss"}
 
 
 @dataclasses.dataclass
@@ -74,6 +87,12 @@ class Plan:
   counts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
   oracle: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
   searches: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  #: ``best_ordering`` and ``oracle_by_loss``: their mask id at every ``k``.
+  chains: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  #: Per variant, the oracle's ``[candidates, P]`` ids for its half-split
+  #: statistics: the candidates ranked on the first validation half.
+  half_split: dict[str, dict[str, np.ndarray]] = dataclasses.field(
+      default_factory=dict)
   single: np.ndarray | None = None
   all_but_one: np.ndarray | None = None
 
@@ -109,8 +128,9 @@ def plan_masks(config: TransformerConfig, orders: Mapping[str, np.ndarray],
                random_orders: np.ndarray, oracle_removals: Mapping[str, Any],
                counts: np.ndarray,
                searches: Mapping[str, Sequence[Sequence[int]]] | None = None,
-               tuned: Mapping[str, Sequence[np.ndarray]] | None = None
-               ) -> Plan:
+               tuned: Mapping[str, Sequence[np.ndarray]] | None = None,
+               by_loss: Sequence[Sequence[np.ndarray]] | None = None,
+               half_split: Mapping[str, Any] | None = None) -> Plan:
   """Every curve of both variants (``all``; ``no_layer_emptied``, which
   skips a layer's last head and stops at ``N - layers with heads``), the
   full mask (id 0) and the single-head and all-but-one masks.
@@ -119,7 +139,13 @@ def plan_masks(config: TransformerConfig, orders: Mapping[str, np.ndarray],
   ``searches``: name -> for each ``k`` the removal a search found (curves
   of the ``all`` variant; their layers may be emptied); ``tuned``: name ->
   for each ``k`` a mask ``[L, H]`` whose kept heads' values need not be 1
-  (Kwon et al.'s mask tuning), the same way."""
+  (Kwon et al.'s mask tuning), the same way. ``by_loss``: for each ``k``
+  the removals of the best subsets by validation loss, best first (the
+  oracle by loss's candidates; a curve of the ``all`` variant).
+  ``orders["best_ordering"]``, when there, is also kept at every ``k``
+  (``plan.chains``). ``half_split``: as ``oracle_removals``, the
+  candidates ranked on the first half of validation alone; the oracle's
+  half-split statistics choose among them (``plan.half_split``)."""
   plan = Plan()
   plan.add(head_masks.full_head_mask(config))
   limit = core.removable_keeping_layers(config)
@@ -139,6 +165,25 @@ def plan_masks(config: TransformerConfig, orders: Mapping[str, np.ndarray],
                         for k in points])
       plan.oracle[variant] = np.asarray(
           [plan.add(head_masks.mask_without(config, r[0])) for r in ranked])
+    halves = (half_split or {}).get(variant)
+    if halves is not None:
+      plan.half_split.setdefault(variant, {})["oracle"] = np.asarray(
+          [[plan.add(head_masks.mask_without(
+              config, halves[k][min(c, len(halves[k]) - 1)]))
+            for k in points]
+           for c in range(max(len(r) for r in halves))], np.int64)
+  if by_loss is not None:
+    for c in range(max(len(r) for r in by_loss)):
+      plan.add_curve("all", "oracle_by_loss", config,
+                     [by_loss[k][min(c, len(by_loss[k]) - 1)]
+                      for k in counts])
+    plan.chains["oracle_by_loss"] = np.asarray(
+        [plan.add(head_masks.mask_without(config, r[0])) for r in by_loss])
+  if "best_ordering" in orders:
+    order = orders["best_ordering"]
+    plan.chains["best_ordering"] = np.asarray(
+        [plan.add(head_masks.mask_without(config, order[:k]))
+         for k in range(len(order) + 1)])
   for name, removals in (searches or {}).items():
     plan.add_curve("all", name, config, [removals[k] for k in counts])
     plan.searches[name] = np.asarray(
@@ -297,10 +342,14 @@ def _measure_seed(model: Transformer, params: Params,
                                        timings)
   if oracle.oracle_applies(config, options.oracle_max_heads):
     log(f"  oracle: {oracle.describe_cost(config)}")
+  first_half: dict[str, np.ndarray] = {}
   subsets, shapley, removals = oracle.evaluate_oracle(
       model, params, val, batch_size=options.batch_size,
       max_heads=options.oracle_max_heads, log=log, timings=timings,
-      ablation=ablations["validation"])
+      ablation=ablations["validation"], first_half=first_half)
+  # The half-split level's oracle: candidates ranked on the first half.
+  half_removals = (oracle.removals_by_variant(
+      oracle.subset_values(first_half), config) if first_half else None)
   importance = orderings.measure_importance(
       model, params, val, batch_size=options.batch_size, log=log,
       timings=timings, subsets=subsets, ablation=ablations["validation"],
@@ -329,6 +378,16 @@ def _measure_seed(model: Transformer, params: Params,
   random_orders = core.random_orders(config, options.num_random_orders,
                                         rng)
   n = oracle.num_heads(config)
+  by_loss = None
+  if subsets is not None:
+    orders["best_ordering"], timings["best_ordering_s"] = timed(
+        log, "best ordering: the nested chain of highest validation AUC "
+        "(dynamic program over the oracle's table)",
+        lambda: best_ordering.best_order(
+            oracle.subset_values(subsets), config, best_ordering.auc_weights(
+                core.pruning_counts(n, options.step_fraction), n)))
+    by_loss = oracle.ranked_removals(-np.asarray(subsets["loss"]), config,
+                                     top=oracle.ORACLE_CANDIDATES)
   evaluations: dict[str, int] = {}
   found = run_searches(model, params, val, options, log, timings,
                        evaluations, ablations["validation"])
@@ -359,7 +418,8 @@ def _measure_seed(model: Transformer, params: Params,
   plan = plan_masks(config, orders, random_orders, removals,
                     core.pruning_counts(n, options.step_fraction),
                     {name: [e["removed"] for e in entries]
-                     for name, entries in found.items()}, tuned)
+                     for name, entries in found.items()}, tuned, by_loss,
+                    half_removals)
   masks = np.stack(plan.masks)
   val_sums, timings["validation_masks_s"] = timed(
       log, f"{len(masks)} distinct masks on validation",
@@ -744,6 +804,75 @@ def _interactions(config: TransformerConfig,
   return {"pairs": pairs, "summary": shapley_lib.layer_summary(pairs)}
 
 
+#: The units of ``cost`` in ``results.json`` (:func:`method_costs`).
+COST_UNITS = (
+    "per seed, for the method alone: subset_evaluations, the subsets of "
+    "heads (masks) whose validation metrics it evaluates; forward_passes "
+    "and backward_passes, passes of the model over the validation split "
+    "(one per subset evaluated; a gradient over every example is one "
+    "forward and one backward pass; the exact-K gates count training "
+    "batches instead, `unit`); seconds, measured on this machine (what it "
+    "shares with another method, e.g. the oracle's table, counted in "
+    "each: leave-one-out's seconds are a lookup where the oracle ran)")
+
+
+def method_costs(names: Sequence[str], num_heads: int,
+                 timings: Mapping[str, float],
+                 evaluations: Mapping[str, int], options: StudyOptions,
+                 shapley_method: str | None = None,
+                 gates_k: Mapping[str, Any] | None = None
+                 ) -> dict[str, dict[str, Any]]:
+  """``cost`` of ``results.json``: per method of ``names`` (orderings,
+  searches, the oracle and the curves read off its table) its subset
+  evaluations, forward and backward passes over validation and seconds
+  (:data:`COST_UNITS`), from the seed's ``timings`` and the searches'
+  counted ``evaluations``."""
+  n, t = num_heads, timings
+  seconds = lambda *keys: float(sum(t.get(k, 0.0) for k in keys))
+  entry = lambda subsets, forward, backward, secs: {
+      "subset_evaluations": int(subsets), "forward_passes": int(forward),
+      "backward_passes": int(backward), "seconds": secs}
+  table = entry(2 ** n, 2 ** n, 0, seconds("oracle_s"))
+  attribution = [k for k in names if k.startswith("attribution_")]
+  out = {}
+  for name in names:
+    if name in ("oracle", "oracle_by_loss"):
+      out[name] = table
+    elif name == "best_ordering":
+      out[name] = dict(table, seconds=seconds("oracle_s", "best_ordering_s"))
+    elif name == "shapley":
+      pairs = options.shapley_pairs
+      out[name] = (table if shapley_method == "exact" else entry(
+          2 * pairs * (n + 1), 2 * pairs * (n + 1), 0, seconds("shapley_s")))
+    elif name in ("gradient", "gradient_l2", "reverse_gradient"):
+      out[name] = entry(0, 1, 1, seconds("gradient_s"))
+    elif name == "gradient_iterative":
+      out[name] = entry(0, n, n, seconds("gradient_iterative_s"))
+    elif name == "fisher":
+      out[name] = entry(0, 1, 1, seconds("fisher_s"))
+    elif name in attribution:  # A clean and a patched pass, one backward.
+      out[name] = entry(0, 2, 1, seconds("attribution_s") / len(attribution))
+    elif name == "leave_one_out":
+      out[name] = entry(n + 1, n + 1, 0, seconds("leave_one_out_s"))
+    elif name in ("confidence", "entropy"):
+      out[name] = entry(0, 1, 0, seconds("confidence_s"))
+    elif name == "random":
+      out[name] = entry(0, 0, 0, 0.0)
+    elif name in ("surrogate", "beam"):
+      count = evaluations.get(name, 0)
+      out[name] = entry(count, count, 0, seconds(f"{name}_s"))
+    elif name == "kwon":  # The Fisher information, then no evaluation.
+      out[name] = entry(0, 1, 1, seconds("fisher_s", "kwon_s"))
+    elif name == "kwon_tuned":  # And the unpruned and each tuned mask.
+      out[name] = entry(0, n + 3, 1, seconds("fisher_s", "kwon_s",
+                                             "kwon_tuned_s"))
+    elif name == "gates_k" and gates_k is not None:
+      steps = int(gates_k["steps"]) * len(gates_k["targets"])
+      out[name] = dict(entry(0, steps, steps, seconds("gates_k_s")),
+                       unit="training batches")
+  return out
+
+
 def analyze_seed(model: Transformer, params: Params,
                  splits: Mapping[str, data.Split], options: StudyOptions,
                  rng: np.random.Generator, resamples: Resamples,
@@ -769,7 +898,7 @@ def analyze_seed(model: Transformer, params: Params,
   statistics = summary.seed_statistics(
       curves, plan.counts, m["num_heads"], m["val_sums"],
       m["test_sums"], resamples.validation, resamples.test,
-      options.tolerance)
+      options.tolerance, select=SELECTED, half_split=plan.half_split)
   val = core.summarize_examples(m["val_sums"])
   test = core.summarize_examples(m["test_sums"])
   nested = summary.seed_summary(statistics)
@@ -792,6 +921,11 @@ def analyze_seed(model: Transformer, params: Params,
       "bootstrap_importance": bootstrap_info,
       "timings": timings,
   }
+  for name, ids in plan.chains.items():  # best_ordering, oracle_by_loss
+    out[name] = _oracle_entries(config, plan, "all", val, test, ids)
+  out["cost"] = method_costs(
+      list(plan.curves["all"]), m["num_heads"], timings,
+      m["search_evaluations"], options, m["shapley_method"], m["gates_k"])
   if plan.searches:
     out["searches"] = {
         name: _oracle_entries(config, plan, "all", val, test, ids)
@@ -876,8 +1010,8 @@ def aggregate(seed_results: Sequence[Mapping[str, Any]],
   return out
 
 
-__all__ = ["CURVE_LABELS", "SEARCH_LABELS", "TUNED",
-           "BOOTSTRAP_ORDERINGS",
+__all__ = ["CURVE_LABELS", "SEARCH_LABELS", "ORACLE_CURVE_LABELS", "TUNED",
+           "SELECTED", "COST_UNITS", "method_costs", "BOOTSTRAP_ORDERINGS",
            "replicate_orders", "Plan", "run_searches", "search_estimate", "run_kwon",
            "run_exact_k", "plan_masks", "Resamples", "analyze_seed",
            "custom_pruning", "aggregate"]

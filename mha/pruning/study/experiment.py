@@ -8,7 +8,9 @@
    tables (:mod:`mha.pruning.study.analysis`), then the extensions asked
    for (:mod:`mha.pruning.study.extensions`: gates, retraining, mean
    ablation).
-3. Across seeds: means with two-level bootstrap intervals.
+3. Across seeds: means with two-level bootstrap intervals; with
+   ``over_training`` (on by default), every other checkpoint each seed's
+   run keeps, analysed the same way (:mod:`mha.pruning.study.over_training`).
 4. On the first seed: physical pruning at ``speed_fractions`` of the heads,
    examples/s at ``batch_sizes`` against parameter and FLOP counts
    (:mod:`mha.pruning.speed`).
@@ -49,6 +51,7 @@ from mha.pruning.study import analysis
 from mha.pruning.study import extensions
 from mha.pruning.study import kept_analyses
 from mha.pruning.study import outputs
+from mha.pruning.study import over_training
 from mha.pruning.study import seeds as seeds_lib
 from mha.pruning.study.options import StudyOptions
 
@@ -215,12 +218,15 @@ def estimate(first: ckpt_lib.LoadedCheckpoint, options: StudyOptions) -> str:
 
 def _analyze_all(checkpoints: Sequence[ckpt_lib.LoadedCheckpoint],
                  splits: Mapping[str, data.Split], options: StudyOptions,
-                 log: Log, out_dir: str
+                 log: Log, out_dir: str, workdir: str
                  ) -> tuple[list[dict[str, Any]], dict[str, Any],
                             dict[str, Any]]:
   """Every seed's analysis (each kept in ``out_dir`` as it ends, and one
   kept by an earlier run of the same study reused:
-  :mod:`mha.pruning.study.kept_analyses`), then their aggregates."""
+  :mod:`mha.pruning.study.kept_analyses`), then their aggregates; with
+  ``options.over_training``, every seed's other checkpoints
+  (:mod:`mha.pruning.study.over_training`; the first seed's run is
+  ``workdir``, the others' under ``out_dir/seeds``)."""
   rng = np.random.default_rng(options.seed)
   resamples = analysis.Resamples.draw(splits, len(checkpoints), options.num_bootstrap,
                              np.random.default_rng([options.seed, 1]))
@@ -247,7 +253,17 @@ def _analyze_all(checkpoints: Sequence[ckpt_lib.LoadedCheckpoint],
       extras.append(kept["extras"])
   extra = (extensions.aggregate(extras, statistics, seeds, resamples.seeds,
                             options) if extras else {})
-  return seeds, analysis.aggregate(seeds, statistics, resamples.seeds), extra
+  agg = analysis.aggregate(seeds, statistics, resamples.seeds)
+  if options.over_training:
+    directories = [workdir] + [seeds_lib.seed_dir(out_dir, int(c.config.seed))
+                               for c in checkpoints[1:]]
+    start = time.perf_counter()
+    agg["checkpoints_over_training"] = over_training.run(
+        directories, seeds, statistics, splits, options, resamples, out_dir,
+        log)
+    for result in seeds:  # Shared by the seeds: the whole, in each.
+      result["timings"]["over_training_s"] = time.perf_counter() - start
+  return seeds, agg, extra
 
 
 def _analyze_seed(ckpt: ckpt_lib.LoadedCheckpoint,
@@ -320,6 +336,55 @@ def _header(workdir: str, first: ckpt_lib.LoadedCheckpoint,
                              "of the marginal interval)",
           "oracle": "for each k, the subset with k heads removed of best "
                     "validation token accuracy (ties: lower loss)",
+          "half_split_candidates": "the half-split statistics choose the "
+                                   "level, and the oracle's subset among "
+                                   "its candidates, on the first half of "
+                                   "validation; the oracle's candidates "
+                                   "there are ranked on the first half "
+                                   "alone (the streamed oracle runs half by "
+                                   "half), so the second half is held out "
+                                   "from the oracle; every ordering was "
+                                   "fitted on the whole of validation (both "
+                                   "halves), so not from the orderings "
+                                   "(nor from mean ablation's oracle, whose "
+                                   "candidates are ranked on all of it); "
+                                   "test is held out from everything",
+          "oracle_by_loss": "for each k, the subset with k heads removed of "
+                            "lowest validation loss (chosen again by loss "
+                            "among its candidates in each replicate); "
+                            "auc_loss: the area under the test loss curve "
+                            "over the fraction removed (lower is better); "
+                            "auc_loss_minus_oracle_by_loss: a curve's excess "
+                            "of it over the oracle by loss's",
+          "best_ordering": "the nested chain of subsets (one head removed at "
+                           "a time) of highest validation AUC (the AUC's "
+                           "trapezoid weights over the curve's points) "
+                           "among all N! orders, from the oracle's table by "
+                           "a dynamic program over the subset lattice; an "
+                           "ordering (chosen once on validation, reported on "
+                           "test)",
+          "ranking_error_and_price_of_nesting": "an ordering's "
+                                                "auc_<metric>_minus_oracle is "
+                                                "its auc_<metric>_minus_"
+                                                "best_ordering (the ranking "
+                                                "error) plus the best "
+                                                "ordering's auc_<metric>_"
+                                                "minus_oracle (the price of "
+                                                "nesting)",
+          "test_at_fraction_removed": "test_<metric>_at_<p>pct_removed: "
+                                      "the test value at the curve's point "
+                                      "with the most heads removed not "
+                                      "beyond p% of them",
+          "cost": analysis.COST_UNITS,
+          "checkpoints_over_training": "per seed, per checkpoint step its "
+                                       "run holds: the unpruned metrics, the "
+                                       "oracle's prunable level and each "
+                                       "ordering's AUC gaps (the study's "
+                                       "analysis of that checkpoint, without "
+                                       "searches, Kwon et al., gates or "
+                                       "re-estimated orderings); the "
+                                       "aggregate's: the mean over seeds at "
+                                       "the steps every seed holds",
           "no_layer_emptied": "the same orderings, skipping the last head "
                               "of a layer (and the oracle among subsets "
                               "keeping one head per layer)",
@@ -360,7 +425,7 @@ def run(workdir: str, out_dir: str, options: StudyOptions,
   splits = data.load_splits(build.data_spec(config), config.data.data_dir)
   experiment_start = time.perf_counter()
   seeds, agg, extra = _analyze_all(checkpoints, splits, options, log,
-                                   out_dir)
+                                   out_dir, workdir)
   results = _header(workdir, first, options, splits) | extra | {
       "interval_method": stats.interval_method(len(seeds)),
       "ablation": options.ablation,

@@ -43,6 +43,7 @@ from mha import evaluate as eval_lib
 from mha import head_masks
 from mha.aliases import Log, Params
 from mha.model import Transformer
+from mha.pruning import best_ordering
 from mha.pruning import core
 from mha.pruning import gates as gates_lib
 from mha.pruning import mean_ablation
@@ -128,13 +129,21 @@ def mean_ablation_seed(seed: SeedInputs, options: StudyOptions, log: Log
   orders = dict(seed.result["orders"])
   random_orders = np.asarray(orders.pop("random"))
   n = oracle.num_heads(config)
+  by_loss = None
+  if removals:  # The curves read off the table, under mean ablation too.
+    orders["best_ordering"] = best_ordering.best_order(
+        oracle.subset_values(subsets), config, best_ordering.auc_weights(
+            core.pruning_counts(n, options.step_fraction), n))
+    by_loss = oracle.ranked_removals(-np.asarray(subsets["loss"]), config,
+                                     top=oracle.ORACLE_CANDIDATES)
   # The searches' subsets (found under zero ablation) as they are.
   found = {name: [head_masks.pairs_to_flat(config, e["removed"])
                   for e in entries]
            for name, entries in seed.result.get("searches", {}).items()}
   plan = analysis.plan_masks(
       config, {k: np.asarray(v) for k, v in orders.items()}, random_orders,
-      removals, core.pruning_counts(n, options.step_fraction), found)
+      removals, core.pruning_counts(n, options.step_fraction), found,
+      by_loss=by_loss)
   masks = np.stack(plan.masks)
   sums = {}
   for name, split in (("validation", val), ("test", test)):
@@ -148,7 +157,8 @@ def mean_ablation_seed(seed: SeedInputs, options: StudyOptions, log: Log
       f"{time.perf_counter() - start:.2f} s")
   return summary.seed_statistics(
       plan.curves, plan.counts, n, sums["validation"], sums["test"],
-      seed.val_weights, seed.test_weights, options.tolerance)
+      seed.val_weights, seed.test_weights, options.tolerance,
+      select=analysis.SELECTED)
 
 
 def aggregate_mean_ablation(per_seed: Sequence[Mapping[summary.Key, Any]],

@@ -375,6 +375,23 @@ def _method_seconds(results: Mapping[str, Any], method: str) -> float | None:
   return float(np.mean(values)) if values else None
 
 
+#: The counts of a method's ``cost`` (results.json) the grid averages.
+COST_COUNTS = ("subset_evaluations", "forward_passes", "backward_passes")
+
+
+def _method_cost(results: Mapping[str, Any], method: str) -> dict[str, Any]:
+  """The mean per seed of ``method``'s ``cost`` counts (subsets evaluated,
+  forward and backward passes), and its seconds as ``seconds_per_seed``
+  where the cost has them; nothing where the results have no cost."""
+  costs = [s["cost"][method] for s in results["seeds"]
+           if method in s.get("cost", {})]
+  if not costs:
+    return {}
+  out = {key: float(np.mean([c[key] for c in costs])) for key in COST_COUNTS}
+  out["seconds_per_seed"] = float(np.mean([c["seconds"] for c in costs]))
+  return out
+
+
 def cell_summary(results: Mapping[str, Any], record: Mapping[str, Any]
                  ) -> dict[str, Any]:
   """One finished cell: its model, unpruned accuracy, and per method the AUC
@@ -398,6 +415,7 @@ def cell_summary(results: Mapping[str, Any], record: Mapping[str, Any]
         "test_token_accuracy_at_prunable_half_split": entry.get(
             "test_token_accuracy_at_prunable_half_split"),
         "seconds_per_seed": _method_seconds(results, name),
+        **_method_cost(results, name),
     }
   seeds = results["seeds"]
   return {
@@ -453,6 +471,9 @@ def leaderboard(summaries: Mapping[str, Mapping[str, Any]]
         "prunable_heads_half_split": (float(np.mean(half_split))
                                       if half_split else None),
         "seconds_per_seed": float(np.mean(seconds)) if seconds else None,
+        **{key: (float(np.mean([e[key] for e in entries if key in e]))
+                 if any(key in e for e in entries) else None)
+           for key in COST_COUNTS},
     })
   rows.sort(key=lambda r: (r["method"] != REFERENCE, -r["gap_to_oracle"]))
   return rows
@@ -496,6 +517,13 @@ def _is_held(directory: str) -> bool:
     return True
   lock.release()
   return False
+
+
+def _count(value: float | None) -> str:
+  """A mean count (``1,234``, or ``1.5`` where it is not whole), or empty."""
+  if value is None:
+    return ""
+  return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.1f}"
 
 
 def table_markdown(grid: Mapping[str, Any],
@@ -543,20 +571,25 @@ def table_markdown(grid: Mapping[str, Any],
         f"AUC gap to the oracle (test token accuracy), mean over the "
         f"{board[0]['cells']} cells with the oracle; 0 is the oracle and "
         "more negative is worse. Intervals: the cells' 95% intervals "
-        "combined as independent normal errors. 'Cells below 0': cells "
-        "whose interval excludes 0 (the method is measurably worse than "
-        "the oracle there). Seconds: per seed, the computation that "
-        "produces the method's order (leave-one-out and exact Shapley "
-        "values are read off the oracle's subset sums).", ""]
+        "combined as independent normal errors. Cost, per seed and mean "
+        "over the cells: subsets of heads evaluated, passes of the model "
+        "over validation (forward / backward) and the measured seconds of "
+        "the computation that produces the method's order or subsets (what "
+        "it reads off the oracle's table, the oracle's seconds included; "
+        "`cost` in each cell's results.json).", ""]
     lines += md.table(
-        ["rank", "method", "AUC gap to the oracle", "cells below 0",
-         "prunable heads (val.)", "prunable, half-split", "seconds / seed"],
+        ["rank", "method", "AUC gap to the oracle",
+         "prunable heads (val.)", "prunable, half-split",
+         "subsets evaluated / seed", "passes (fwd / bwd)", "seconds / seed"],
         [[i + 1, labels.get(r["method"], r["method"]),
           md.ci(r, "gap_to_oracle", 3, sign=True),
-          f"{r['cells_gap_excludes_zero']} of {r['cells']}",
           f"{r['prunable_heads']:.1f}",
           ("n/a" if r["prunable_heads_half_split"] is None
            else f"{r['prunable_heads_half_split']:.1f}"),
+          _count(r.get("subset_evaluations")),
+          ("" if r.get("forward_passes") is None else
+           f"{_count(r['forward_passes'])} / "
+           f"{_count(r['backward_passes'])}"),
           ("" if r["seconds_per_seed"] is None
            else f"{r['seconds_per_seed']:.2f}")]
          for i, r in enumerate(board)])

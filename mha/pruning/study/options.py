@@ -182,6 +182,12 @@ class StudyOptions:
       False, "Also train the fair controls (Scratch-E, Scratch-B, rewind) "
       "of the random subsets, not only of the orderings' (gradient, oracle, "
       "gates): about twice their training time.")
+  over_training: bool = _option(
+      True, "Also analyse every other checkpoint step each seed's run "
+      "keeps (the oracle's prunable level, each ordering's AUC gap to the "
+      "oracle, the best ordering and the oracle by loss; no searches): "
+      "checkpoints_over_training in results.json. --noover_training turns it "
+      "off.")
   mean_ablation: bool = _option(
       False, "Also every curve with removed heads outputting their mean over "
       "validation instead of zero.")

@@ -345,6 +345,8 @@ def report_lines(results: Mapping[str, Any]) -> list[str]:
   lines += _oracle_section(results)
   lines += _searches_section(results)
   lines += _tuning_section(results)
+  lines += _loss_oracle_section(results)
+  lines += _over_training_section(results)
   lines += _no_layer_emptied_section(results)
   lines += _spearman_section(results)
   lines += _attribution_section(results)
@@ -503,7 +505,8 @@ def _half_split_finding(oracle: Mapping[str, Any]) -> str:
     return "- (No half-split level in these results.)"
   return (
       "- Chosen on the first half of validation instead, checked on the "
-      "second: the oracle prunes "
+      "second (the oracle's candidates ranked on the first half alone; the "
+      "orderings were fitted on all of validation): the oracle prunes "
       f"{md.ci(oracle, f'prunable_heads_{key}_half_split', 1)} heads; the "
       "level holds on the second half in "
       f"{oracle[f'half_split_holds_{key}']:.0%} of seeds (its loss there "
@@ -535,12 +538,38 @@ def _oracle_finding(summary: Mapping[str, Any], orderings: Sequence[str],
       f"{md.ci(sim[best], gap, sign=True)}.")
 
 
+#: The curves that are references, not methods (left out of the findings'
+#: lists of orderings).
+REFERENCES = ("oracle", "oracle_by_loss")
+
+
+def _nesting_finding(summary: Mapping[str, Any], orderings: Sequence[str],
+                     labels: Mapping[str, str], key: str) -> str:
+  """The best ordering's gap to the oracle (the price of nesting) and the
+  closest ordering's gap to the best ordering (its ranking error)."""
+  best = summary.get("best_ordering")
+  if best is None:
+    return "- (No best ordering in these results.)"
+  ranked = [k for k in orderings if k != "best_ordering"
+            and f"{key}_minus_best_ordering" in summary[k]]
+  text = ("- The best ordering (the nested chain of best validation AUC) "
+          f"has AUC {md.ci(best, key)}; its gap to the oracle, the price of "
+          f"nesting: {md.ci(best, f'{key}_minus_oracle', sign=True)}")
+  if not ranked:
+    return text + "."
+  closest = max(ranked, key=lambda k: summary[k][key])
+  return text + (
+      f". The closest ordering, {labels[closest]}, is "
+      f"{md.ci(summary[closest], f'{key}_minus_best_ordering', sign=True)} "
+      "from it (its ranking error).")
+
+
 def _findings_section(results: Mapping[str, Any]) -> list[str]:
   """The claims the intervals carry, each with its interval."""
   agg, labels = results["aggregate"], _labels(results)
   summary = agg["curve_summary"]
   searches = _search_names(results)
-  orderings = [k for k in labels if k in summary and k != "oracle"
+  orderings = [k for k in labels if k in summary and k not in REFERENCES
                and k not in searches]
   key = "auc_token_accuracy"
   lines = ["## Findings (test token accuracy; 95% intervals)", ""]
@@ -567,6 +596,7 @@ def _findings_section(results: Mapping[str, Any]) -> list[str]:
             f"{labels[k]} {md.ci(summary[k], 'prunable_heads_token_accuracy', 1)}"
             for k in orderings) + ".")
     lines.append(_half_split_finding(summary["oracle"]))
+    lines.append(_nesting_finding(summary, orderings, labels, key))
   else:
     lines.append("- " + results["seeds"][0].get(
         "oracle_skipped", "The oracle was not computed."))
@@ -594,6 +624,22 @@ def _curve_rows(summary: Mapping[str, Any], labels: Mapping[str, str],
   return [[label] + [md.ci(summary[key], column, digits, sign)
                      for column, digits, sign in columns]
           for key, label in labels.items() if key in summary]
+
+
+def _cost_cell(results: Mapping[str, Any], name: str) -> str:
+  """``S subsets, F fwd / B bwd, T s``: the mean over seeds of ``name``'s
+  ``cost`` (empty where results have none)."""
+  costs = [s["cost"][name] for s in results["seeds"]
+           if name in s.get("cost", {})]
+  if not costs:
+    return ""
+  mean = lambda key: float(np.mean([c[key] for c in costs]))
+  unit = costs[0].get("unit")
+  passes = (f"{mean('forward_passes'):,.0f} fwd / "
+            f"{mean('backward_passes'):,.0f} bwd"
+            + (f" ({unit})" if unit else ""))
+  return (f"{mean('subset_evaluations'):,.0f} subsets, {passes}, "
+          f"{mean('seconds'):.1f} s")
 
 
 def _curves_section(results: Mapping[str, Any]) -> list[str]:
@@ -626,19 +672,38 @@ def _curves_section(results: Mapping[str, Any]) -> list[str]:
       "random orders, so they leave out the Monte-Carlo error of that "
       "mean.", "",
   ]
-  rows = _curve_rows(agg["curve_summary"], labels, [
+  searches = set(_search_names(results))
+  ordering_labels = {k: v for k, v in labels.items() if k not in searches}
+  rows = _curve_rows(agg["curve_summary"], ordering_labels, [
       ("auc_token_accuracy", 3, False),
       ("auc_token_accuracy_minus_oracle", 3, True),
+      ("auc_token_accuracy_minus_best_ordering", 3, True),
       ("auc_token_accuracy_minus_random", 3, True),
-      ("auc_token_accuracy_minus_reverse_gradient", 3, True),
       ("prunable_heads_token_accuracy", 1, False),
       ("prunable_heads_token_accuracy_minus_oracle", 1, True),
+      ("test_token_accuracy_at_25pct_removed", 3, False),
+      ("test_token_accuracy_at_50pct_removed", 3, False),
       ("test_token_accuracy_at_prunable", 3, False),
       ("auc_exact_match", 3, False)])
-  lines += md.table(["curve", "AUC token acc.", "Δ vs oracle", "Δ vs random",
-                   "Δ vs reverse", "prunable heads (val.)",
-                   "prunable Δ vs oracle", "test token acc. there",
-                   "AUC exact match"], rows)
+  rows = [row + [_cost_cell(results, key)] for row, key in zip(
+      rows, [k for k in ordering_labels if k in agg["curve_summary"]])]
+  lines += [
+      "Orderings (and the references read off the oracle's table). Δ vs "
+      "best ordering: the ranking error, what a better ranking could "
+      "recover; the best ordering's Δ vs oracle is the price of nesting, "
+      "what no ordering can (the two add up to an ordering's Δ vs oracle). "
+      "Prunable Δ vs oracle: heads prunable within the tolerance minus the "
+      "oracle's, the gap where pruning is used. Test token accuracy at 25% "
+      "and 50% of the heads removed (the curve's point with the most heads "
+      "removed not beyond it). Cost per seed: subsets evaluated, passes "
+      "over validation (forward / backward), measured seconds "
+      "(`cost` in results.json).", ""]
+  lines += md.table(["curve", "AUC token acc.", "Δ vs oracle",
+                     "Δ vs best ordering", "Δ vs random",
+                     "prunable heads (val.)", "prunable Δ vs oracle",
+                     "test token acc. at 25%", "at 50%",
+                     "at the prunable level", "AUC exact match", "cost"],
+                    rows)
   share = agg.get("share_of_random_at_least_as_good", {})
   if share:
     lines += ["Share of random orders with at least the AUC of each curve, per "
@@ -672,6 +737,92 @@ def _oracle_section(results: Mapping[str, Any]) -> list[str]:
       "split, among the few best subsets of the full split for each number "
       "of heads removed, so the oracle's intervals include the variability "
       "of its choice.", ""]
+
+
+#: The orderings that rank heads by the loss (the gradient family and the
+#: measures of a loss increase), compared with the oracle by loss.
+LOSS_ORDERINGS = ("gradient", "gradient_l2", "gradient_iterative", "fisher",
+                  "attribution_zero", "attribution_mean",
+                  "attribution_resample", "leave_one_out")
+
+
+def _loss_oracle_section(results: Mapping[str, Any]) -> list[str]:
+  """The oracle chosen by validation loss beside the one chosen by token
+  accuracy, and the orderings that rank by the loss against it."""
+  summary = results["aggregate"]["curve_summary"]
+  if "oracle_by_loss" not in summary:
+    return []
+  labels = _labels(results)
+  names = ["oracle", "oracle_by_loss", "best_ordering",
+           *[k for k in LOSS_ORDERINGS if k in summary], "random"]
+  rows = [[labels.get(k, k), md.ci(summary[k], "auc_loss", 3),
+           md.ci(summary[k], "auc_loss_minus_oracle_by_loss", 3, sign=True),
+           md.ci(summary[k], "auc_token_accuracy"),
+           md.ci(summary[k], "auc_token_accuracy_minus_oracle", sign=True),
+           md.ci(summary[k], "prunable_heads_token_accuracy", 1)]
+          for k in names if k in summary]
+  return [
+      "## The oracle by loss", "",
+      "The oracle above chooses each subset by validation token accuracy; "
+      "the gradient family (gradient, Fisher, attribution patching) and "
+      "leave-one-out rank heads by the loss. The oracle by loss chooses "
+      "each subset by the lowest validation loss (again in each replicate "
+      "among its candidates), from the same table. AUC loss: the area "
+      "under the test loss curve over the fraction removed (nats; lower is "
+      "better); Δ vs oracle by loss: a curve's excess of it.", ""
+  ] + md.table(["curve", "AUC test loss", "Δ vs oracle by loss",
+                "AUC token acc.", "Δ vs oracle (token acc.)",
+                "prunable heads (val.)"], rows)
+
+
+#: The curves of the over-training table, beside the oracle's level.
+_OVER_TRAINING_CURVES = ("best_ordering", "gradient", "fisher",
+                         "leave_one_out", "attribution_zero", "shapley",
+                         "random")
+
+
+def _over_training_section(results: Mapping[str, Any]) -> list[str]:
+  """The oracle's prunable level and the orderings' AUC gaps to it at each
+  checkpoint step every seed's run holds (mean over seeds)."""
+  entries = results["aggregate"].get("checkpoints_over_training")
+  if not entries:
+    return []
+  labels = _labels(results)
+  seeds = results["seeds"]
+  names = [k for k in _OVER_TRAINING_CURVES if k in entries[-1]["orderings"]]
+  rows = []
+  for e in entries:
+    loss = [c["validation"]["loss"] for s in seeds
+            for c in s.get("checkpoints_over_training", [])
+            if c["step"] == e["step"]]
+    acc = [c["test"]["token_accuracy"] for s in seeds
+           for c in s.get("checkpoints_over_training", [])
+           if c["step"] == e["step"]]
+    oracle = e.get("oracle", {})
+    rows.append([e["step"], md.fmt(float(np.mean(loss)), 4) if loss else "",
+                 md.fmt(float(np.mean(acc))) if acc else "",
+                 md.ci(oracle, "prunable_heads_token_accuracy", 1)
+                 if oracle else "n/a"]
+                + [md.ci(e["orderings"][k], "auc_token_accuracy_minus_oracle",
+                         sign=True) for k in names])
+  return [
+      "## Over training", "",
+      "Every checkpoint step that each seed's run holds ("
+      + (f"all {len(seeds)} seeds" if len(seeds) > 1 else "one seed")
+      + "), analysed as the study analyses its step (but no searches, Kwon "
+      "et al., gates, nor orderings re-estimated in each resample: at the "
+      "study's own step the re-estimated orderings' intervals include their "
+      "own uncertainty, at the others they are conditional): the unpruned "
+      "validation loss and test token accuracy, the oracle's heads "
+      "prunable within the tolerance, and each ordering's AUC gap to the "
+      "oracle (test token accuracy; mean over seeds, 95% intervals). The "
+      "early checkpoints are not saturated: the gradient family's signal "
+      "is there. Every ordering's gaps per step and seed: "
+      "`checkpoints_over_training` in results.json.", ""
+  ] + md.table(["step", "validation loss", "test token acc.",
+                "oracle: prunable heads (val.)",
+                *[f"{labels.get(k, k)}: Δ AUC vs oracle" for k in names]],
+               rows)
 
 
 def _search_names(results: Mapping[str, Any]) -> list[str]:
@@ -723,17 +874,23 @@ def _searches_section(results: Mapping[str, Any]) -> list[str]:
       "seconds and subsets evaluated are means over seeds.", ""]
   has_oracle = "oracle" in summary
   rows = []
-  for name in names:
+  for name in (["oracle"] if has_oracle else []) + names:
     entry = summary[name]
     rows.append([
         labels[name], md.ci(entry, key),
         md.ci(entry, f"{key}_minus_oracle", sign=True) if has_oracle else
         "n/a", md.ci(entry, "prunable_heads_token_accuracy", 1),
-        md.fmt(float(np.mean([s["timings"][f"{name}_s"] for s in seeds])), 1),
-        f"{np.mean([s['search_evaluations'][name] for s in seeds]):,.0f}"])
+        md.ci(entry, "prunable_heads_token_accuracy_minus_oracle", 1,
+              sign=True) if has_oracle else "n/a",
+        md.ci(entry, "test_token_accuracy_at_25pct_removed"),
+        md.ci(entry, "test_token_accuracy_at_50pct_removed"),
+        _cost_cell(results, name) or (
+            md.fmt(float(np.mean([s["timings"][f"{name}_s"]
+                                  for s in seeds])), 1) + " s")])
   lines += md.table(["search", "AUC token acc.", "Δ vs oracle",
-                     "prunable heads (val.)", "seconds", "subsets evaluated"],
-                    rows)
+                     "prunable heads (val.)", "prunable Δ vs oracle",
+                     "test token acc. at 25%", "at 50%",
+                     "cost (subsets, passes, seconds)"], rows)
   if has_oracle:
     verdicts = []
     for name in names:
@@ -1169,14 +1326,15 @@ def _speed_section(results: Mapping[str, Any]) -> list[str]:
 
 def _timings_section(results: Mapping[str, Any]) -> list[str]:
   keys = ("gradient_s", "leave_one_out_s", "confidence_s", "oracle_s",
-          "gradient_iterative_s", "validation_masks_s", "test_masks_s",
-          "total_s")
+          "best_ordering_s", "gradient_iterative_s", "validation_masks_s",
+          "test_masks_s", "total_s", "over_training_s")
   rows = [[s["seed"]] + [md.fmt(s["timings"].get(k), 2) for k in keys]
           for s in results["seeds"]]
   tt = results["timings"]
   return ["## Timings (s)", ""] + md.table(
       ["seed", "gradient", "leave-one-out", "confidence", "oracle",
-       "re-estimated", "masks (val.)", "masks (test)", "total"], rows) + [
+       "best ordering", "re-estimated", "masks (val.)", "masks (test)",
+       "total", "over training (all seeds)"], rows) + [
       f"First seed with the speed table: {tt['first_seed_with_speed_s']:.1f} "
       f"s; the whole run: {tt['total_s']:.1f} s. The loop-vs-vmap comparison "
       "of leave-one-out is a benchmark: `python benchmarks/benchmark.py`.", ""]

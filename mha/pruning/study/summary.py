@@ -18,8 +18,10 @@ same examples: the level is chosen on the first half of validation (the
 first ``n // 2`` examples, as in :func:`mha.pruning.orderings.halves`),
 checked on the second half (does every point up to it stay within the
 tolerance there too?), and reported on test (``*_half_split`` statistics).
-The orderings and the oracle's candidates are still fitted on the whole of
-validation; test is the split that nothing was fitted on.
+The oracle's candidates for it are ranked on the first half alone where the
+study passes them (``half_split``), so the second half is held out from the
+oracle; the orderings are still fitted on the whole of validation; test is
+the split that nothing was fitted on.
 
 The oracle is chosen again in each replicate: among its candidates (the
 best few subsets for each number of heads removed on the full validation
@@ -38,8 +40,17 @@ from mha.pruning import stats
 
 CURVE_METRICS = ("token_accuracy", "exact_match")
 BASELINES = ("random", "reverse_gradient")
-#: The curves every other curve's AUC is compared with.
-REFERENCES = ("random", "reverse_gradient", "oracle")
+#: The curves every other curve's AUC is compared with. An ordering's gap
+#: to the oracle is its gap to the best ordering (the ranking error) plus
+#: the best ordering's gap to the oracle (the price of nesting).
+REFERENCES = ("random", "reverse_gradient", "oracle", "best_ordering")
+#: The reference of the loss curves: the oracle chosen by validation loss,
+#: the objective the gradient family ranks by.
+LOSS_REFERENCE = "oracle_by_loss"
+#: Fractions of the heads removed at which each curve's test accuracy is
+#: reported (``test_<metric>_at_<p>pct_removed``): the point with the most
+#: heads removed not beyond the fraction.
+REPORTED_FRACTIONS = (0.25, 0.5)
 
 #: Each tuned curve and the curve of the same subsets untuned: its
 #: ``<stat>_minus_untuned`` (AUC, prunable heads, test accuracy there, and
@@ -96,19 +107,41 @@ def _curve_statistics(fractions: np.ndarray, counts: np.ndarray,
       f"prunable_heads_{metric}": counts[last].astype(np.float64).mean(1),
       f"test_{metric}_at_prunable": at.mean(1),
   }
+  for fraction in REPORTED_FRACTIONS:
+    point = _point_at(fractions, fraction)
+    out[f"test_{metric}_at_{round(fraction * 100)}pct_removed"] = (
+        test[..., point].mean(1))
   if per_order:
     out[f"auc_{metric}_per_order"] = auc
   return out
 
 
+def _point_at(fractions: np.ndarray, fraction: float) -> int:
+  """The index of the curve point with the most heads removed whose
+  fraction (increasing along the curve) is at most ``fraction`` (up to
+  rounding)."""
+  return int(np.flatnonzero(fractions <= fraction + 1e-9)[-1])
+
+
+def _loss_statistics(fractions: np.ndarray, val: np.ndarray,
+                     test: np.ndarray) -> dict[str, np.ndarray]:
+  """The loss curves (``[1 + R, orders, points]`` each) on test and
+  validation and the area under the test one (the mean test loss over the
+  fractions removed; lower is better)."""
+  return {"curve_loss": test.mean(1), "validation_curve_loss": val.mean(1),
+          "auc_loss": _auc(fractions, test).mean(1)}
+
+
 def _select(ids: np.ndarray, val_m: Mapping[str, np.ndarray],
             test_m: Mapping[str, np.ndarray], metric: str,
-            *others: Mapping[str, np.ndarray]) -> tuple[np.ndarray, ...]:
+            *others: Mapping[str, np.ndarray],
+            by: str = "token_accuracy") -> tuple[np.ndarray, ...]:
   """``[1 + R, 1, P]`` validation and test values (and those of ``others``)
-  of the candidate (a row of ``ids``) with the best validation token
-  accuracy in each replicate (ties: the first, i.e. the best on the full
-  split)."""
-  choice = np.argmax(val_m["token_accuracy"][:, ids], axis=1)[:, None]
+  of the candidate (a row of ``ids``) with the best validation ``by`` in
+  each replicate (the highest; for the loss, the lowest; ties: the first,
+  i.e. the best on the full split)."""
+  sign = -1.0 if by == "loss" else 1.0
+  choice = np.argmax(sign * val_m[by][:, ids], axis=1)[:, None]
   pick = lambda m: np.take_along_axis(m[metric][:, ids], choice, axis=1)
   return tuple(pick(m) for m in (val_m, test_m, *others))
 
@@ -118,12 +151,15 @@ def _values(name: str, ids: np.ndarray, val_m: Mapping[str, np.ndarray],
             select: Collection[str], *others: Mapping[str, np.ndarray]
             ) -> tuple[np.ndarray, ...]:
   """The ``[1 + R, orders, P]`` values of curve ``name`` on validation, test
-  and ``others``; a curve in ``select`` is chosen on ``val_m``. ``ids``
-  ``[orders, P]`` are the same masks in every replicate; ``[1 + R, 1, P]``
-  (an ordering re-estimated in each replicate) a row of masks per
-  replicate."""
+  and ``others``; a curve in ``select`` is chosen on ``val_m`` (by
+  ``select[name]`` when ``select`` is a mapping; else by token accuracy).
+  ``ids`` ``[orders, P]`` are the same masks in every replicate;
+  ``[1 + R, 1, P]`` (an ordering re-estimated in each replicate) a row of
+  masks per replicate."""
   if name in select:
-    return _select(ids, val_m, test_m, metric, *others)
+    by = (select[name] if isinstance(select, Mapping)
+          else "token_accuracy")
+    return _select(ids, val_m, test_m, metric, *others, by=by)
   if ids.ndim == 3:
     return tuple(np.take_along_axis(m[metric], ids[:, 0], axis=1)[:, None]
                  for m in (val_m, test_m, *others))
@@ -158,8 +194,9 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
                     test_sums: Mapping[str, np.ndarray],
                     val_weights: np.ndarray, test_weights: np.ndarray,
                     tolerance: float,
-                    select: Collection[str] = ("oracle",)
-                    ) -> dict[Key, np.ndarray]:
+                    select: Collection[str] = ("oracle",),
+                    half_split: Mapping[str, Mapping[str, np.ndarray]]
+                    | None = None) -> dict[Key, np.ndarray]:
   """Every statistic of one seed under the full sample and each resample.
 
   Args:
@@ -173,7 +210,13 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
     val_weights, test_weights: ``[R, n]`` resample counts.
     tolerance: accuracy loss counted as none.
     select: curves chosen again in each replicate among their candidates
-      (by validation token accuracy) rather than averaged over orders.
+      (by validation token accuracy; a mapping names the validation metric
+      that chooses each, ``"loss"`` the lowest) rather than averaged over
+      orders.
+    half_split: variant -> curve name -> the ids its half-split statistics
+      use instead of ``curves``' (the oracle's candidates ranked on the
+      first half of validation alone, so that the second half is held out
+      from them).
 
   Returns:
     ``(variant, curve, statistic) -> [1 + R, ...]``.
@@ -193,12 +236,19 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
         found = _curve_statistics(fractions, counts[variant], val, test,
                                   metric, tolerance,
                                   per_order=name == "random")
-        # The oracle's candidate is chosen on the first half here.
-        first, test_h, second = _values(name, ids, half_m[0], test_m, metric,
-                                        select, half_m[1])
+        # The oracle's candidate is chosen on the first half here (among
+        # candidates ranked on the first half, where ``half_split`` has
+        # them).
+        half_ids = (half_split or {}).get(variant, {}).get(name, ids)
+        first, test_h, second = _values(name, half_ids, half_m[0], test_m,
+                                        metric, select, half_m[1])
         found.update(_half_split_statistics(counts[variant], first, second,
                                             test_h, metric, tolerance))
         out.update({(variant, name, k): v for k, v in found.items()})
+      if variant == "all":
+        val, test = _values(name, ids, val_m, test_m, "loss", select)
+        out.update({(variant, name, k): v for k, v in _loss_statistics(
+            fractions, val, test).items()})
     _differences(out, variant, list(by_name))
   _no_layer_emptied_change(out, curves, counts, num_heads, val_m, test_m,
                            select)
@@ -224,6 +274,12 @@ def _differences(out: dict[Key, np.ndarray], variant: str,
                    f"test_{metric}_at_prunable", f"curve_{metric}"):
         out[(variant, name, f"{stat}_minus_untuned")] = (
             out[(variant, name, stat)] - out[(variant, untuned, stat)])
+  if LOSS_REFERENCE in names:  # Lower is better: the excess loss.
+    for name in names:
+      if name != LOSS_REFERENCE and (variant, name, "auc_loss") in out:
+        out[(variant, name, f"auc_loss_minus_{LOSS_REFERENCE}")] = (
+            out[(variant, name, "auc_loss")]
+            - out[(variant, LOSS_REFERENCE, "auc_loss")])
 
 
 def _no_layer_emptied_change(out: dict[Key, np.ndarray],
@@ -331,6 +387,8 @@ _PROPORTIONS = frozenset(
      for kind in ("auc_", "curve_", "validation_curve_")]
     + [f"test_{metric}_at_prunable{half}" for metric in CURVE_METRICS
        for half in ("", "_half_split")]
+    + [f"test_{metric}_at_{round(f * 100)}pct_removed"
+       for metric in CURVE_METRICS for f in REPORTED_FRACTIONS]
     + [f"half_split_holds_{metric}" for metric in CURVE_METRICS])
 
 
@@ -338,7 +396,8 @@ def _within_range(stat: str, ci: np.ndarray) -> np.ndarray:
   """``ci`` cut to the range ``stat`` can take (see ``_PROPORTIONS``)."""
   if stat in _PROPORTIONS:
     return np.clip(ci, 0.0, 1.0)
-  if stat.startswith("prunable_heads_") and "_minus_" not in stat:
+  if ((stat.startswith("prunable_heads_") and "_minus_" not in stat)
+      or stat == "auc_loss"):
     return np.maximum(ci, 0.0)
   return ci
 
@@ -346,6 +405,8 @@ def _within_range(stat: str, ci: np.ndarray) -> np.ndarray:
 #: The families of simultaneous intervals: every curve's AUC minus the
 #: reference's, one family per reference, variant and metric.
 FAMILIES = ("oracle", "random")
+#: Curves that are references, not methods: left out of the families.
+NOT_IN_FAMILIES = (LOSS_REFERENCE,)
 
 
 def _simultaneous(out: dict[str, Any],
@@ -359,7 +420,9 @@ def _simultaneous(out: dict[str, Any],
   ``"auc_<metric>_minus_<ref>" -> {"c": ..., "members": K}``."""
   families: dict[tuple[str, str], list[Key]] = {}
   for key in values:
-    variant, _, stat = key
+    variant, name, stat = key
+    if name in NOT_IN_FAMILIES:
+      continue
     for ref in FAMILIES:
       for metric in CURVE_METRICS:
         if stat == f"auc_{metric}_minus_{ref}":
@@ -374,6 +437,6 @@ def _simultaneous(out: dict[str, Any],
         "c": c, "members": len(keys)}
 
 
-__all__ = ["FAMILIES", "CURVE_METRICS", "BASELINES", "REFERENCES",
-           "UNTUNED",
+__all__ = ["FAMILIES", "NOT_IN_FAMILIES", "CURVE_METRICS", "BASELINES",
+           "REFERENCES", "LOSS_REFERENCE", "REPORTED_FRACTIONS", "UNTUNED",
            "with_full_sample", "seed_statistics", "seed_summary", "aggregate_statistics"]
