@@ -863,9 +863,13 @@ def method_costs(names: Sequence[str], num_heads: int,
       out[name] = entry(count, count, 0, seconds(f"{name}_s"))
     elif name == "kwon":  # The Fisher information, then no evaluation.
       out[name] = entry(0, 1, 1, seconds("fisher_s", "kwon_s"))
-    elif name == "kwon_tuned":  # And the unpruned and each tuned mask.
+    elif name in ("kwon_tuned", "kwon_tuned_attention_output"):
+      # Kwon et al.'s search, then the unpruned and each tuned mask.
       out[name] = entry(0, n + 3, 1, seconds("fisher_s", "kwon_s",
-                                             "kwon_tuned_s"))
+                                             f"{name}_s"))
+    elif name == "oracle_kwon_tuned":  # The oracle's table, then the tuning.
+      out[name] = dict(table, forward_passes=table["forward_passes"] + n + 2,
+                       seconds=seconds("oracle_s", "oracle_kwon_tuned_s"))
     elif name == "gates_k" and gates_k is not None:
       steps = int(gates_k["steps"]) * len(gates_k["targets"])
       out[name] = dict(entry(0, steps, steps, seconds("gates_k_s")),
