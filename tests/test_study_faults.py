@@ -433,3 +433,22 @@ def test_chaos_kill_9_through_a_two_seed_study_then_it_ends_as_if_never_killed(
           f"seed_{tiny_run.config.seed + 1}" / "metrics.jsonl").open()]
   steps = [r["step"] for r in rows if "loss" in r]
   assert steps == sorted(set(steps)), steps  # One row per step.
+
+
+@pytest.mark.slow
+def test_the_study_refuses_a_causal_decoder_in_one_line(
+    tmp_path, data_dir, subprocess_env):
+  from configs import default  # pylint: disable=import-outside-toplevel
+  from mha import train  # pylint: disable=import-outside-toplevel
+  workdir = str(tmp_path / "mqar")
+  train.train_and_evaluate(default.get_config(
+      f"tiny,mqar,num_train_steps=2,data.data_dir={data_dir},"
+      "data.context_length=24,data.num_pairs=2,data.num_train_examples=64,"
+      "data.num_eval_examples=16,eval_batch_size=16,batch_size=8"), workdir)
+  out = tmp_path / "pruning"
+  result = run([sys.executable, STUDY, f"--workdir={workdir}",
+                f"--out={out}", *_SMALL], env=subprocess_env)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert result.stderr.count("\n") == 1, result.stderr
+  assert "holds a causal decoder (mqar)" in result.stderr
+  assert not out.exists()
