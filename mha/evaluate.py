@@ -270,3 +270,23 @@ def accuracy_by_distance(correct: Any, distances: Any,
     accuracy = np.where(count > 0, right / np.maximum(count, 1), np.nan)
   return DistanceAccuracy(lower=edges, upper=upper, accuracy=accuracy,
                           count=count)
+
+
+@functools.partial(jax.jit, static_argnames="model")
+def _predictions(model: Transformer, params: Params, inputs: Array) -> Array:
+  logits, _ = model.apply({"params": params}, inputs, return_weights=False)
+  return jnp.argmax(logits, -1)
+
+
+def recall_by_distance(model: Transformer, params: Params, split: data.Split,
+                       batch_size: int) -> DistanceAccuracy:
+  """:func:`accuracy_by_distance` of ``model``'s answers on a recall task's
+  ``split`` (one with ``distances``: ``mha.data.RECALL_TASKS``), per answer
+  position."""
+  if split.distances is None:
+    raise ValueError(f"split of task {split.task!r} has no distances: only "
+                     f"a recall task's ({', '.join(data.RECALL_TASKS)}) has")
+  predicted = np.concatenate([
+      np.asarray(_predictions(model, params, batch["inputs"]))
+      for batch in data.eval_batches(split, batch_size)])[:len(split)]
+  return accuracy_by_distance(predicted == split.targets, split.distances)
