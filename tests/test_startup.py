@@ -70,12 +70,13 @@ def test_bulk_reading_equals_tfds_per_example_decoding(data_dir):
   raw = builder.as_data_source(
       deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)["validation"]
   records = raw.__getitems__(range(len(raw)))
-  np.testing.assert_array_equal(data._decode_tokens(records, spec.max_len),
+  layout = data._record_layout(spec)
+  np.testing.assert_array_equal(data._decode_tokens(records, *layout),
                                 tokens)
   longer = tf_example_pb2.Example.FromString(records[0])
   longer.features.feature["extra"].int64_list.value.append(1)
   mixed = [longer.SerializeToString(), *records[1:]]
-  np.testing.assert_array_equal(data._decode_tokens(mixed, spec.max_len),
+  np.testing.assert_array_equal(data._decode_tokens(mixed, *layout),
                                 tokens)
 
 
