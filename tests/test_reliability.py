@@ -11,8 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 import types
 
 import jax
@@ -26,6 +24,7 @@ import mha
 from mha import checkpoint as ckpt_lib
 from mha.run import cli
 from mha.run import config_validation
+from mha.run import interrupt
 from mha.run import metric_writers
 from mha import train
 from mha.run import workdir_lock
@@ -350,7 +349,7 @@ def test_resuming_with_another_model_data_or_optimizer_is_refused(reference):
   saved = ckpt_lib.saved_config(workdir)
   assert saved == config.to_dict()
   resumable = default.get_config(
-      f"tiny,data.data_dir=/elsewhere,num_train_steps=900,log_every_steps=7,"
+      "tiny,data.data_dir=/elsewhere,num_train_steps=900,log_every_steps=7,"
       "eval_every_steps=9,checkpoint_every_steps=11,max_checkpoints_to_keep=1,"
       "eval_batch_size=16,model.dropout_rate=0.1,"
       "model.attention_dropout_rate=0.1")
@@ -362,127 +361,8 @@ def test_resuming_with_another_model_data_or_optimizer_is_refused(reference):
 # --------------------------------------------------------------------------
 
 
-def _wait_for(predicate, proc, timeout=120):
-  deadline = time.time() + timeout
-  while not predicate():
-    assert proc.poll() is None, "the run ended before it could be stopped"
-    assert time.time() < deadline, "timed out"
-    time.sleep(0.001)
-
-
-def _task_states(pid):
-  """The scheduler state (``/proc/PID/task/TID/stat`` field 3) of every
-  thread of ``pid``."""
-  states = []
-  try:
-    tids = os.listdir(f"/proc/{pid}/task")
-  except FileNotFoundError:  # Reaped already.
-    return states
-  for tid in tids:
-    try:
-      with open(f"/proc/{pid}/task/{tid}/stat", encoding="utf-8") as f:
-        # The command name (field 2) may hold spaces: split after its ')'.
-        states.append(f.read().rsplit(")", 1)[1].split()[0])
-    except (FileNotFoundError, ProcessLookupError):
-      pass  # A thread that just ended.
-  return states
-
-
-def _wait_stopped(proc):
-  """Waits until every thread of ``proc`` is stopped (state ``T``).
-
-  SIGSTOP is delivered asynchronously: until the kernel has stopped each
-  thread, the process may still write (an orbax thread finishing a file), so
-  a snapshot taken right after ``send_signal`` could change under the test.
-  """
-  deadline = time.time() + 60
-  while not all(state in ("T", "t")
-                for state in _task_states(proc.pid) or ["?"]):
-    assert proc.poll() is None, "the run ended before it stopped"
-    assert time.time() < deadline, "SIGSTOP not delivered within 60 s"
-    time.sleep(0.001)
-
-
-def _kill_9_when(proc, predicate):
-  """kill -9 ``proc`` at a moment ``predicate()`` holds: the process is frozen
-  (SIGSTOP) first, so that the check and the kill see the same moment."""
-  while True:
-    _wait_for(predicate, proc)
-    proc.send_signal(signal.SIGSTOP)
-    _wait_stopped(proc)
-    if predicate():
-      break
-    proc.send_signal(signal.SIGCONT)  # Too late: wait for the next chance.
-  proc.kill()
-  proc.wait()
-
-
 def _newest(workdir):
   return max(_steps(workdir), default=0)
-
-
-def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(
-    reference, tmp_path, data_dir, subprocess_env):
-  _, _, final = reference
-
-  # 1. kill -9 while orbax writes a checkpoint (the first one, usually). On
-  # a loaded machine the poller can miss a save's short-lived folder and the
-  # kill land at a later save; then too few checkpoints are left for the
-  # SIGTERM and the third kill below, so the run starts again in a new
-  # folder (never seen in the suite so far; at most three tries).
-  for attempt in range(3):
-    workdir = str(tmp_path / f"run{attempt}")
-    command = _train_command(data_dir, workdir)
-    proc = subprocess.Popen(command, env=subprocess_env,
-                            stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    _kill_9_when(proc, lambda: _tmp_dirs(workdir))  # pylint: disable=cell-var-from-loop
-    assert _tmp_dirs(workdir)
-    saved = _newest(workdir)
-    if saved + 2 * EVERY < STEPS:
-      break
-  else:
-    pytest.fail(f"the first kill landed after checkpoint {saved} three times")
-
-  # 2. SIGTERM after the next checkpoint: the current step is saved. Calls
-  # of the train program of one step (a log line each), as a run made them
-  # before calls of 50: the checkpoint the signal waits for appears once
-  # orbax has finished it, and the tiny model's calls of 50 steps ran on
-  # to about step 300 meanwhile (stopping at 310-350), leaving no checkpoint
-  # for the kill below; with calls of one step it stopped at 220-229.
-  proc = subprocess.Popen(_train_command(data_dir, workdir,
-                                         "log_every_steps=1"),
-                          env=subprocess_env,
-                          stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
-  _wait_for(lambda: _newest(workdir) > saved, proc)
-  proc.send_signal(signal.SIGTERM)
-  _, stderr = proc.communicate()
-  assert proc.returncode == 128 + signal.SIGTERM, stderr
-  stopped = _newest(workdir)
-  assert saved < stopped < STEPS, (saved, stopped)
-  assert f"Interrupted by SIGTERM at step {stopped}; checkpoint saved" in stderr
-  assert "Resume with: python " in stderr and "--workdir=" in stderr
-  _assert_quiet(stderr)
-  assert not _tmp_dirs(workdir)  # the first kill's leftovers are gone
-
-  # 3. kill -9 once the next checkpoint exists: in a step or a save. One
-  # comes before the last step: SIGTERM stopped the run tens of steps after
-  # the checkpoint that follows ``saved``.
-  assert (stopped // EVERY + 1) * EVERY < STEPS, stopped
-  proc = subprocess.Popen(command, env=subprocess_env,
-                          stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
-  _wait_for(lambda: _newest(workdir) > stopped, proc)
-  _kill_9_when(proc, lambda: _newest(workdir) < STEPS)
-
-  # 4. Resume to the end.
-  result = run(command, env=subprocess_env)
-  assert result.returncode == 0, result.stderr
-  assert "Resumed from checkpoint" in result.stdout
-  _assert_quiet(result.stderr)
-  assert not _tmp_dirs(workdir)
-  _assert_params_equal(workdir, final, subprocess_trained=True)
 
 
 def _closed_pipe_run(command, env):
@@ -536,36 +416,28 @@ def test_only_the_standard_streams_end_the_process_on_a_closed_pipe(
                                                 "raised\n")
 
 
-def test_sigint_stops_after_the_step_with_a_checkpoint(tmp_path, data_dir):
+def test_sigint_stops_after_the_step_with_a_checkpoint(tmp_path, data_dir,
+                                                       monkeypatch):
   workdir = str(tmp_path / "run")
-  first = os.path.join(workdir, "checkpoints", str(EVERY))
-  done = threading.Event()
-
-  def interrupt():
-    while not (os.path.isdir(first) or done.is_set()):
-      time.sleep(0.001)
-    if not done.is_set():
-      os.kill(os.getpid(), signal.SIGINT)
-
+  # SIGINT to this process at the step after the first checkpoint
+  # (``MHA_TEST_SIGNAL_AT``: no thread, no timing); its count starts here.
+  monkeypatch.setenv(interrupt.TEST_ENV, f"train#{EVERY + 3}:SIGINT")
+  monkeypatch.setattr(interrupt, "_times_reached", {})
   # Ours while training runs: a signal arriving late must not stop pytest.
   previous = signal.signal(signal.SIGINT, lambda *_: None)
   ours = signal.getsignal(signal.SIGINT)
-  thread = threading.Thread(target=interrupt)
-  thread.start()
   try:
     with pytest.raises(train.TrainingInterrupted) as error:
-      # Calls of one step, as in the test above.
+      # Calls of one step, one ``train`` point each.
       train.train_and_evaluate(
           _run_config(data_dir, *RUN_OVERRIDES, "log_every_steps=1"),
           workdir)
     assert signal.getsignal(signal.SIGINT) is ours  # handlers restored
   finally:
-    done.set()
-    thread.join()
     signal.signal(signal.SIGINT, previous)
   assert error.value.signum == signal.SIGINT
-  assert EVERY < error.value.step < STEPS
-  assert _steps(workdir)[-1] == error.value.step
+  assert error.value.step == EVERY + 3
+  assert _steps(workdir) == [EVERY, EVERY + 3]
   assert mha.load_checkpoint(workdir).step == error.value.step
 
 
@@ -709,12 +581,16 @@ def test_a_second_run_is_refused_and_the_first_ends_as_if_alone(
   _, _, final = reference
   workdir = str(tmp_path / "run")
   command = _train_command(data_dir, workdir)
-  first = subprocess.Popen(command, env=subprocess_env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           text=True)
-  # Frozen while it writes a checkpoint, with an older one complete: what a
-  # second run must neither clean up nor append to.
-  _stop_when(first, lambda: _tmp_dirs(workdir) and _steps(workdir))
+  # Frozen (it stops itself: ``MHA_TEST_SIGNAL_AT``) at the step after its
+  # second save began, while orbax may still write it in the background,
+  # with an older checkpoint complete: what a second run must neither clean
+  # up nor append to.
+  first = subprocess.Popen(
+      command, env=dict(subprocess_env, **{
+          interrupt.TEST_ENV: f"train#{2 * EVERY + 1}:SIGSTOP"}),
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  _, status = os.waitpid(first.pid, os.WUNTRACED)  # every thread stopped
+  assert os.WIFSTOPPED(status), status
   try:
     before = _snapshot(workdir)
     # Readers keep working: the newest complete checkpoint, never the one
@@ -741,17 +617,6 @@ def test_a_second_run_is_refused_and_the_first_ends_as_if_alone(
 def _rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     return [json.loads(line) for line in f]
-
-
-def _stop_when(proc, predicate):
-  """SIGSTOP ``proc`` at a moment ``predicate()`` holds."""
-  while True:
-    _wait_for(predicate, proc)
-    proc.send_signal(signal.SIGSTOP)
-    _wait_stopped(proc)
-    if predicate():
-      return
-    proc.send_signal(signal.SIGCONT)
 
 
 # --------------------------------------------------------------------------
@@ -1162,6 +1027,26 @@ def _chaos_moments(seed, count=10):
   return [f"{s}:{('after_step', 'during_save')[p]}" for s, p in moments]
 
 
+def _sigterm_saves_the_step_and_says_how_to_resume(command, workdir, env, *,
+                                                   before):
+  """SIGTERM at the second step of a resumed run (``MHA_TEST_SIGNAL_AT``):
+  the run saves that step, says how to resume, ends with 128 + SIGTERM, and
+  a kill's half-written checkpoint is gone; it stops before the moment
+  ``before`` (so that the next kill still comes)."""
+  resumed_from = _newest(workdir)
+  result = run(command, env=dict(env, **{interrupt.TEST_ENV: "train#2"}))
+  assert result.returncode == 128 + signal.SIGTERM, result.stderr
+  stopped = resumed_from + 2
+  assert stopped < int(before.split(":")[0]), (stopped, before)
+  assert _newest(workdir) == stopped
+  assert (f"Interrupted by SIGTERM at step {stopped}; checkpoint saved"
+          in result.stderr), result.stderr
+  assert "Resume with: python " in result.stderr
+  assert "--workdir=" in result.stderr
+  _assert_quiet(result.stderr)
+  assert not _tmp_dirs(workdir)
+
+
 def test_chaos_kill_9_at_ten_moments_then_resume_equals_an_uninterrupted_run(
     tmp_path, data_dir, subprocess_env):
   config = _run_config(data_dir, *CHAOS_OVERRIDES)
@@ -1171,10 +1056,16 @@ def test_chaos_kill_9_at_ten_moments_then_resume_equals_an_uninterrupted_run(
       "train.py", f"--config={CONFIG_FILE}:tiny", f"--workdir={workdir}",
       f"--config.data.data_dir={data_dir}",
       *(f"--config.{o}" for o in CHAOS_OVERRIDES))
-  for moment in _chaos_moments(seed=59):
+  moments = _chaos_moments(seed=59)
+  last_save_kill = max(i for i, m in enumerate(moments)
+                       if m.endswith("during_save"))
+  for i, moment in enumerate(moments):
     killed = run(command, env=dict(subprocess_env, MHA_TEST_KILL_AT=moment))
     assert killed.returncode == -signal.SIGKILL, (moment, killed.stderr)
     _assert_quiet(killed.stderr)
+    if i == last_save_kill:  # SIGTERM too, at the second step of a run.
+      _sigterm_saves_the_step_and_says_how_to_resume(
+          command, workdir, subprocess_env, before=moments[i + 1])
   result = run(command, env=subprocess_env)
   assert result.returncode == 0, result.stderr
   assert result.stderr == ""
@@ -1184,5 +1075,5 @@ def test_chaos_kill_9_at_ten_moments_then_resume_equals_an_uninterrupted_run(
       range(1, CHAOS_STEPS + 1))
   assert [r["step"] for r in rows if "validation/loss" in r] == [
       10, 20, 30, 40]
-  _assert_one_row_per_step(workdir, starts=11)
+  _assert_one_row_per_step(workdir, starts=12)  # 10 kills, SIGTERM, the end
   _assert_params_equal(workdir, final, subprocess_trained=True)

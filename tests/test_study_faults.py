@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import shutil
 import sys
 
 import numpy as np
@@ -53,25 +52,6 @@ def sigint_not_ignored():
     signal.signal(signal.SIGINT, signal.default_int_handler)
   yield
   signal.signal(signal.SIGINT, previous)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("phase, signame, code", [
-    ("analysis", "SIGTERM", 143), ("report:SIGINT", "SIGINT", 130)])
-def test_a_signal_during_the_study_is_one_line_and_a_rerun_ends_it(
-    tiny_run, tmp_path, subprocess_env, sigint_not_ignored, phase, signame,
-    code):
-  out = tmp_path / "pruning"
-  args = [sys.executable, STUDY, f"--workdir={tiny_run.workdir}",
-          f"--out={out}", *_SMALL]
-  stopped = run(args, env=_signal_at(subprocess_env, phase), timeout=300)
-  assert stopped.returncode == code, stopped.stderr[-3000:]
-  _one_line_no_traceback(stopped.stderr, "prune_heads.py", signame)
-  assert not (out / "run.lock").exists() or not _held(out)
-  again = run(args, env=subprocess_env, timeout=300)
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert json.loads((out / "results.json").read_text())["seeds"]
-  assert (out / "report.md").exists()
 
 
 def _held(folder) -> bool:
@@ -201,43 +181,6 @@ def _without_timings(value):
   if isinstance(value, list):
     return [_without_timings(v) for v in value]
   return value
-
-
-@pytest.mark.slow
-def test_a_rerun_after_a_signal_reuses_the_finished_seeds_analysis(
-    tiny_run, tmp_path, subprocess_env):
-  stopped_out, plain_out = tmp_path / "stopped", tmp_path / "plain"
-  options = [f"--workdir={tiny_run.workdir}", *_SMALL, "--num_seeds=2",
-             "--mean_ablation"]
-  args = [sys.executable, STUDY, f"--out={stopped_out}", *options]
-  # Stopped as the second seed's analysis starts: the first one's is kept.
-  stopped = run(args, env=_signal_at(subprocess_env, "analysis#2"),
-                timeout=600)
-  assert stopped.returncode == 143, stopped.stderr[-3000:]
-  _one_line_no_traceback(stopped.stderr, "prune_heads.py", "SIGTERM")
-  first = tiny_run.config.seed
-  assert (stopped_out / "seeds" / f"seed_{first}" / "analysis.npz").exists()
-  assert not (stopped_out / "seeds" / f"seed_{first + 1}" /
-              "analysis.npz").exists()
-  # The uninterrupted study: the same trained second seed, nothing kept.
-  shutil.copytree(stopped_out / "seeds" / f"seed_{first + 1}",
-                  plain_out / "seeds" / f"seed_{first + 1}")
-  plain = run([sys.executable, STUDY, f"--out={plain_out}", *options],
-              env=subprocess_env, timeout=600)
-  assert plain.returncode == 0, plain.stderr[-3000:]
-  again = run(args, env=subprocess_env, timeout=600)
-  assert again.returncode == 0, again.stderr[-3000:]
-  # Seed 0's analysis reused, seed 1's computed: once each.
-  assert again.stdout.count("reusing its analysis kept in") == 1, again.stdout
-  assert again.stdout.count("distinct masks on validation") == 1
-  assert plain.stdout.count("distinct masks on validation") == 2
-  # Each seed's searches are estimated first (issue 59).
-  estimate = plain.stdout.find("  Estimate: the searches evaluate ")
-  assert -1 < estimate < plain.stdout.find("surrogate search")
-  resumed, uninterrupted = (
-      _without_timings(json.loads((o / "results.json").read_text()))
-      for o in (stopped_out, plain_out))
-  assert resumed == uninterrupted
 
 
 def test_a_kept_analysis_round_trips_exactly_and_only_under_its_key(tmp_path):
@@ -397,35 +340,58 @@ def test_batch_sizes_of_the_speed_table_are_checked_first():
 # first seed's analysis, the second's (the rerun redoes the first and keeps
 # it), the report. Phases count within one process: ``#2`` is the second
 # time that rerun reaches it.
-_STUDY_KILLS = (
-    {interrupt.TEST_ENV: "train#7:SIGKILL"},
-    {"MHA_TEST_KILL_AT": "20:during_save"},
-    {interrupt.TEST_ENV: "analysis#1:SIGKILL"},
-    {interrupt.TEST_ENV: "analysis#2:SIGKILL"},
-    {interrupt.TEST_ENV: "report:SIGKILL"},
+# The stops of the chaos test, in the order a study meets them: kill -9
+# (``-SIGKILL``) at five moments, and SIGTERM and SIGINT (one line, 128 +
+# signum) where the work kept by then must survive them too.
+_STUDY_STOPS = (
+    ({interrupt.TEST_ENV: "train#7:SIGKILL"}, -signal.SIGKILL),
+    ({"MHA_TEST_KILL_AT": "20:during_save"}, -signal.SIGKILL),
+    ({interrupt.TEST_ENV: "analysis#1:SIGKILL"}, -signal.SIGKILL),
+    # The first seed's analysis is kept, the second one's killed.
+    ({interrupt.TEST_ENV: "analysis#2:SIGKILL"}, -signal.SIGKILL),
+    # The first seed's analysis reused: the second seed's is the first one
+    # reached now.
+    ({interrupt.TEST_ENV: "analysis#1"}, 128 + signal.SIGTERM),
+    ({interrupt.TEST_ENV: "report:SIGINT"}, 128 + signal.SIGINT),
+    ({interrupt.TEST_ENV: "report:SIGKILL"}, -signal.SIGKILL),
 )
 
 
 @pytest.mark.slow
 def test_chaos_kill_9_through_a_two_seed_study_then_it_ends_as_if_never_killed(
-    tiny_run, tmp_path, subprocess_env):
+    tiny_run, tmp_path, subprocess_env, sigint_not_ignored):
   killed_out, plain_out = tmp_path / "killed", tmp_path / "plain"
-  options = [f"--workdir={tiny_run.workdir}", *_SMALL, "--num_seeds=2"]
+  options = [f"--workdir={tiny_run.workdir}", *_SMALL, "--num_seeds=2",
+             "--mean_ablation"]
   plain = run([sys.executable, STUDY, f"--out={plain_out}", *options],
               env=subprocess_env, timeout=600)
   assert plain.returncode == 0, plain.stderr[-3000:]
+  assert plain.stdout.count("distinct masks on validation") == 2
+  # Each seed's searches are estimated first (issue 59).
+  estimate = plain.stdout.find("  Estimate: the searches evaluate ")
+  assert -1 < estimate < plain.stdout.find("surrogate search")
   args = [sys.executable, STUDY, f"--out={killed_out}", *options]
-  for kill in _STUDY_KILLS:
-    killed = run(args, env=dict(subprocess_env, **kill), timeout=600)
-    assert killed.returncode == -signal.SIGKILL, (kill, killed.stderr[-3000:])
+  first = tiny_run.config.seed
+  for stop, code in _STUDY_STOPS:
+    stopped = run(args, env=dict(subprocess_env, **stop), timeout=600)
+    assert stopped.returncode == code, (stop, stopped.stderr[-3000:])
+    if code > 0:  # SIGTERM or SIGINT: one line, the lock let go.
+      signame = signal.Signals(code - 128).name
+      _one_line_no_traceback(stopped.stderr, "prune_heads.py", signame)
+      assert not (killed_out / "run.lock").exists() or not _held(killed_out)
+    if code == 128 + signal.SIGTERM:  # Only the first seed's analysis kept.
+      seeds = killed_out / "seeds"
+      assert (seeds / f"seed_{first}" / "analysis.npz").exists()
+      assert not (seeds / f"seed_{first + 1}" / "analysis.npz").exists()
   again = run(args, env=subprocess_env, timeout=600)
   assert again.returncode == 0, again.stderr[-3000:]
   assert "Traceback" not in again.stderr, again.stderr[-3000:]
-  # Both seeds' analyses were kept by kills before, so none is redone (nor
-  # their analyses of the earlier checkpoint, over training).
+  # Both seeds' analyses were kept by the stops before, so none is redone
+  # (nor their analyses of the earlier checkpoint, over training).
   reused = [l for l in again.stdout.splitlines()
             if "reusing its analysis kept in" in l]
   assert sum(l.endswith("analysis.npz") for l in reused) == 2, again.stdout
+  assert "distinct masks on validation" not in again.stdout
   resumed, uninterrupted = (
       _without_timings(json.loads((o / "results.json").read_text()))
       for o in (killed_out, plain_out))
@@ -433,7 +399,7 @@ def test_chaos_kill_9_through_a_two_seed_study_then_it_ends_as_if_never_killed(
   assert resumed == uninterrupted
   assert (killed_out / "report.md").exists()
   rows = [json.loads(l) for l in (killed_out / "seeds" /
-          f"seed_{tiny_run.config.seed + 1}" / "metrics.jsonl").open()]
+          f"seed_{first + 1}" / "metrics.jsonl").open()]
   steps = [r["step"] for r in rows if "loss" in r]
   assert steps == sorted(set(steps)), steps  # One row per step.
 
