@@ -13,6 +13,7 @@ import pytest
 
 from conftest import start
 
+from mha.run import interrupt
 from mha.run import workdir_lock
 from mha.pruning.study import StudyOptions
 from mha.pruning.study import grid
@@ -35,17 +36,31 @@ def _args(root, data_dir) -> list[str]:
           f"--overrides=data.data_dir={data_dir}"]
 
 
+def _one_line(stderr: str, signame: str) -> None:
+  assert "Traceback" not in stderr, stderr[-3000:]
+  lines = [l for l in stderr.splitlines()
+           if l.startswith("pruning_benchmark.py: ")]
+  assert len(lines) == 1, stderr[-3000:]
+  assert lines[0].startswith(f"pruning_benchmark.py: stopped by {signame}")
+  assert "the same command resumes" in lines[0], lines
+
+
+@pytest.mark.slow
 def test_an_interrupted_grid_resumes_and_two_processes_share_it(
     tmp_path, data_dir, subprocess_env):
   root = tmp_path / "grid"
-  # Stopped after one cell, as if interrupted between cells.
-  first = _script(*_args(root, data_dir), "--max_cells=1",
-                  env=subprocess_env).wait()
-  assert first.returncode == 0, first.stderr[-2000:]
+  # SIGTERM while the second cell's first seed trains (the tiny config has
+  # 20 steps, one call of the train step each, so the 21st call is the
+  # second cell's first): the first cell done, the second under way.
+  first = _script(*_args(root, data_dir), env=dict(
+      subprocess_env, **{interrupt.TEST_ENV: "train#21"})).wait()
+  assert first.returncode == 143, first.stderr[-3000:]
+  _one_line(first.stderr, "SIGTERM")
   assert grid.cell_status(str(root), grid.Cell("reverse", "tiny")) == "done"
   assert grid.cell_status(str(root), grid.Cell("sort", "tiny")) == "pending"
-  table = json.loads((root / "results.json").read_text())
-  assert table["cells"]["sort-tiny"]["status"] == "pending"
+  assert "cell sort-tiny under way" in first.stderr
+  # The training under way kept its checkpoint.
+  assert os.listdir(root / "sort-tiny" / "train" / "checkpoints")
   done_file = root / "reverse-tiny" / "pruning" / "results.json"
   before = done_file.stat().st_mtime_ns
   # Two processes run the rest together: one claims the cell left, the
@@ -61,6 +76,7 @@ def test_an_interrupted_grid_resumes_and_two_processes_share_it(
   assert "reverse-tiny: training and study" not in started
   assert started.count("sort-tiny: training and study") == 1, started
   table = json.loads((root / "results.json").read_text())
+  assert table["interim"] is False
   assert {k: v["status"] for k, v in table["cells"].items()} == {
       "reverse-tiny": "done", "sort-tiny": "done"}
   board = {r["method"]: r for r in table["leaderboard"]}
@@ -70,6 +86,7 @@ def test_an_interrupted_grid_resumes_and_two_processes_share_it(
     assert row["prunable_heads"] <= board["oracle"]["prunable_heads"] + 1e-9
   text = (root / "leaderboard.md").read_text()
   assert "2 of 2 cells finished" in text and "## Leaderboard" in text
+  assert not text.startswith("# INTERIM")
   assert (root / "leaderboard.png").stat().st_size > 10_000
   # --noplots: each cell's report.md, without figures.
   cell_out = root / "sort-tiny" / "pruning"
@@ -150,6 +167,12 @@ def test_the_longest_expected_cells_run_first(tmp_path):
   grid.run_grid(str(tmp_path / "grid"), given, options, log=lambda m: None,
                 run_cell=lambda root, cell, *args: ran.append(cell.name))
   assert ran == order
+  # At most max_cells of them in one process, the first in that order.
+  ran.clear()
+  counts = grid.run_grid(
+      str(tmp_path / "other"), given, options, log=lambda m: None,
+      max_cells=2, run_cell=lambda root, cell, *args: ran.append(cell.name))
+  assert ran == order[:2] and counts["ran"] == 2
 
 
 def test_a_grid_with_other_settings_is_refused(tmp_path):

@@ -58,44 +58,6 @@ def _held(folder) -> bool:
   return grid._is_held(str(folder))  # pylint: disable=protected-access
 
 
-def _grid_args(root, data_dir) -> list[str]:
-  return [sys.executable, GRID, f"--workdir={root}", "--tasks=reverse,sort",
-          "--models=tiny", "--num_seeds=1", "--num_bootstrap=20",
-          "--num_random_orders=4", "--noplots", "--nokwon", "--noattribution",
-          f"--overrides=data.data_dir={data_dir}"]
-
-
-@pytest.mark.slow
-def test_a_signal_in_a_grid_cell_redoes_only_that_cell(
-    tmp_path, data_dir, subprocess_env):
-  root = tmp_path / "grid"
-  args = _grid_args(root, data_dir)
-  # Stopped while the second cell's first seed trains: the tiny config has
-  # 20 steps, one call of the train step each, so the 21st call is the
-  # second cell's first.
-  stopped = run(args, env=_signal_at(subprocess_env, "train#21"),
-                timeout=600)
-  assert stopped.returncode == 143, stopped.stderr[-3000:]
-  _one_line_no_traceback(stopped.stderr, "pruning_benchmark.py", "SIGTERM")
-  statuses = {c.name: grid.cell_status(str(root), c)
-              for c in grid.cells(["reverse", "sort"], ["tiny"])}
-  assert sorted(statuses.values()) == ["done", "pending"], statuses
-  (done,) = [n for n, s in statuses.items() if s == "done"]
-  (pending,) = [n for n, s in statuses.items() if s == "pending"]
-  assert f"cell {pending} under way" in stopped.stderr
-  # The training under way kept its checkpoint.
-  assert os.listdir(root / pending / "train" / "checkpoints")
-  done_file = root / done / "pruning" / "results.json"
-  before = done_file.stat().st_mtime_ns
-  again = run(args, env=subprocess_env, timeout=600)
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert done_file.stat().st_mtime_ns == before  # Not redone.
-  assert f"{done}: training and study" not in again.stdout
-  assert grid.cell_status(str(root), grid.Cell(*pending.split("-"))) == "done"
-  assert json.loads((root / "results.json").read_text())["interim"] is False
-  assert not (root / "leaderboard.md").read_text().startswith("# INTERIM")
-
-
 def test_an_oracle_estimated_above_30_minutes_is_refused_unless_accepted(
     tiny_run, tmp_path, monkeypatch):
   from mha.pruning import oracle  # pylint: disable=import-outside-toplevel
