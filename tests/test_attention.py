@@ -87,6 +87,7 @@ def test_valid_lens_per_query_form():
   np.testing.assert_allclose(weights.sum(-1), 1.0, **TOL)
 
 
+@pytest.mark.slow
 def test_fully_masked_rows_are_zero_not_nan_nor_uniform():
   x = _inputs(2, 4, 8)
   layer = MultiHeadAttention(num_heads=2)
@@ -146,6 +147,7 @@ def test_parity_with_flax_self_attention(use_mask):
   np.testing.assert_allclose(weights, their_weights, **TOL)
 
 
+@pytest.mark.slow
 def test_parity_with_flax_cross_attention_and_options():
   q, k, v = _inputs(2, 3, 8), _inputs(2, 7, 6, seed=1), _inputs(2, 7, 5,
                                                                  seed=2)
@@ -473,6 +475,7 @@ def test_library_path_equals_explicit_math():
 # ------------------------------------------------- masked rows under autodiff
 
 
+@pytest.mark.slow
 def test_gradients_through_masked_keys_and_fully_masked_rows_are_zero():
   """jax.nn.softmax differentiated as JAX does it: masked keys get exactly
   zero weight and gradient, and a query with no key to attend to an all-zero

@@ -481,6 +481,7 @@ def _qkv_mask(dtype=jnp.float32):
   return q, k, v, mask.at[1, :, :, 4:].set(False)
 
 
+@pytest.mark.slow
 def test_weights_rebuilt_from_the_log_sum_exp_equal_the_unfused_ones():
   q, k, v, mask = _qkv_mask()
   rebuild = lambda q, k, v, mask, lengths=None: kernels.library_attention(

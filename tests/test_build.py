@@ -164,6 +164,7 @@ def test_weight_decay_mask_is_the_dense_kernels_of_the_default_model():
   assert not any(mask[k] for k in mask if "ln_" in k or k.endswith("bias"))
 
 
+@pytest.mark.slow
 def test_adamw_decays_exactly_the_masked_parameters():
   config = default.get_config("tiny")
   model = build.make_model(config)

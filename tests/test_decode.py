@@ -24,6 +24,7 @@ def _params(cfg):
   return Transformer(cfg).init(jax.random.key(0), TOKENS)["params"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [
     {"num_kv_heads": 1},
     # Seconds of compiling each: the full suite only.

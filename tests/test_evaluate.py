@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from mha import evaluate
 
@@ -22,6 +23,7 @@ def test_weights_choose_the_positions_the_metrics_count():
   np.testing.assert_allclose(first["loss"], -np.log(0.9), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_recall_by_distance_buckets_the_models_answers():
   import jax  # pylint: disable=import-outside-toplevel
   from mha import data  # pylint: disable=import-outside-toplevel

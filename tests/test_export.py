@@ -78,6 +78,7 @@ def test_train_step_lowers_for_cuda_and_tpu(tiny):
                                  atol=1e-7), got_params, want_params)
 
 
+@pytest.mark.slow
 def test_eval_step_lowers_for_cuda_and_tpu(tiny):
   _, model, state, batch = tiny
   step = jax.jit(functools.partial(evaluate.eval_step, model))

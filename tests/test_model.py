@@ -18,6 +18,7 @@ def _init(cfg=CFG, tokens=TOKENS):
   return Transformer(cfg).init(jax.random.key(0), tokens)
 
 
+@pytest.mark.slow
 def test_shapes_and_attention_per_layer():
   params = _init()
   logits, attention = Transformer(CFG).apply(params, TOKENS)
@@ -41,6 +42,7 @@ def test_unbatched_and_vmapped_calls_equal_batched():
   np.testing.assert_allclose(mapped, batched, **TOL)
 
 
+@pytest.mark.slow
 def test_padding_invariance():
   params = _init()
   model = Transformer(CFG)
@@ -69,6 +71,7 @@ def test_finite_gradients_for_params_and_head_mask():
   assert np.any(g_mask != 0)
 
 
+@pytest.mark.slow
 def test_head_mask_array_and_sequence_agree_and_vmap():
   params = _init()
   model = Transformer(CFG)
@@ -104,6 +107,7 @@ def test_dropout_only_when_not_deterministic():
   assert not np.allclose(noisy, det, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_per_layer_heads_with_an_empty_layer():
   cfg = TransformerConfig(vocab_size=11, num_layers=3, num_heads=(2, 0, 3),
                           head_dim=8, d_model=32, mlp_dim=64, max_len=8)

@@ -296,6 +296,7 @@ def test_transformer_from_checkpoint_equals_the_linen_model(tiny_run):
   np.testing.assert_allclose(attention[-1], want_attention[-1], **TOL)
 
 
+@pytest.mark.slow
 def test_the_docs_snippet_runs():
   from conftest import ROOT
   with open(os.path.join(ROOT, "docs", "attention.md"),

@@ -134,6 +134,7 @@ def test_the_vmapped_call_equals_a_loop(model_and_params):
         atol=VMAP_ATOL)
 
 
+@pytest.mark.slow
 def test_jit_vmap_and_grad_pass_through(model_and_params):
   model, params = model_and_params
   eager = patching.patch_heads(model, params, CLEAN, CORRUPT, PATCHES)

@@ -208,6 +208,7 @@ def test_shape_mismatch_raises():
     attention_grid_figure(np.array([0, 1, 2]), [np.zeros((1, 3, 3))])
 
 
+@pytest.mark.slow
 def test_no_figure_leaks_in_a_loop(tmp_path):
   import matplotlib.pyplot as plt
 

@@ -175,6 +175,7 @@ def test_vmapped_masks_equal_the_loop_and_jit_vmap_pass_through():
                                rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_real_valued_masks_are_evaluated_not_rounded_to_a_subset():
   # Kwon et al.'s tuned masks (values like 1.26) beside 0/1 ones: with the
   # oracle's table of every subset at hand, the 0/1 masks are looked up and
@@ -203,6 +204,7 @@ def test_real_valued_masks_are_evaluated_not_rounded_to_a_subset():
                                                                tuned)])
 
 
+@pytest.mark.slow
 def test_attention_statistics_of_uniform_heads():
   model, params = _init()
   params = jax.tree.map(np.array, params)
@@ -258,6 +260,7 @@ def test_orders_masks_and_curves_are_well_formed():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads", [
     [(0, 1)],
     [(0, 0), (1, 2), (1, 0)],
@@ -285,6 +288,7 @@ def test_pruned_model_equals_masked_model(heads):
   np.testing.assert_allclose(fused, masked, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_pruning_twice_renumbers_heads_and_runs_under_vmap():
   _, params = _init()
   once, _ = pruning.prune_heads(params, CONFIG, [(0, 0), (0, 2)])

@@ -132,6 +132,7 @@ def test_attribution_is_minus_the_mask_derivative(setup, mode):
       np.testing.assert_allclose(got[layer, head], fd, rtol=0.05, atol=2e-3)
 
 
+@pytest.mark.slow
 def test_resample_donors_share_the_length_and_are_others():
   split = _model_and_split(n=30)[2]
   donors = ablation.resample_donors(split, np.random.default_rng(1))

@@ -140,6 +140,7 @@ def test_tuning_recovers_a_removed_duplicate_where_zero_ablation_fails():
   assert metrics["token_accuracy"][1] < 1.0
 
 
+@pytest.mark.slow
 def test_tuning_keeps_removed_heads_and_empty_layers_at_zero():
   model, params, split = _model_and_split()
   mask = head_masks.mask_without(CONFIG, [0, 1, 2, 4])  # layer 0 emptied

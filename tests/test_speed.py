@@ -162,6 +162,7 @@ def test_time_models_rotates_every_round_and_pairs_the_ratios(monkeypatch,
     assert np.all(timings.costs[name][2] < timings.costs[name][1]), name
 
 
+@pytest.mark.slow
 def test_speed_table_structure(models):
   model, params = models[0]
   logged: list[str] = []
@@ -236,6 +237,7 @@ def test_adaptive_stopping_keeps_the_intervals_coverage():
   assert 0.0 < result["tight"] < 1.0  # both ways of stopping happened
 
 
+@pytest.mark.slow
 def test_adaptive_speed_table_records_rounds_and_tightness(models):
   model, params = models[0]
   table = speed.speed_table(model, params, ORDER, _split(),

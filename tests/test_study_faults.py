@@ -58,6 +58,7 @@ def _held(folder) -> bool:
   return grid._is_held(str(folder))  # pylint: disable=protected-access
 
 
+@pytest.mark.slow
 def test_an_oracle_estimated_above_30_minutes_is_refused_unless_accepted(
     tiny_run, tmp_path, monkeypatch):
   from mha.pruning import oracle  # pylint: disable=import-outside-toplevel
