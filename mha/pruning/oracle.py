@@ -71,7 +71,7 @@ IN_FLIGHT = 2
 #: call's sums: two calls then run at once, filling the gaps one call leaves
 #: in XLA's intra-op threads (on 2 CPU cores, 12 heads: the 1,008 calls in
 #: 8.0-9.0 s instead of 9.3-11.1 s, 4 alternating pairs, bitwise the same
-#: sums; docs/pruning.md, "The oracle's cost").
+#: sums; docs/performance.md).
 DISPATCH_THREADS = 2
 #: Rows of one call of the per-example table (:func:`evaluate_subsets` with
 #: ``per_example``), the shapes it has always had.
