@@ -33,10 +33,11 @@ from mha.run import write_failures
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = os.path.join(ROOT, "configs", "default.py")
 
-# The run every resumed run is compared with: long enough to be interrupted
-# between checkpoints, short enough for a test; with dropout, so that a
-# resumed run must draw the dropout masks of an uninterrupted one.
-STEPS, EVERY = 400, 100
+# The run every resumed run is compared with: four checkpoints, so that a
+# run can be stopped (at named steps: ``MHA_TEST_SIGNAL_AT``) between them;
+# with dropout, so that a resumed run must draw the dropout masks of an
+# uninterrupted one.
+STEPS, EVERY = 100, 25
 RUN_OVERRIDES = (f"num_train_steps={STEPS}", f"checkpoint_every_steps={EVERY}",
                  "eval_every_steps=1000", "log_every_steps=1000",
                  "model.dropout_rate=0.1", "model.attention_dropout_rate=0.1")
