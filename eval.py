@@ -78,14 +78,16 @@ def _check_examples(num_examples: int | None) -> None:
 def _write_explorer(ckpt, split, workdir: str, roles, result,
                     study) -> None:
   """Writes ``workdir/eval/attention.html``."""
-  from mha import explorer
+  from mha import data, explorer
 
   path = explorer.write_explorer(
       ckpt.model, ckpt.params, split,
       os.path.join(workdir, "eval", "attention.html"),
       num_examples=_EXAMPLES.value, roles=roles, study=study,
       meta=explorer.run_meta(workdir, ckpt.config.task, ckpt.step,
-                             _SPLIT.value, result))
+                             _SPLIT.value, result),
+      token_names=data.token_names(ckpt.config.task,
+                                   ckpt.config.data.num_symbols))
   print(f"Wrote the attention explorer to {path}", file=sys.stderr)
 
 

@@ -176,6 +176,39 @@ def pick_examples(split: data.Split, num_examples: int, *,
   return np.asarray(chosen, dtype=np.int64)
 
 
+#: Sequences longer than this are shown a window of queries at a time (the
+#: explorer's slider, eval.py's heatmaps); shorter ones whole.
+WINDOW_FROM = 64
+#: Queries in a window.
+WINDOW_SIZE = 32
+
+
+def answer_positions(split: data.Split, index: int) -> np.ndarray | None:
+  """The positions of example ``index`` whose loss counts, where only some
+  do (a recall task's answers: mqar's values, passkey's digits); None where
+  every valid position counts (a language model, the seq2seq tasks)."""
+  if split.weights is None:
+    return None
+  n = int(split.lengths[index])
+  scored = np.flatnonzero(np.asarray(split.weights[index, :n]) > 0)
+  return None if len(scored) in (0, n) else scored.astype(np.int64)
+
+
+def query_window(n: int, answers: Sequence[int] | None = None,
+                 size: int = WINDOW_SIZE,
+                 whole_up_to: int = WINDOW_FROM) -> tuple[int, int]:
+  """The default window ``[start, stop)`` of query positions shown of a
+  sequence of ``n`` valid positions: all of them up to ``whole_up_to``;
+  else ``size`` positions ending just after the last answer (two positions
+  of context after it), or at the end without answers."""
+  if n <= whole_up_to or n <= size:
+    return 0, int(n)
+  stop = n if answers is None or not len(answers) else min(
+      n, int(max(answers)) + 3)
+  stop = max(stop, size)
+  return stop - size, stop
+
+
 def write_attention_plots(model: Transformer, params: Params,
                           split: data.Split,
                           out_dir: str, *, num_examples: int = 4,
