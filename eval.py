@@ -148,14 +148,15 @@ def _write_outputs(ckpt, split, workdir: str, out_dir: str,
   """Writes the heatmaps, the head roles, the explorer (``--html``) and the
   metrics to ``out_dir`` (``workdir/eval``), and prints the final line of
   JSON."""
-  from mha import evaluate, head_roles
+  from mha import data, evaluate, head_roles
   config = ckpt.config
 
   paths = evaluate.write_attention_plots(
       ckpt.model, ckpt.params, split, out_dir,
       num_examples=_NUM_EXAMPLES.value,
       prefix=f"attention_{_SPLIT.value}_step{ckpt.step}",
-      plot_format=_PLOT_FORMAT.value)
+      plot_format=_PLOT_FORMAT.value,
+      token_names=data.token_names(config.task, config.data.num_symbols))
   roles = head_roles.head_roles(ckpt.model, ckpt.params, split,
                                 config.eval_batch_size)
   result = {"step": ckpt.step, "split": _SPLIT.value, **metrics,

@@ -213,10 +213,15 @@ def write_attention_plots(model: Transformer, params: Params,
                           split: data.Split,
                           out_dir: str, *, num_examples: int = 4,
                           prefix: str = "attention",
-                          plot_format: str = "png") -> list[str]:
+                          plot_format: str = "png",
+                          token_names: Sequence[str] | None = None
+                          ) -> list[str]:
   """Writes one layers x heads heatmap grid per picked example, its tokens
   labelled as ``data.token_names(split.task)`` reads them (spell's digits,
-  blanks and letters; the numbers themselves for the other tasks).
+  blanks and letters; the numbers themselves for the other tasks), or as
+  ``token_names``. An example longer than :data:`WINDOW_FROM` is drawn as
+  the window of :func:`query_window` (its answers, or its end) against the
+  keys it can see; a causal model's masked keys are grey.
 
   Returns:
     The paths of the files written (``out_dir/<prefix>_<index>.png``, or
@@ -233,19 +238,27 @@ def write_attention_plots(model: Transformer, params: Params,
   logits, attention = jax.jit(model.apply)({"params": params}, inputs)
   predictions = np.asarray(jnp.argmax(logits, -1))
   attention = [np.asarray(a) for a in attention]
-  names = data.token_names(split.task) if split.task else None
+  names = token_names if token_names is not None else (
+      data.token_names(split.task) if split.task else None)
+  causal = bool(getattr(model.config, "causal", False))
   os.makedirs(out_dir, exist_ok=True)
   paths = []
   for row, index in enumerate(indices):
     n = int(split.lengths[index])
     correct = int(np.sum(predictions[row, :n] == split.targets[index, :n]))
     path = os.path.join(out_dir, f"{prefix}_{index}.{plot_format}")
+    answers = answer_positions(split, index)
+    window = query_window(n, answers) if n > WINDOW_FROM else None
+    title = (f"example {index}: input -> target, {correct}/{n} positions "
+             "predicted right")
+    if answers is not None:
+      right = int(np.sum(predictions[row, answers] ==
+                         split.targets[index, answers]))
+      title += f", answers {right}/{len(answers)}"
     plotting.plot_attention(
         split.inputs[index], [a[row] for a in attention], path,
         targets=split.targets[index], predictions=predictions[row],
-        token_names=names,
-        title=(f"example {index}: input -> target, {correct}/{n} positions "
-               "predicted right"))
+        token_names=names, title=title, queries=window, causal=causal)
     paths.append(path)
   return paths
 
