@@ -256,9 +256,7 @@ MASKED_COLOR = "0.88"
 def _cmap():
   """The heatmaps' colour map, masked cells in :data:`MASKED_COLOR`."""
   from matplotlib import colormaps
-  cmap = colormaps[CMAP].copy()
-  cmap.set_bad(MASKED_COLOR)
-  return cmap
+  return colormaps[CMAP].with_extremes(bad=MASKED_COLOR)
 
 
 def key_stride(count: int, inches: float) -> int:
