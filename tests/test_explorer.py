@@ -678,5 +678,7 @@ def test_causal_page_in_a_real_browser(causal_page, page, browser):
   browser.click("#next-example")
   assert len(_tokens(browser)) == 32
   # An encoder's short sequences: no window, every token.
+  browser.events.clear()  # Else the last page's load event ends the wait.
   browser.open(page[0])
+  assert browser.js("document.body.dataset.ready") == "1"
   assert browser.js(f"{controls}.classList.contains('hidden')") is True
