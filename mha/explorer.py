@@ -384,7 +384,8 @@ def show(source: str | os.PathLike | Transformer, params: Any = None,
          num_examples: int = 8, roles: Mapping[str, Any] | None = None,
          study: Mapping[str, Any] | None = None,
          meta: Mapping[str, Any] | None = None,
-         height: int = 900) -> Explorer:
+         height: int = 900,
+         token_names: Sequence[str] | None = None) -> Explorer:
   """The explorer, for a notebook cell: ``show("runs/reverse")``,
   ``show("runs/reverse", "validation")`` or ``show(model, params, split)``.
 
@@ -392,8 +393,8 @@ def show(source: str | os.PathLike | Transformer, params: Any = None,
   writes (``split`` names the split, ``step`` defaults to the newest): its
   metrics, the heads' roles and the pruning study if there is one. With a
   model, its ``params`` and a :class:`mha.data.Split`, the page of
-  :func:`write_explorer` for the same arguments (``roles``, ``study`` and
-  ``meta`` as there; ``step`` unused).
+  :func:`write_explorer` for the same arguments (``roles``, ``study``,
+  ``meta`` and ``token_names`` as there; ``step`` unused).
 
   Returns:
     an :class:`Explorer`; a notebook shows it inline (``_repr_html_``),
@@ -413,7 +414,8 @@ def show(source: str | os.PathLike | Transformer, params: Any = None,
                        "a mha.data.Split")
     payload = explorer_payload(source, params, split,
                                num_examples=num_examples, roles=roles,
-                               study=study, meta=meta)
+                               study=study, meta=meta,
+                               token_names=token_names)
     return Explorer(render(payload), height)
   if isinstance(source, (str, os.PathLike)) and isinstance(params, str):
     if split != "test":
