@@ -78,14 +78,16 @@ def _check_examples(num_examples: int | None) -> None:
 def _write_explorer(ckpt, split, workdir: str, roles, result,
                     study) -> None:
   """Writes ``workdir/eval/attention.html``."""
-  from mha import explorer
+  from mha import data, explorer
 
   path = explorer.write_explorer(
       ckpt.model, ckpt.params, split,
       os.path.join(workdir, "eval", "attention.html"),
       num_examples=_EXAMPLES.value, roles=roles, study=study,
       meta=explorer.run_meta(workdir, ckpt.config.task, ckpt.step,
-                             _SPLIT.value, result))
+                             _SPLIT.value, result),
+      token_names=data.token_names(ckpt.config.task,
+                                   ckpt.config.data.num_symbols))
   print(f"Wrote the attention explorer to {path}", file=sys.stderr)
 
 
@@ -146,14 +148,15 @@ def _write_outputs(ckpt, split, workdir: str, out_dir: str,
   """Writes the heatmaps, the head roles, the explorer (``--html``) and the
   metrics to ``out_dir`` (``workdir/eval``), and prints the final line of
   JSON."""
-  from mha import evaluate, head_roles
+  from mha import data, evaluate, head_roles
   config = ckpt.config
 
   paths = evaluate.write_attention_plots(
       ckpt.model, ckpt.params, split, out_dir,
       num_examples=_NUM_EXAMPLES.value,
       prefix=f"attention_{_SPLIT.value}_step{ckpt.step}",
-      plot_format=_PLOT_FORMAT.value)
+      plot_format=_PLOT_FORMAT.value,
+      token_names=data.token_names(config.task, config.data.num_symbols))
   roles = head_roles.head_roles(ckpt.model, ckpt.params, split,
                                 config.eval_batch_size)
   result = {"step": ckpt.step, "split": _SPLIT.value, **metrics,

@@ -176,14 +176,52 @@ def pick_examples(split: data.Split, num_examples: int, *,
   return np.asarray(chosen, dtype=np.int64)
 
 
+#: Sequences longer than this are shown a window of queries at a time (the
+#: explorer's slider, eval.py's heatmaps); shorter ones whole.
+WINDOW_FROM = 64
+#: Queries in a window.
+WINDOW_SIZE = 32
+
+
+def answer_positions(split: data.Split, index: int) -> np.ndarray | None:
+  """The positions of example ``index`` whose loss counts, where only some
+  do (a recall task's answers: mqar's values, passkey's digits); None where
+  every valid position counts (a language model, the seq2seq tasks)."""
+  if split.weights is None:
+    return None
+  n = int(split.lengths[index])
+  scored = np.flatnonzero(np.asarray(split.weights[index, :n]) > 0)
+  return None if len(scored) in (0, n) else scored.astype(np.int64)
+
+
+def query_window(n: int, answers: Sequence[int] | None = None,
+                 size: int = WINDOW_SIZE,
+                 whole_up_to: int = WINDOW_FROM) -> tuple[int, int]:
+  """The default window ``[start, stop)`` of query positions shown of a
+  sequence of ``n`` valid positions: all of them up to ``whole_up_to``;
+  else ``size`` positions ending just after the last answer (two positions
+  of context after it), or at the end without answers."""
+  if n <= whole_up_to or n <= size:
+    return 0, int(n)
+  stop = n if answers is None or not len(answers) else min(
+      n, int(max(answers)) + 3)
+  stop = max(stop, size)
+  return stop - size, stop
+
+
 def write_attention_plots(model: Transformer, params: Params,
                           split: data.Split,
                           out_dir: str, *, num_examples: int = 4,
                           prefix: str = "attention",
-                          plot_format: str = "png") -> list[str]:
+                          plot_format: str = "png",
+                          token_names: Sequence[str] | None = None
+                          ) -> list[str]:
   """Writes one layers x heads heatmap grid per picked example, its tokens
   labelled as ``data.token_names(split.task)`` reads them (spell's digits,
-  blanks and letters; the numbers themselves for the other tasks).
+  blanks and letters; the numbers themselves for the other tasks), or as
+  ``token_names``. An example longer than :data:`WINDOW_FROM` is drawn as
+  the window of :func:`query_window` (its answers, or its end) against the
+  keys it can see; a causal model's masked keys are grey.
 
   Returns:
     The paths of the files written (``out_dir/<prefix>_<index>.png``, or
@@ -200,19 +238,27 @@ def write_attention_plots(model: Transformer, params: Params,
   logits, attention = jax.jit(model.apply)({"params": params}, inputs)
   predictions = np.asarray(jnp.argmax(logits, -1))
   attention = [np.asarray(a) for a in attention]
-  names = data.token_names(split.task) if split.task else None
+  names = token_names if token_names is not None else (
+      data.token_names(split.task) if split.task else None)
+  causal = bool(getattr(model.config, "causal", False))
   os.makedirs(out_dir, exist_ok=True)
   paths = []
   for row, index in enumerate(indices):
     n = int(split.lengths[index])
     correct = int(np.sum(predictions[row, :n] == split.targets[index, :n]))
     path = os.path.join(out_dir, f"{prefix}_{index}.{plot_format}")
+    answers = answer_positions(split, index)
+    window = query_window(n, answers) if n > WINDOW_FROM else None
+    title = (f"example {index}: input -> target, {correct}/{n} positions "
+             "predicted right")
+    if answers is not None:
+      right = int(np.sum(predictions[row, answers] ==
+                         split.targets[index, answers]))
+      title += f", answers {right}/{len(answers)}"
     plotting.plot_attention(
         split.inputs[index], [a[row] for a in attention], path,
         targets=split.targets[index], predictions=predictions[row],
-        token_names=names,
-        title=(f"example {index}: input -> target, {correct}/{n} positions "
-               "predicted right"))
+        token_names=names, title=title, queries=window, causal=causal)
     paths.append(path)
   return paths
 

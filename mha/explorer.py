@@ -159,13 +159,27 @@ def load_study(workdir: str) -> dict[str, Any] | None:
                      "study again") from None
 
 
+def lower_triangle(weights: np.ndarray) -> np.ndarray:
+  """``[..., n, n]`` -> ``[..., n (n + 1) / 2]``: each query's keys up to
+  itself, query after query (what a causal head can attend to; the page's
+  ``attention_layout`` ``"lower"``)."""
+  n = weights.shape[-1]
+  rows, cols = np.tril_indices(n)
+  return weights[..., rows, cols]
+
+
 def _example(index: int, split: data.Split, predictions: np.ndarray,
              attention: Sequence[np.ndarray], ablated: np.ndarray,
-             row: int) -> dict[str, Any]:
-  """One example of the payload, cropped to its valid length ``n``."""
+             row: int, causal: bool = False) -> dict[str, Any]:
+  """One example of the payload, cropped to its valid length ``n``; a
+  causal model's weights as their lower triangle (:func:`lower_triangle`),
+  with the answer positions and the default window of queries shown."""
   n = int(split.lengths[index])
   heads = np.concatenate([a[row, :, :n, :n] for a in attention], axis=0)
+  if causal:
+    heads = lower_triangle(heads)
   targets = split.targets[index, :n]
+  answers = evaluate.answer_positions(split, index)
   return {
       "index": int(index), "n": n,
       "inputs": split.inputs[index, :n].tolist(),
@@ -175,6 +189,8 @@ def _example(index: int, split: data.Split, predictions: np.ndarray,
       "ablated": ablated[:, row, :n].tolist(),
       "ablated_correct": np.sum(ablated[:, row, :n] == targets,
                                 axis=-1).tolist(),
+      "answers": None if answers is None else answers.tolist(),
+      "window": list(evaluate.query_window(n, answers)),
   }
 
 
@@ -182,13 +198,25 @@ def build_payload(model: Transformer, params: Any, split: data.Split,
                   indices: Sequence[int], *,
                   roles: Mapping[str, Any] | None = None,
                   study: Mapping[str, Any] | None = None,
-                  meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                  meta: Mapping[str, Any] | None = None,
+                  token_names: Sequence[str] | None = None
+                  ) -> dict[str, Any]:
   """The data of the page: the picked examples (``indices`` of ``split``)
   with their attention, predictions and predictions with each single head
   removed; the heads' ``roles`` (:func:`mha.head_roles.head_roles`), the
   pruning ``study`` (:func:`load_study`), and ``meta`` (run facts shown in
-  the header: workdir, step, split, metrics)."""
+  the header: workdir, step, split, metrics).
+
+  Sequences longer than :data:`mha.evaluate.WINDOW_FROM` are shown a window
+  of :data:`mha.evaluate.WINDOW_SIZE` queries at a time (each example's
+  ``window``, moved on the page); a causal model's weights travel as their
+  lower triangle (``attention_layout`` ``"lower"``), the rest shown masked.
+  ``token_names`` overrides ``data.token_names(split.task)`` (for a
+  ``num_symbols`` other than 10)."""
   config = model.config
+  causal = bool(getattr(config, "causal", False))
+  if token_names is None and split.task:
+    token_names = data.token_names(split.task)
   indices = np.asarray(indices, np.int64)
   inputs = jnp.asarray(split.inputs[indices])
   predictions, attention = jax.device_get(_predict(model, params, inputs))
@@ -206,9 +234,11 @@ def build_payload(model: Transformer, params: Any, split: data.Split,
       "heads": heads,
       "head_colours": head_colours(max(heads, default=0)),
       "colormap": _colours("viridis", 256),
-      "token_names": (list(data.token_names(split.task))
-                      if split.task and data.token_names(split.task)
-                      else None),
+      "token_names": list(token_names) if token_names else None,
+      "causal": causal,
+      "attention_layout": "lower" if causal else "square",
+      "window_size": evaluate.WINDOW_SIZE,
+      "window_from": evaluate.WINDOW_FROM,
       "patterns": list(roles_lib.PATTERNS),
       "pattern_labels": roles_lib.LABELS,
       "roles": roles_lib.to_json(roles) if roles is not None else None,
@@ -216,7 +246,8 @@ def build_payload(model: Transformer, params: Any, split: data.Split,
       "ablation_heads": [list(h) for h in flat],
       "study": dict(study) if study is not None else None,
       "examples": [_example(int(i), split, np.asarray(predictions),
-                            [np.asarray(a) for a in attention], ablated, row)
+                            [np.asarray(a) for a in attention], ablated, row,
+                            causal)
                    for row, i in enumerate(indices)],
   }
 
@@ -261,7 +292,8 @@ def explorer_payload(model: Transformer, params: Any, split: data.Split, *,
                      num_examples: int = 8,
                      roles: Mapping[str, Any] | None = None,
                      study: Mapping[str, Any] | None = None,
-                     meta: Mapping[str, Any] | None = None
+                     meta: Mapping[str, Any] | None = None,
+                     token_names: Sequence[str] | None = None
                      ) -> dict[str, Any]:
   """The payload of ``num_examples`` examples of ``split``, their lengths
   spread from its shortest to its longest (see :func:`build_payload`).
@@ -275,14 +307,15 @@ def explorer_payload(model: Transformer, params: Any, split: data.Split, *,
   indices = evaluate.pick_examples(split, num_examples, shortest=True)
   indices = indices[np.argsort(split.lengths[indices], kind="stable")]
   return build_payload(model, params, split, indices, roles=roles,
-                       study=study, meta=meta)
+                       study=study, meta=meta, token_names=token_names)
 
 
 def write_explorer(model: Transformer, params: Any, split: data.Split,
                    path: str, *, num_examples: int = 8,
                    roles: Mapping[str, Any] | None = None,
                    study: Mapping[str, Any] | None = None,
-                   meta: Mapping[str, Any] | None = None) -> str:
+                   meta: Mapping[str, Any] | None = None,
+                   token_names: Sequence[str] | None = None) -> str:
   """Picks ``num_examples`` examples of ``split`` (lengths spread from its
   shortest to its longest) and writes their page to ``path``.
 
@@ -291,7 +324,7 @@ def write_explorer(model: Transformer, params: Any, split: data.Split,
   """
   return write_page(explorer_payload(
       model, params, split, num_examples=num_examples, roles=roles,
-      study=study, meta=meta), path)
+      study=study, meta=meta, token_names=token_names), path)
 
 
 def run_meta(workdir: str, task: str, step: int, split: str,
@@ -351,7 +384,8 @@ def show(source: str | os.PathLike | Transformer, params: Any = None,
          num_examples: int = 8, roles: Mapping[str, Any] | None = None,
          study: Mapping[str, Any] | None = None,
          meta: Mapping[str, Any] | None = None,
-         height: int = 900) -> Explorer:
+         height: int = 900,
+         token_names: Sequence[str] | None = None) -> Explorer:
   """The explorer, for a notebook cell: ``show("runs/reverse")``,
   ``show("runs/reverse", "validation")`` or ``show(model, params, split)``.
 
@@ -359,8 +393,8 @@ def show(source: str | os.PathLike | Transformer, params: Any = None,
   writes (``split`` names the split, ``step`` defaults to the newest): its
   metrics, the heads' roles and the pruning study if there is one. With a
   model, its ``params`` and a :class:`mha.data.Split`, the page of
-  :func:`write_explorer` for the same arguments (``roles``, ``study`` and
-  ``meta`` as there; ``step`` unused).
+  :func:`write_explorer` for the same arguments (``roles``, ``study``,
+  ``meta`` and ``token_names`` as there; ``step`` unused).
 
   Returns:
     an :class:`Explorer`; a notebook shows it inline (``_repr_html_``),
@@ -380,7 +414,8 @@ def show(source: str | os.PathLike | Transformer, params: Any = None,
                        "a mha.data.Split")
     payload = explorer_payload(source, params, split,
                                num_examples=num_examples, roles=roles,
-                               study=study, meta=meta)
+                               study=study, meta=meta,
+                               token_names=token_names)
     return Explorer(render(payload), height)
   if isinstance(source, (str, os.PathLike)) and isinstance(params, str):
     if split != "test":
@@ -407,11 +442,12 @@ def show(source: str | os.PathLike | Transformer, params: Any = None,
       roles=roles_lib.head_roles(ckpt.model, ckpt.params, examples,
                                  config.eval_batch_size),
       study=load_study(workdir),
-      meta=run_meta(workdir, config.task, ckpt.step, split, metrics))
+      meta=run_meta(workdir, config.task, ckpt.step, split, metrics),
+      token_names=data.token_names(config.task, config.data.num_symbols))
   return Explorer(render(payload), height)
 
 
 __all__ = ["STUDY_RESULTS", "IMPORTANCE_MEASURES", "ABLATION_MEASURES",
            "head_colours", "load_study", "build_payload", "render",
            "write_page", "explorer_payload", "write_explorer", "run_meta",
-           "Explorer", "show"]
+           "Explorer", "show", "lower_triangle"]

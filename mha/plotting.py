@@ -25,7 +25,8 @@ from matplotlib.figure import Figure
 
 from mha.run import figures
 
-__all__ = ["valid_length", "attention_grid_figure", "plot_attention"]
+__all__ = ["valid_length", "attention_grid_figure", "plot_attention",
+           "key_stride"]
 
 #: Colour map of the heatmaps (weights in ``[0, 1]``).
 CMAP = "viridis"
@@ -111,6 +112,9 @@ def attention_grid_figure(
     predictions: np.ndarray | None = None,
     title: str | None = None,
     token_names: Sequence[str] | None = None,
+    queries: tuple[int, int] | None = None,
+    keys: tuple[int, int] | None = None,
+    causal: bool = False,
 ) -> Figure:
   """Builds (but does not save) the layers x heads attention-heatmap figure.
 
@@ -121,12 +125,21 @@ def attention_grid_figure(
     colourbar axis. Each drawn cell holds exactly one image whose array is the
     ``[n, n]`` cropped attention matrix, ``n = valid_length(tokens)``.
 
+    With ``queries`` (a window ``(start, stop)`` of query positions), each
+    cell holds those rows and the ``keys`` columns (default: every key a
+    causal model lets the window see, ``0 .. stop - 1``, or all ``n``), the
+    queries labelled ``"position input→target"`` and the keys with their
+    positions (every one, or every few when they do not fit).
+
     Raises:
       ValueError: on inconsistent shapes (see :func:`plot_attention`).
     """
   tokens, attention, targets, predictions = _check_inputs(
       tokens, attention, targets, predictions)
   n = valid_length(tokens)
+  if queries is not None or keys is not None:
+    return _window_figure(tokens, attention, targets, predictions, title,
+                          token_names, queries, keys, causal, n)
   n_layers = len(attention)
   heads = [a.shape[0] for a in attention]
   n_cols = max(1, max(heads))
@@ -148,6 +161,7 @@ def attention_grid_figure(
                       squeeze=False,
                       gridspec_kw={"height_ratios": row_heights})
   norm = Normalize(vmin=0.0, vmax=1.0)
+  cmap = _cmap()
 
   def name(token: int) -> str:
     return str(token) if token_names is None else token_names[token]
@@ -185,8 +199,11 @@ def attention_grid_figure(
         )
         continue
       weights = attention[layer][head, :n, :n]
+      if causal:
+        weights = np.ma.masked_array(weights, np.triu(np.ones((n, n), bool),
+                                                      1))
       ax.imshow(weights,
-                cmap=CMAP,
+                cmap=cmap,
                 norm=norm,
                 interpolation="nearest",
                 aspect="equal")
@@ -232,6 +249,127 @@ def attention_grid_figure(
   return fig
 
 
+#: Colour of a causal model's masked cells (a key after its query).
+MASKED_COLOR = "0.88"
+
+
+def _cmap():
+  """The heatmaps' colour map, masked cells in :data:`MASKED_COLOR`."""
+  from matplotlib import colormaps
+  return colormaps[CMAP].with_extremes(bad=MASKED_COLOR)
+
+
+def key_stride(count: int, inches: float) -> int:
+  """Every how many keys a tick label fits along ``inches`` (labels at
+  least ~0.3 in apart): 1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 50, 64, ..."""
+  for stride in (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 50, 64, 100, 128):
+    if inches * stride / max(1, count) >= 0.3:
+      return stride
+  return 256
+
+
+def _window_figure(tokens, attention, targets, predictions, title,
+                   token_names, queries, keys, causal, n) -> Figure:
+  """:func:`attention_grid_figure` of a window of queries x keys."""
+  q0, q1 = queries if queries is not None else (0, n)
+  if not 0 <= q0 < q1 <= n:
+    raise ValueError(f"queries must be a window (start, stop) within the "
+                     f"{n} valid positions, got {queries}.")
+  k0, k1 = keys if keys is not None else (0, q1 if causal else n)
+  if not 0 <= k0 < k1 <= n:
+    raise ValueError(f"keys must be a window (start, stop) within the "
+                     f"{n} valid positions, got {keys}.")
+  rows, cols = q1 - q0, k1 - k0
+  n_layers = len(attention)
+  heads = [a.shape[0] for a in attention]
+  n_cols = max(1, max(heads))
+  cell_h = max(CELL_INCHES, 0.16 * rows + 0.8)
+  cell_w = max(CELL_INCHES, 0.025 * cols + 0.8) if cols > 48 else max(
+      CELL_INCHES, 0.16 * cols + 0.8)
+  row_heights = [1.0 if h > 0 else 0.3 for h in heads]
+  grid_height = cell_h * sum(row_heights)
+  width = n_cols * cell_w + 1.6
+  height = grid_height + (0.5 if title else 0.0) + (0.3 if predictions
+                                                    is not None else 0.0)
+  fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(n_layers, n_cols, squeeze=False,
+                      gridspec_kw={"height_ratios": row_heights})
+  norm = Normalize(vmin=0.0, vmax=1.0)
+  cmap = _cmap()
+
+  def name(token: int) -> str:
+    return str(token) if token_names is None else token_names[token]
+
+  positions = np.arange(q0, q1)
+  query_labels = [
+      f"{i} {name(int(tokens[i]))}" + (
+          f"\u2192{name(int(targets[i]))}" if targets is not None else "")
+      for i in positions]
+  mismatch = (predictions[q0:q1] != targets[q0:q1]
+              if predictions is not None else np.zeros(rows, dtype=bool))
+  if cols <= 48:
+    key_ticks = np.arange(k0, k1)
+    key_labels = [f"{k} {name(int(tokens[k]))}" for k in key_ticks]
+  else:
+    stride = key_stride(cols, 0.85 * cell_w)
+    key_ticks = np.arange(-(-k0 // stride) * stride, k1, stride)
+    key_labels = [str(k) for k in key_ticks]
+  fontsize = _tick_fontsize(rows, cell_h)
+  title_size, label_size = 10.0, 9.0
+  mask = (np.arange(k0, k1)[None, :] > positions[:, None]) if causal else \
+      np.zeros((rows, cols), bool)
+  for layer in range(n_layers):
+    for head in range(n_cols):
+      ax = axes[layer, head]
+      if head >= heads[layer]:
+        ax.set_axis_off()
+        note = (f"layer {layer}\nno heads (pruned)" if heads[layer] == 0 and
+                head == 0 else f"layer {layer}, head {head}\n(pruned)")
+        ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center",
+                va="center", color="0.55", fontsize=title_size,
+                style="italic")
+        continue
+      weights = np.ma.masked_array(attention[layer][head, q0:q1, k0:k1],
+                                   mask)
+      ax.imshow(weights, cmap=cmap, norm=norm, interpolation="nearest",
+                aspect="auto", extent=(k0 - 0.5, k1 - 0.5, q1 - 0.5,
+                                       q0 - 0.5))
+      ax.set_title(f"layer {layer}, head {head}", fontsize=title_size)
+      ax.set_xticks(key_ticks)
+      ax.set_xticklabels(key_labels, fontsize=min(fontsize, 8.0),
+                         rotation=90 if cols <= 48 else 0)
+      ax.set_xlabel(f"key position ({k0}\u2013{k1 - 1} of {n})",
+                    fontsize=label_size)
+      ax.set_yticks(positions)
+      ax.tick_params(length=2, pad=1.5)
+      if head == 0:
+        ax.set_yticklabels(query_labels, fontsize=fontsize)
+        for label, bad in zip(ax.get_yticklabels(), mismatch):
+          if bad:
+            label.set_color(MISMATCH_COLOR)
+            label.set_fontweight("bold")
+        ax.set_ylabel(f"query position ({q0}\u2013{q1 - 1} of {n})",
+                      fontsize=label_size)
+      else:
+        ax.set_yticklabels([])
+  shrink = min(0.9, 5.0 / grid_height)
+  cbar = fig.colorbar(ScalarMappable(norm=norm, cmap=CMAP), ax=axes,
+                      shrink=shrink, fraction=0.3 / width, pad=0.01,
+                      aspect=max(10.0, shrink * grid_height / 0.15))
+  cbar.set_label("attention weight", fontsize=label_size)
+  cbar.ax.tick_params(labelsize=label_size)
+  if title:
+    fig.suptitle(title, fontsize=11)
+  if predictions is not None:
+    fig.supxlabel(
+        f"queries {q0}\u2013{q1 - 1} of {n}: position input\u2192target; red "
+        f"= prediction \u2260 target ({int(mismatch.sum())}/{rows} wrong)"
+        + ("; grey: masked (a key after its query)" if causal else ""),
+        fontsize=label_size, color="0.3")
+  return fig
+
+
 def plot_attention(
     tokens: np.ndarray,
     attention: Sequence[np.ndarray],
@@ -241,6 +379,9 @@ def plot_attention(
     predictions: np.ndarray | None = None,
     title: str | None = None,
     token_names: Sequence[str] | None = None,
+    queries: tuple[int, int] | None = None,
+    keys: tuple[int, int] | None = None,
+    causal: bool = False,
 ) -> None:
   """Writes a PNG grid of attention heatmaps (rows = layers, columns = heads).
 
@@ -264,6 +405,12 @@ def plot_attention(
       token_names: optional label of each token id (``token_names[t]``, e.g.
         ``mha.data.token_names("spell")``: digits, ``_`` and letters); by
         default a token is labelled with its number.
+      queries: optional window ``(start, stop)`` of query positions to draw
+        (a long sequence); the keys then default to those the window can
+        see (``0 .. stop - 1`` with ``causal``, else all), or ``keys``.
+      keys: optional window ``(start, stop)`` of key positions.
+      causal: draw the keys after each query (a causal model's mask) in
+        grey (:data:`MASKED_COLOR`).
 
     Raises:
       ValueError: if ``tokens`` is not 1-D or starts with padding, an attention
@@ -278,6 +425,9 @@ def plot_attention(
       predictions=predictions,
       title=title,
       token_names=token_names,
+      queries=queries,
+      keys=keys,
+      causal=causal,
   )
   path = os.fspath(path)
   parent = os.path.dirname(path)

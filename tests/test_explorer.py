@@ -529,3 +529,156 @@ def test_eval_script_bad_input(tiny_run, tmp_path, subprocess_env):
   with pytest.raises(IsADirectoryError):  # the library's own check
     explorer.write_page({}, os.path.join(blocked, "eval", "attention.html"))
   assert os.listdir(os.path.join(blocked, "eval")) == ["attention.html"]
+
+
+# --------------------------------------------------------------------------
+# A causal model at 256 tokens: a window of queries, the lower triangle.
+# --------------------------------------------------------------------------
+
+
+def _passkey_split(config, num: int) -> data.Split:
+  """``num`` passkey examples of ``config``'s data spec (generated in
+  memory: no TFDS folder to prepare)."""
+  records = data._passkey_tokens(np.random.default_rng(0),
+                                 build.data_spec(config), num)
+  return data.causal_split(records, "passkey")
+
+
+@pytest.fixture(scope="module")
+def causal_page(tmp_path_factory):
+  """The page of ``tiny,passkey`` (2 layers x 2 causal heads, context 256)
+  at its initial parameters, 4 examples: ``(path, model, params, split)``."""
+  import jax
+  from configs import default
+  config = default.get_config("tiny,passkey")
+  model = build.make_model(config)
+  params = build.init_params(model, jax.random.key(0))
+  split = _passkey_split(config, 8)
+  path = explorer.write_explorer(
+      model, params, split, str(tmp_path_factory.mktemp("causal") /
+                                "attention.html"), num_examples=4)
+  return path, model, params, split
+
+
+def test_query_window():
+  from mha import evaluate
+  assert evaluate.query_window(16) == (0, 16)  # Short: whole.
+  assert evaluate.query_window(64) == (0, 64)
+  assert evaluate.query_window(256) == (224, 256)  # No answers: the end.
+  # Ending two positions after the last answer, within the sequence.
+  assert evaluate.query_window(256, [251, 252, 253, 254, 255]) == (224, 256)
+  assert evaluate.query_window(256, [40, 100]) == (71, 103)
+  assert evaluate.query_window(256, [3]) == (0, 32)
+  assert evaluate.query_window(128, None, size=16) == (112, 128)
+
+
+@pytest.mark.slow
+def test_causal_payload_at_256_tokens(causal_page):
+  """A causal model's payload: its weights as their lower triangle (what
+  the model gives, to 1/255), the answers and the window around them."""
+  path, model, params, split = causal_page
+  payload = _payload(path)
+  assert payload["causal"] is True
+  assert payload["attention_layout"] == "lower"
+  assert (payload["window_size"], payload["window_from"]) == (32, 64)
+  assert payload["token_names"][:3] == ["", "KEY", "ASK"]
+  for e in payload["examples"]:
+    n = e["n"]
+    assert n == 256
+    # passkey: the 5 digits recalled at the end are the answers.
+    assert e["answers"] == [251, 252, 253, 254, 255]
+    assert e["window"] == [224, 256]
+    assert len(base64.b64decode(e["attention"])) == 4 * n * (n + 1) // 2
+  e = payload["examples"][-1]
+  weights = np.frombuffer(base64.b64decode(e["attention"]), np.uint8)
+  _, attention = model.apply({"params": params},
+                             split.inputs[e["index"]][None])
+  heads = np.concatenate([np.asarray(a[0]) for a in attention])
+  assert np.all(np.triu(heads, 1) == 0)  # Causal: nothing above.
+  np.testing.assert_allclose(
+      weights.reshape(4, -1) / 255.0, explorer.lower_triangle(heads),
+      atol=0.5 / 255 + 1e-6)
+
+
+@pytest.mark.slow
+def test_page_size_of_the_passkey_model(tmp_path):
+  """8 examples of ``:passkey`` (2 layers x 4 causal heads, 256 tokens)
+  stay under 3 MB: each head's 256 x 256 weights as their lower triangle of
+  bytes (zero parameters: the size depends on shapes only)."""
+  import jax
+  from configs import default
+  config = default.get_config("passkey")
+  model = build.make_model(config)
+  params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), jax.eval_shape(
+      lambda: build.init_params(model, jax.random.key(0))))
+  path = explorer.write_explorer(model, params, _passkey_split(config, 16),
+                                 str(tmp_path / "a.html"), num_examples=8)
+  assert os.path.getsize(path) < 3 * 1024 * 1024, os.path.getsize(path)
+  payload = _payload(path)
+  assert len(payload["examples"]) == 8
+  assert {len(base64.b64decode(e["attention"]))
+          for e in payload["examples"]} == {8 * 256 * 257 // 2}
+
+
+def _grey(browser: Browser, selector: str, x: int, y: int) -> list[int]:
+  return browser.js(f"""[...document.querySelector({json.dumps(selector)})
+      .getContext('2d').getImageData({x}, {y}, 1, 1).data].slice(0, 3)""")
+
+
+@pytest.mark.slow
+def test_causal_page_in_a_real_browser(causal_page, page, browser):
+  """256 tokens of a causal model: the page shows a window of 32 queries,
+  the slider and the buttons move it, masked keys are grey; no script
+  error. The encoder page (16 tokens at most) shows no window."""
+  path, *_ = causal_page
+  browser.events.clear()
+  browser.open(path)
+  assert browser.js("document.body.dataset.ready") == "1"
+  errors = [e for e in browser.events if e.get("method") in (
+      "Runtime.exceptionThrown", "Log.entryAdded") and (
+          e["method"] == "Runtime.exceptionThrown" or
+          e["params"]["entry"]["level"] == "error")]
+  assert not errors, errors
+  payload = _payload(path)
+  names = payload["token_names"]
+  first = payload["examples"][0]
+  controls = "document.getElementById('window-controls')"
+  assert browser.js(f"{controls}.classList.contains('hidden')") is False
+  # The window: the last 32 positions (the answers), named tokens.
+  assert _tokens(browser) == [names[t] for t in first["inputs"][224:]]
+  assert browser.js("document.querySelectorAll('#tokens td.answer')"
+                    ".length") == 5
+  assert browser.js("document.querySelectorAll('#head-svg text.query-token')"
+                    ".length") == 32
+  assert browser.js("document.querySelectorAll('canvas.thumb').length") == 4
+  thumb = "canvas.thumb[data-layer='0'][data-head='0']"
+  assert _grey(browser, thumb, 255, 0) == [228, 228, 228]  # Masked key.
+  assert _grey(browser, thumb, 0, 0) != [228, 228, 228]
+  # The slider moves the window; "end" and "answers" bring it back.
+  browser.js("const s = document.getElementById('window-slider');"
+             "s.value = '10'; s.dispatchEvent(new Event('input'))")
+  assert _tokens(browser) == [names[t] for t in first["inputs"][10:42]]
+  assert browser.js("document.getElementById('window-start').value") == "10"
+  browser.js("const w = document.getElementById('window-size');"
+             "w.value = '8'; w.dispatchEvent(new Event('change'))")
+  assert len(_tokens(browser)) == 8
+  browser.click("#window-end")
+  assert _tokens(browser) == [names[t] for t in first["inputs"][248:]]
+  browser.click("#window-answers")
+  assert len(_tokens(browser)) == 32
+  # Enlarged: the window's 32 queries against the keys they can see.
+  browser.click(thumb)
+  title = browser.js("document.getElementById('enlarged-title').textContent")
+  assert "queries 224–255, keys 0–255 of 256" in title and "masked" in title
+  shot = browser.screenshot()
+  _is_not_blank(shot)
+  with open(os.environ.get("CAUSAL_SCREENSHOT", os.devnull), "wb") as f:
+    f.write(shot)
+  # The next example keeps the page usable: its own window.
+  browser.click("#next-example")
+  assert len(_tokens(browser)) == 32
+  # An encoder's short sequences: no window, every token.
+  browser.events.clear()  # Else the last page's load event ends the wait.
+  browser.open(page[0])
+  assert browser.js("document.body.dataset.ready") == "1"
+  assert browser.js(f"{controls}.classList.contains('hidden')") is True

@@ -225,3 +225,58 @@ def test_no_figure_leaks_in_a_loop(tmp_path):
   del fig
   gc.collect()
   assert ref() is None  # plain Figure, freed like any object
+
+
+def _causal(rng: np.random.Generator, heads: int, n: int) -> np.ndarray:
+  """Causal softmax-like [heads, n, n] weights: nothing above the diagonal."""
+  logits = rng.normal(size=(heads, n, n))
+  logits[:, np.triu(np.ones((n, n), bool), 1)] = -np.inf
+  w = np.exp(logits - logits.max(-1, keepdims=True))
+  return w / w.sum(-1, keepdims=True)
+
+
+@pytest.mark.slow
+def test_a_window_of_a_long_causal_sequence(tmp_path):
+  """256 tokens: 32 query rows against the 256 keys they can see, the
+  positions on both axes, masked keys masked (grey), a readable size."""
+  rng = np.random.default_rng(0)
+  n = 256
+  tokens = rng.integers(1, 10, size=n).astype(np.int32)
+  targets = np.roll(tokens, -1)
+  attention = [_causal(rng, 2, n) for _ in range(2)]
+  names = [""] + [f"t{i}" for i in range(1, 10)]
+  fig = attention_grid_figure(tokens, attention, targets=targets,
+                              predictions=targets, token_names=names,
+                              queries=(224, 256), causal=True)
+  cells = _cells(fig)
+  assert len(cells) == 4
+  array = cells[0].get_images()[0].get_array()
+  assert array.shape == (32, 256)
+  np.testing.assert_allclose(array.data, attention[0][0, 224:256])
+  # Key 250 is masked for query 224 and not for query 255.
+  assert array.mask[0, 250] and not array.mask[31, 250]
+  labels = [t.get_text() for t in cells[0].get_yticklabels()]
+  assert labels[0] == "224 t%d\u2192t%d" % (tokens[224], targets[224])
+  assert len(labels) == 32
+  keys = [t.get_text() for t in cells[0].get_xticklabels()]
+  assert keys[0] == "0" and 8 <= len(keys) <= 32  # Every few positions.
+  assert cells[0].get_xlabel() == "key position (0\u2013255 of 256)"
+  width, height = fig.get_size_inches()
+  assert width < 24 and height < 16
+  # Given keys: only those columns; a window out of range is refused.
+  fig = attention_grid_figure(tokens, attention, queries=(100, 110),
+                              keys=(90, 110))
+  assert _cells(fig)[0].get_images()[0].get_array().shape == (10, 20)
+  with pytest.raises(ValueError, match="queries must be a window"):
+    attention_grid_figure(tokens, attention, queries=(250, 300))
+  path = tmp_path / "window.png"
+  plot_attention(tokens, attention, path, queries=(0, 32), causal=True)
+  _assert_png(path)
+
+
+def test_causal_mask_on_a_whole_short_matrix():
+  rng = np.random.default_rng(0)
+  tokens = _tokens(rng, 8, 8)
+  fig = attention_grid_figure(tokens, [_causal(rng, 2, 8)], causal=True)
+  array = _cells(fig)[0].get_images()[0].get_array()
+  assert array.shape == (8, 8) and array.mask[0, 7] and not array.mask[7, 0]
