@@ -240,7 +240,7 @@ def write_attention_plots(model: Transformer, params: Params,
   attention = [np.asarray(a) for a in attention]
   names = token_names if token_names is not None else (
       data.token_names(split.task) if split.task else None)
-  causal = bool(getattr(model.config, "causal", False))
+  causal = model.config.causal
   os.makedirs(out_dir, exist_ok=True)
   paths = []
   for row, index in enumerate(indices):

@@ -183,20 +183,7 @@ def attention_grid_figure(
     for head in range(n_cols):
       ax = axes[layer, head]
       if head >= heads[layer]:
-        ax.set_axis_off()
-        note = (f"layer {layer}\nno heads (pruned)" if heads[layer] == 0 and
-                head == 0 else f"layer {layer}, head {head}\n(pruned)")
-        ax.text(
-            0.5,
-            0.5,
-            note,
-            transform=ax.transAxes,
-            ha="center",
-            va="center",
-            color="0.55",
-            fontsize=title_size,
-            style="italic",
-        )
+        _pruned_cell(ax, layer, head, heads[layer], title_size)
         continue
       weights = attention[layer][head, :n, :n]
       if causal:
@@ -216,27 +203,12 @@ def attention_grid_figure(
       ax.set_yticks(ticks)
       ax.tick_params(length=2, pad=1.5)
       if head == 0:
-        ax.set_yticklabels(query_labels, fontsize=fontsize)
-        for label, bad in zip(ax.get_yticklabels(), mismatch):
-          if bad:
-            label.set_color(MISMATCH_COLOR)
-            label.set_fontweight("bold")
+        _query_labels(ax, query_labels, mismatch, fontsize)
         ax.set_ylabel("query", fontsize=label_size)
       else:
         ax.set_yticklabels([])
 
-  # A bar ~0.15 in wide, at most ~5 in long, never wider than its share.
-  shrink = min(0.9, 5.0 / grid_height)
-  cbar = fig.colorbar(
-      ScalarMappable(norm=norm, cmap=CMAP),
-      ax=axes,
-      shrink=shrink,
-      fraction=0.3 / width,
-      pad=0.01,
-      aspect=max(10.0, shrink * grid_height / 0.15),
-  )
-  cbar.set_label("attention weight", fontsize=label_size)
-  cbar.ax.tick_params(labelsize=label_size)
+  _colorbar(fig, axes, norm, grid_height, width, label_size)
   if title:
     fig.suptitle(title, fontsize=11)
   if predictions is not None:
@@ -251,6 +223,38 @@ def attention_grid_figure(
 
 #: Colour of a causal model's masked cells (a key after its query).
 MASKED_COLOR = "0.88"
+
+
+def _pruned_cell(ax, layer: int, head: int, layer_heads: int,
+                 fontsize: float) -> None:
+  """An empty cell that says its head (or its whole layer) was pruned."""
+  ax.set_axis_off()
+  note = (f"layer {layer}\nno heads (pruned)" if layer_heads == 0 and
+          head == 0 else f"layer {layer}, head {head}\n(pruned)")
+  ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center",
+          color="0.55", fontsize=fontsize, style="italic")
+
+
+def _query_labels(ax, labels: Sequence[str], mismatch: np.ndarray,
+                  fontsize: float) -> None:
+  """The queries' tick labels, those whose prediction is wrong in red."""
+  ax.set_yticklabels(labels, fontsize=fontsize)
+  for label, bad in zip(ax.get_yticklabels(), mismatch):
+    if bad:
+      label.set_color(MISMATCH_COLOR)
+      label.set_fontweight("bold")
+
+
+def _colorbar(fig: Figure, axes, norm: Normalize, grid_height: float,
+              width: float, fontsize: float) -> None:
+  """The weights' colour bar: ~0.15 in wide, at most ~5 in long, never
+  wider than its share."""
+  shrink = min(0.9, 5.0 / grid_height)
+  cbar = fig.colorbar(ScalarMappable(norm=norm, cmap=CMAP), ax=axes,
+                      shrink=shrink, fraction=0.3 / width, pad=0.01,
+                      aspect=max(10.0, shrink * grid_height / 0.15))
+  cbar.set_label("attention weight", fontsize=fontsize)
+  cbar.ax.tick_params(labelsize=fontsize)
 
 
 def _cmap():
@@ -323,12 +327,7 @@ def _window_figure(tokens, attention, targets, predictions, title,
     for head in range(n_cols):
       ax = axes[layer, head]
       if head >= heads[layer]:
-        ax.set_axis_off()
-        note = (f"layer {layer}\nno heads (pruned)" if heads[layer] == 0 and
-                head == 0 else f"layer {layer}, head {head}\n(pruned)")
-        ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center",
-                va="center", color="0.55", fontsize=title_size,
-                style="italic")
+        _pruned_cell(ax, layer, head, heads[layer], title_size)
         continue
       weights = np.ma.masked_array(attention[layer][head, q0:q1, k0:k1],
                                    mask)
@@ -344,21 +343,12 @@ def _window_figure(tokens, attention, targets, predictions, title,
       ax.set_yticks(positions)
       ax.tick_params(length=2, pad=1.5)
       if head == 0:
-        ax.set_yticklabels(query_labels, fontsize=fontsize)
-        for label, bad in zip(ax.get_yticklabels(), mismatch):
-          if bad:
-            label.set_color(MISMATCH_COLOR)
-            label.set_fontweight("bold")
+        _query_labels(ax, query_labels, mismatch, fontsize)
         ax.set_ylabel(f"query position ({q0}\u2013{q1 - 1} of {n})",
                       fontsize=label_size)
       else:
         ax.set_yticklabels([])
-  shrink = min(0.9, 5.0 / grid_height)
-  cbar = fig.colorbar(ScalarMappable(norm=norm, cmap=CMAP), ax=axes,
-                      shrink=shrink, fraction=0.3 / width, pad=0.01,
-                      aspect=max(10.0, shrink * grid_height / 0.15))
-  cbar.set_label("attention weight", fontsize=label_size)
-  cbar.ax.tick_params(labelsize=label_size)
+  _colorbar(fig, axes, norm, grid_height, width, label_size)
   if title:
     fig.suptitle(title, fontsize=11)
   if predictions is not None:

@@ -269,15 +269,19 @@ def _tokens(browser: Browser) -> list[str]:
                     ".map(t => t.textContent)")
 
 
-def test_page_in_a_real_browser(page, browser):
-  path, _ = page
-  browser.open(path)
-  assert browser.js("document.body.dataset.ready") == "1"
+def _assert_no_script_errors(browser: Browser) -> None:
   errors = [e for e in browser.events if e.get("method") in (
       "Runtime.exceptionThrown", "Log.entryAdded") and (
           e["method"] == "Runtime.exceptionThrown" or
           e["params"]["entry"]["level"] == "error")]
   assert not errors, errors
+
+
+def test_page_in_a_real_browser(page, browser):
+  path, _ = page
+  browser.open(path)
+  assert browser.js("document.body.dataset.ready") == "1"
+  _assert_no_script_errors(browser)
   # Nothing but the file itself was requested (no network, no CDN).
   urls = [e["params"]["request"]["url"] for e in browser.events
           if e.get("method") == "Network.requestWillBeSent"]
@@ -367,11 +371,7 @@ def test_show_in_a_notebook_cell(page, page_arguments, browser, tmp_path):
   browser.open(str(host))
   inner = "document.querySelector('iframe').contentDocument"
   assert browser.js(f"{inner}.body.dataset.ready") == "1"
-  errors = [e for e in browser.events if e.get("method") in (
-      "Runtime.exceptionThrown", "Log.entryAdded") and (
-          e["method"] == "Runtime.exceptionThrown" or
-          e["params"]["entry"]["level"] == "error")]
-  assert not errors, errors
+  _assert_no_script_errors(browser)
   first, second = _payload(path)["examples"][:2]
   tokens = (f"[...{inner}.querySelectorAll('#tokens td.token')]"
             ".map(t => t.textContent)")
@@ -634,11 +634,7 @@ def test_causal_page_in_a_real_browser(causal_page, page, browser):
   browser.events.clear()
   browser.open(path)
   assert browser.js("document.body.dataset.ready") == "1"
-  errors = [e for e in browser.events if e.get("method") in (
-      "Runtime.exceptionThrown", "Log.entryAdded") and (
-          e["method"] == "Runtime.exceptionThrown" or
-          e["params"]["entry"]["level"] == "error")]
-  assert not errors, errors
+  _assert_no_script_errors(browser)
   payload = _payload(path)
   names = payload["token_names"]
   first = payload["examples"][0]
