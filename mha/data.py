@@ -1034,6 +1034,33 @@ def next_token_arrays(tokens: np.ndarray, scored_from: int | np.ndarray = 0
           "weights": scored.astype(np.float32)}
 
 
+#: A target below 0 is not scored (PyTorch's ``ignore_index`` convention):
+#: where the metrics read no ``weights``, they count a position when its
+#: input is not padding and its target is >= 0 (:func:`scored`).
+UNSCORED = -1
+
+
+def scored(inputs: Any, targets: Any) -> Any:
+  """``[..., L]`` bool: the positions the metrics count when they read no
+  ``weights``: a non-padding input with a target >= 0 (numpy or jax)."""
+  return (inputs != 0) & (targets >= 0)
+
+
+def scored_targets(split: Split) -> Split:
+  """``split`` with its ``weights`` folded into its targets: ``UNSCORED``
+  where a position's weight is 0, its target elsewhere, and no weights.
+  The head study reads next-token tasks this way, so every pruning
+  technique scores the positions the task's weights choose (the answers of
+  a recall task) through the same ``(inputs, targets)`` as an encoder's. A
+  split without weights is returned as it is."""
+  if split.weights is None:
+    return split
+  targets = np.where(np.asarray(split.weights) > 0, split.targets,
+                     UNSCORED).astype(np.int32)
+  targets.setflags(write=False)
+  return dataclasses.replace(split, targets=targets, weights=None)
+
+
 def read_split(source: Any, spec: DataSpec) -> Split:
   """Reads a whole data source of :func:`data_sources` (raw records) into
   memory at once."""

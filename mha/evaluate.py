@@ -38,22 +38,26 @@ def example_metric_sums(logits: Array, targets: Array, inputs: Array,
 
   Args:
     logits: ``[B, L, V]``.
-    targets: ``[B, L]`` int.
+    targets: ``[B, L]`` int; a target below 0 is not scored
+      (``mha.data.UNSCORED``).
     inputs: ``[B, L]`` int, 0 = padding (defines the valid positions).
     weights: optional float ``[B, L]``, each position's weight in the sums
       (the Flax lm1b example's): a next-token task scores only some
       positions (``mha.data.next_token_arrays``). None: 1 at every valid
-      position, the sums above exactly.
+      position with a target >= 0 (``mha.data.scored``), the sums above
+      exactly.
 
   Returns:
     ``loss_sum``, ``correct`` and ``tokens`` (token-level sums, weighted),
     and ``exact`` and ``sequences`` (1 when every valid position, or every
     position of nonzero weight, is right; 1 when there is one).
   """
+  if weights is None:
+    valid = data.scored(inputs, targets)
+    targets = jnp.maximum(targets, 0)  # An unscored target's loss is not summed.
   ce = optax.softmax_cross_entropy_with_integer_labels(
       logits.astype(jnp.float32), targets)
   if weights is None:
-    valid = inputs != 0
     right = (jnp.argmax(logits, -1) == targets) & valid
     loss_sum = jnp.sum(jnp.where(valid, ce, 0.0), axis=-1)
     correct, tokens = jnp.sum(right, axis=-1), jnp.sum(valid, axis=-1)

@@ -244,8 +244,8 @@ def _heads_of_order(ckpt, order: str, fraction: float
   export.check_order(ckpt.model_config, order,
                      oracle_max_heads=options.oracle_max_heads)
   config = ckpt.config
-  validation = data.load_splits(build.data_spec(config),
-                                config.data.data_dir)["validation"]
+  validation = data.scored_targets(data.load_splits(
+      build.data_spec(config), config.data.data_dir)["validation"])
   return export.heads_of_order(
       ckpt.model, ckpt.params, validation, order, fraction,
       batch_size=options.batch_size,

@@ -77,8 +77,8 @@ def coverage(workdir: str, repeats: int, pairs: int,
   from mha.pruning import shapley
   ckpt = checkpoint.load_checkpoint(workdir)
   config = ckpt.model_config
-  val = data.load_splits(build.data_spec(ckpt.config),
-                         ckpt.config.data.data_dir)["validation"]
+  val = data.scored_targets(data.load_splits(
+      build.data_spec(ckpt.config), ckpt.config.data.data_dir)["validation"])
   if examples is not None:
     val = data.Split(val.inputs[:examples], val.targets[:examples])
   start = time.perf_counter()

@@ -82,6 +82,45 @@ def test_subsets_equal_masked_models(kwargs):
                                 examples["correct"].sum(-1))
 
 
+def test_a_decoders_subsets_score_the_positions_its_weights_choose():
+  """On a causal decoder whose task scores some positions (a recall task's
+  answers), the oracle on the split with its weights folded into its targets
+  (``data.scored_targets``) equals the weighted metrics of the model under
+  each mask (``evaluate.metric_sums`` with ``weights``), and the streamed
+  program the per-example one."""
+  config = TransformerConfig(vocab_size=9, num_layers=2, num_heads=2,
+                             d_model=8, mlp_dim=8, max_len=10, causal=True,
+                             num_kv_heads=1)
+  model = Transformer(config)
+  params = model.init(jax.random.key(1),
+                      jnp.ones((1, config.max_len), jnp.int32))["params"]
+  rng = np.random.default_rng(1)
+  inputs = rng.integers(1, 9, (12, 10)).astype(np.int32)
+  targets = rng.integers(1, 9, (12, 10)).astype(np.int32)
+  weights = np.zeros((12, 10), np.float32)
+  weights[:, -3:] = 1  # the answers
+  weights[0] = 0  # an example with nothing scored
+  split = data.Split(inputs, targets, weights=weights)
+  scored = data.scored_targets(split)
+  assert scored.weights is None and np.all(scored.targets[:, :-3] < 0)
+  masks = oracle.subset_masks(config)
+  reference = {k: [] for k in ("loss", "token_accuracy", "exact_match")}
+  for mask in masks:
+    logits, _ = model.apply({"params": params}, inputs,
+                            head_mask=jnp.asarray(mask))
+    got = eval_lib.summarize(eval_lib.metric_sums(logits, targets, inputs,
+                                                  weights))
+    for key in reference:
+      reference[key].append(got[key])
+  for per_example in (False, True):
+    got = oracle.evaluate_subsets(model, params, scored, batch_size=5,
+                                  per_example=per_example)
+    if per_example:
+      got = core.summarize_examples(got)
+    for key, want in reference.items():
+      np.testing.assert_allclose(got[key], want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow  # seconds of compiling: the full suite only
 def test_streamed_oracle_equals_the_per_example_table():
   """The streamed oracle (sums over the examples only, O(2**N) memory, the

@@ -338,9 +338,11 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
   block = EncoderBlock(cfg, count)
   batch = targets.shape[0]
   basis = jnp.concatenate([jnp.zeros((1, count)), jnp.eye(count)])
-  onehot = (jax.nn.one_hot(positions // targets.shape[1], batch) *
-            weights[:, None])  # [P, B]: each valid position's example
   flat_targets = targets.reshape(-1)[positions]
+  counted = weights * (flat_targets >= 0)  # a target < 0 is not scored
+  onehot = (jax.nn.one_hot(positions // targets.shape[1], batch) *
+            counted[:, None])  # [P, B]: each scored position's example
+  flat_targets = jnp.maximum(flat_targets, 0)
 
   def for_prefix(x):
     if shift is None and added is None:
@@ -424,7 +426,7 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
   cfg = model.config
   attention_mask = model_mask(cfg, inputs)
   xs = embed_tokens(model, params, inputs)[None]  # [prefixes, B, T, D]
-  valid = inputs != 0
+  counted = data.scored(inputs, targets)  # the positions the sums count
   fast = positions is not None and cfg.heads_per_layer[-1] > 0
   added = (ablation.layer_shifts(model, params) if ablation is not None
            else [None] * cfg.num_layers)
@@ -439,7 +441,7 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
     if fast and layer == cfg.num_layers - 1:
       per_subset = _last_layer_sums(
           model, params, xs, attention_mask, codes, positions,
-          position_weights, targets, jnp.sum(valid, axis=-1), shift,
+          position_weights, targets, jnp.sum(counted, axis=-1), shift,
           added[layer])
       per_subset = tuple(v.reshape((-1,) + v.shape[2:]) for v in per_subset)
       break
@@ -467,8 +469,8 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
       jnp.transpose(v.reshape(sizes + [v.shape[-1]]), axes).reshape(
           (-1, v.shape[-1])) for v in per_subset)
   return {"loss_sum": loss, "correct": correct, "exact": exact,
-          "tokens": jnp.sum(valid, axis=-1),
-          "sequences": jnp.any(valid, axis=-1).astype(jnp.int32)}
+          "tokens": jnp.sum(counted, axis=-1),
+          "sequences": jnp.any(counted, axis=-1).astype(jnp.int32)}
 
 
 def _sums(model, params, inputs, targets, per_example, bias_shifts=None,
@@ -597,7 +599,7 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
   codes = _bits(config.heads_per_layer[0])
   totals = {k: np.zeros((rest, first)) for k in ("loss_sum", "correct",
                                                  "exact")}
-  valid = np.asarray(split.inputs) != 0
+  valid = data.scored(np.asarray(split.inputs), np.asarray(split.targets))
   counts = {"tokens": float(valid.sum()),
             "sequences": float(valid.any(axis=-1).sum())}
   balanced = _balanced(split, examples)

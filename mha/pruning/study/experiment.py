@@ -165,13 +165,6 @@ def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
     check_out_dir(workdir, out_dir)  # Before the checkpoint is read.
   first = (checkpoint if checkpoint is not None
            else ckpt_lib.load_checkpoint(workdir, step))
-  if first.model_config.causal:
-    # The oracle and the measures score every non-padding position; a
-    # next-token task scores the positions its weights choose.
-    raise ValueError(
-        f"{workdir} holds a causal decoder ({first.config.task}): the head "
-        "study does not read a next-token task's loss weights yet (issue "
-        "57); it runs on the encoder tasks")
   check_out_dir(workdir, out_dir, first)  # Its config compared too.
   seeds_lib.check_seeds(first, out_dir, options.num_seeds, options.retrain_seeds)
   if options.remove_heads:
@@ -429,7 +422,11 @@ def run(workdir: str, out_dir: str, options: StudyOptions,
   checkpoints = seeds_lib.seed_models(first, out_dir, options.num_seeds, log,
                             retrain=options.retrain_seeds)
   config = first.config
-  splits = data.load_splits(build.data_spec(config), config.data.data_dir)
+  # A next-token task's weights folded into its targets: every technique
+  # scores the positions the task scores (a recall task's answers).
+  splits = {name: data.scored_targets(split) for name, split in
+            data.load_splits(build.data_spec(config),
+                             config.data.data_dir).items()}
   experiment_start = time.perf_counter()
   seeds, agg, extra = _analyze_all(checkpoints, splits, options, log,
                                    out_dir, workdir)
