@@ -159,6 +159,33 @@ def test_seed_statistics_of_a_known_curve():
   assert nested["curve_summary"]["a"]["auc_token_accuracy_ci"].shape == (2,)
 
 
+def test_the_level_prunable_by_loss_counts_bits():
+  # Losses (nats per token) of masks 0..3: the unpruned one, +0.04 bits,
+  # +0.06 bits, +0.01 bits. Within 0.05 bits, curve a (0, 1, 2, 3) keeps 1
+  # head removed (the third point is out, so the fourth does not count).
+  bits = np.array([0.0, 0.04, 0.06, 0.01])
+  loss = np.log(2.0) * (1.0 + bits)
+  sums = {"correct": np.ones((4, 2)), "tokens": np.ones((4, 2)),
+          "loss_sum": np.repeat(loss[:, None], 2, axis=1),
+          "exact": np.ones((4, 2)), "sequences": np.ones((4, 2))}
+  ids = {"all": {"a": np.array([[0, 1, 2, 3]]),
+                 "oracle_by_loss": np.array([[0, 3, 1, 2]])}}
+  weights = np.ones((3, 2))
+  out = summary.seed_statistics(
+      ids, {"all": np.array([0, 1, 2, 3])}, 3, sums, sums, weights, weights,
+      tolerance=0.01, select={"oracle_by_loss": "loss"},
+      loss_tolerance_bits=0.05)
+  assert out[("all", "a", "prunable_heads_loss")][0] == 1
+  assert out[("all", "a", "test_bits_at_prunable_loss")][0] == (
+      pytest.approx(1.04))
+  assert out[("all", "oracle_by_loss", "prunable_heads_loss")][0] == 2
+  assert out[("all", "a", "prunable_heads_loss_minus_oracle_by_loss")][0] == -1
+  stricter = summary.seed_statistics(
+      ids, {"all": np.array([0, 1, 2, 3])}, 3, sums, sums, weights, weights,
+      tolerance=0.01, loss_tolerance_bits=0.02)
+  assert stricter[("all", "a", "prunable_heads_loss")][0] == 0
+
+
 def test_tuned_minus_untuned_is_paired_in_every_replicate():
   # Kwon et al.'s subsets untuned (masks 0, 1, 2) and tuned (0, 3, 2): the
   # tuned mask 3 is right on example 0 only, mask 1 on neither. Replicate 1

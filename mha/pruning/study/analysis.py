@@ -902,7 +902,8 @@ def analyze_seed(model: Transformer, params: Params,
   statistics = summary.seed_statistics(
       curves, plan.counts, m["num_heads"], m["val_sums"],
       m["test_sums"], resamples.validation, resamples.test,
-      options.tolerance, select=SELECTED, half_split=plan.half_split)
+      options.tolerance, select=SELECTED, half_split=plan.half_split,
+      loss_tolerance_bits=options.loss_tolerance_bits)
   val = core.summarize_examples(m["val_sums"])
   test = core.summarize_examples(m["test_sums"])
   nested = summary.seed_summary(statistics)

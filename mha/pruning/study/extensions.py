@@ -158,7 +158,8 @@ def mean_ablation_seed(seed: SeedInputs, options: StudyOptions, log: Log
   return summary.seed_statistics(
       plan.curves, plan.counts, n, sums["validation"], sums["test"],
       seed.val_weights, seed.test_weights, options.tolerance,
-      select=analysis.SELECTED)
+      select=analysis.SELECTED,
+      loss_tolerance_bits=options.loss_tolerance_bits)
 
 
 def aggregate_mean_ablation(per_seed: Sequence[Mapping[summary.Key, Any]],

@@ -96,6 +96,9 @@ class StudyOptions:
       "removal.")
   tolerance: float = _option(
       0.01, "Accuracy loss counted as none (0.01 = 1 point).")
+  loss_tolerance_bits: float = _option(
+      0.05, "Loss increase counted as none by the level prunable by loss, "
+      "in bits per scored token (a character LM's bits per character).")
   speed_fractions: tuple[float, ...] = _option(
       (0.25, 0.5, 0.75),
       "Fractions of heads physically pruned for the speed table.")
@@ -221,6 +224,9 @@ class StudyOptions:
           f"--step_fraction must be in [0, 1], got {self.step_fraction}")
     if not 0.0 <= self.tolerance <= 1.0:
       raise ValueError(f"--tolerance must be in [0, 1], got {self.tolerance}")
+    if not 0.0 <= self.loss_tolerance_bits <= 100.0:
+      raise ValueError("--loss_tolerance_bits must be in [0, 100], got "
+                       f"{self.loss_tolerance_bits}")
     if self.speed_max_repeats < self.speed_repeats:
       raise ValueError(
           f"--speed_max_repeats ({self.speed_max_repeats}) must be >= "

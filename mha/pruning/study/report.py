@@ -759,8 +759,13 @@ def _loss_oracle_section(results: Mapping[str, Any]) -> list[str]:
            md.ci(summary[k], "auc_loss_minus_oracle_by_loss", 3, sign=True),
            md.ci(summary[k], "auc_token_accuracy"),
            md.ci(summary[k], "auc_token_accuracy_minus_oracle", sign=True),
-           md.ci(summary[k], "prunable_heads_token_accuracy", 1)]
+           md.ci(summary[k], "prunable_heads_token_accuracy", 1),
+           md.ci(summary[k], "prunable_heads_loss", 1),
+           md.ci(summary[k], "prunable_heads_loss_minus_oracle_by_loss", 1,
+                 sign=True),
+           md.ci(summary[k], "test_bits_at_prunable_loss", 3)]
           for k in names if k in summary]
+  bits = results["options"].get("loss_tolerance_bits", 0.05)
   return [
       "## The oracle by loss", "",
       "The oracle above chooses each subset by validation token accuracy; "
@@ -769,10 +774,15 @@ def _loss_oracle_section(results: Mapping[str, Any]) -> list[str]:
       "each subset by the lowest validation loss (again in each replicate "
       "among its candidates), from the same table. AUC loss: the area "
       "under the test loss curve over the fraction removed (nats; lower is "
-      "better); Δ vs oracle by loss: a curve's excess of it.", ""
+      "better); Δ vs oracle by loss: a curve's excess of it. Prunable by "
+      f"loss: the most heads removed with every validation point within "
+      f"{bits:g} bits per scored token of the unpruned loss "
+      "(--loss_tolerance_bits; for a character LM, bits per character), "
+      "and the test loss there in bits.", ""
   ] + md.table(["curve", "AUC test loss", "Δ vs oracle by loss",
                 "AUC token acc.", "Δ vs oracle (token acc.)",
-                "prunable heads (val.)"], rows)
+                "prunable heads (val.)", f"prunable by loss (≤ {bits:g} bits)",
+                "Δ vs oracle by loss", "test bits there"], rows)
 
 
 #: The curves of the over-training table, beside the oracle's level.

@@ -123,13 +123,23 @@ def _point_at(fractions: np.ndarray, fraction: float) -> int:
   return int(np.flatnonzero(fractions <= fraction + 1e-9)[-1])
 
 
-def _loss_statistics(fractions: np.ndarray, val: np.ndarray,
-                     test: np.ndarray) -> dict[str, np.ndarray]:
+def _loss_statistics(fractions: np.ndarray, counts: np.ndarray,
+                     val: np.ndarray, test: np.ndarray,
+                     loss_tolerance_bits: float) -> dict[str, np.ndarray]:
   """The loss curves (``[1 + R, orders, points]`` each) on test and
-  validation and the area under the test one (the mean test loss over the
-  fractions removed; lower is better)."""
+  validation, the area under the test one (the mean test loss over the
+  fractions removed; lower is better), and the level prunable by loss: the
+  most heads removed up to which every validation point's loss stays
+  within ``loss_tolerance_bits`` bits (per scored token; for a character
+  LM, bits per character) of the unpruned loss, with the test loss there in
+  bits."""
+  # Within the tolerance <=> minus the loss within it of minus point 0.
+  last = _prunable_index(-val, loss_tolerance_bits * np.log(2.0))
+  at = np.take_along_axis(test, last[..., None], axis=-1)[..., 0]
   return {"curve_loss": test.mean(1), "validation_curve_loss": val.mean(1),
-          "auc_loss": _auc(fractions, test).mean(1)}
+          "auc_loss": _auc(fractions, test).mean(1),
+          "prunable_heads_loss": counts[last].astype(np.float64).mean(1),
+          "test_bits_at_prunable_loss": (at / np.log(2.0)).mean(1)}
 
 
 def _select(ids: np.ndarray, val_m: Mapping[str, np.ndarray],
@@ -196,7 +206,9 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
                     tolerance: float,
                     select: Collection[str] = ("oracle",),
                     half_split: Mapping[str, Mapping[str, np.ndarray]]
-                    | None = None) -> dict[Key, np.ndarray]:
+                    | None = None,
+                    loss_tolerance_bits: float = 0.05
+                    ) -> dict[Key, np.ndarray]:
   """Every statistic of one seed under the full sample and each resample.
 
   Args:
@@ -217,6 +229,8 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
       use instead of ``curves``' (the oracle's candidates ranked on the
       first half of validation alone, so that the second half is held out
       from them).
+    loss_tolerance_bits: loss increase counted as none by the level
+      prunable by loss (``prunable_heads_loss``), in bits per scored token.
 
   Returns:
     ``(variant, curve, statistic) -> [1 + R, ...]``.
@@ -248,7 +262,8 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
       if variant == "all":
         val, test = _values(name, ids, val_m, test_m, "loss", select)
         out.update({(variant, name, k): v for k, v in _loss_statistics(
-            fractions, val, test).items()})
+            fractions, counts[variant], val, test,
+            loss_tolerance_bits).items()})
     _differences(out, variant, list(by_name))
   _no_layer_emptied_change(out, curves, counts, num_heads, val_m, test_m,
                            select)
@@ -277,9 +292,10 @@ def _differences(out: dict[Key, np.ndarray], variant: str,
   if LOSS_REFERENCE in names:  # Lower is better: the excess loss.
     for name in names:
       if name != LOSS_REFERENCE and (variant, name, "auc_loss") in out:
-        out[(variant, name, f"auc_loss_minus_{LOSS_REFERENCE}")] = (
-            out[(variant, name, "auc_loss")]
-            - out[(variant, LOSS_REFERENCE, "auc_loss")])
+        for stat in ("auc_loss", "prunable_heads_loss"):
+          out[(variant, name, f"{stat}_minus_{LOSS_REFERENCE}")] = (
+              out[(variant, name, stat)]
+              - out[(variant, LOSS_REFERENCE, stat)])
 
 
 def _no_layer_emptied_change(out: dict[Key, np.ndarray],
