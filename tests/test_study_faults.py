@@ -368,19 +368,20 @@ def test_chaos_kill_9_through_a_two_seed_study_then_it_ends_as_if_never_killed(
 
 
 @pytest.mark.slow
-def test_the_study_runs_on_a_causal_decoder_scoring_its_answers(
+def test_the_study_runs_on_a_grouped_decoder_scoring_its_answers(
     tmp_path, data_dir, subprocess_env):
   """The head study on a decoder (issue 57) scores the positions the task's
   weights choose: its unpruned validation figures are the training run's
-  own (answer tokens of a recall task), the oracle's removal of every head
-  among its subsets."""
+  own (answer tokens of a recall task). On a GQA model it also prunes whole
+  KV groups, with the head-level study's keys."""
   from configs import default  # pylint: disable=import-outside-toplevel
   from mha import train  # pylint: disable=import-outside-toplevel
   workdir = str(tmp_path / "mqar")
   train.train_and_evaluate(default.get_config(
-      f"tiny,mqar,num_train_steps=2,data.data_dir={data_dir},"
-      "data.context_length=24,data.num_pairs=2,data.num_train_examples=64,"
-      "data.num_eval_examples=16,eval_batch_size=16,batch_size=8"), workdir)
+      f"tiny,mqar,model.num_heads=4,gqa,num_train_steps=2,"
+      f"data.data_dir={data_dir},data.context_length=24,data.num_pairs=2,"
+      "data.num_train_examples=64,data.num_eval_examples=16,"
+      "eval_batch_size=16,batch_size=8"), workdir)
   out = tmp_path / "pruning"
   result = run([sys.executable, STUDY, f"--workdir={workdir}",
                 f"--out={out}", *_SMALL, "--noover_training"],
@@ -393,4 +394,17 @@ def test_the_study_runs_on_a_causal_decoder_scoring_its_answers(
   for key in ("loss", "token_accuracy", "exact_match"):
     np.testing.assert_allclose(unpruned[key], final[f"validation/{key}"],
                                rtol=1e-5)
-  assert [e["k"] for e in seed["oracle"]] == list(range(5))
+  assert [e["k"] for e in seed["oracle"]] == list(range(9))  # 8 heads
+  groups = seed["kv_groups"]  # 2 layers x 2 groups of 2 query heads
+  assert groups["num_groups"] == 4 and groups["heads_per_group"] == [2, 2]
+  assert [e["k"] for e in groups["oracle"]] == list(range(5))
+  assert groups["oracle"][0]["validation"] == seed["oracle"][0]["validation"]
+  # Removing every group is removing every head.
+  for split in ("validation", "test"):
+    np.testing.assert_allclose(groups["oracle"][4][split]["token_accuracy"],
+                               seed["oracle"][8][split]["token_accuracy"])
+  for name in ("oracle", "random"):  # the head-level study's keys
+    assert set(groups["curve_summary"][name]) <= set(
+        seed["curve_summary"][name])
+  assert "prunable_heads_token_accuracy" in groups["curve_summary"]["oracle"]
+  assert "## KV groups" in (out / "report.md").read_text()

@@ -37,6 +37,7 @@ from mha.pruning import orderings
 from mha.pruning import searches as searches_lib
 from mha.pruning import shapley as shapley_lib
 from mha.pruning import stats
+from mha.pruning.study import kv_group_study
 from mha.pruning.study import summary
 from mha.pruning.study.options import StudyOptions
 
@@ -926,6 +927,11 @@ def analyze_seed(model: Transformer, params: Params,
       "bootstrap_importance": bootstrap_info,
       "timings": timings,
   }
+  if kv_group_study.applies(model, options):  # GQA: whole groups too
+    out[kv_group_study.VARIANT], group_statistics = kv_group_study.analyze(
+        model, params, splits, options, resamples.validation, resamples.test,
+        log)
+    statistics.update(group_statistics)
   for name, ids in plan.chains.items():  # best_ordering, oracle_by_loss
     out[name] = _oracle_entries(config, plan, "all", val, test, ids)
   out["cost"] = method_costs(
@@ -995,6 +1001,8 @@ def aggregate(seed_results: Sequence[Mapping[str, Any]],
   nested = summary.aggregate_statistics(seed_statistics, seed_weights)
   out: dict[str, Any] = {**nested["all"],
                          "no_layer_emptied": nested["no_layer_emptied"]}
+  if kv_group_study.VARIANT in nested:
+    out[kv_group_study.VARIANT] = nested[kv_group_study.VARIANT]
   out["spearman"] = {
       key: stats.fisher_mean([r["spearman"][key] for r in seed_results])
       for key in seed_results[0]["spearman"]}

@@ -346,6 +346,7 @@ def report_lines(results: Mapping[str, Any]) -> list[str]:
   lines += _searches_section(results)
   lines += _tuning_section(results)
   lines += _loss_oracle_section(results)
+  lines += _kv_groups_section(results)
   lines += _over_training_section(results)
   lines += _no_layer_emptied_section(results)
   lines += _spearman_section(results)
@@ -737,6 +738,46 @@ def _oracle_section(results: Mapping[str, Any]) -> list[str]:
       "split, among the few best subsets of the full split for each number "
       "of heads removed, so the oracle's intervals include the variability "
       "of its choice.", ""]
+
+
+#: The group-level curves, in the order of the KV-groups table.
+KV_GROUP_CURVES = {"oracle": "oracle (best subset of groups)",
+                   "oracle_by_loss": "oracle by loss",
+                   "gradient": "gradient (group mask)",
+                   "fisher": "Fisher (group mask)",
+                   "leave_one_out": "leave-one-group-out",
+                   "random": "random"}
+
+
+def _kv_groups_section(results: Mapping[str, Any]) -> list[str]:
+  """A GQA model pruned by whole key/value groups beside the head-level
+  oracle: the same statistics with groups as the units."""
+  groups = results["aggregate"].get("kv_groups")
+  if not groups:
+    return []
+  first = results["seeds"][0]["kv_groups"]
+  size = max(first["heads_per_group"])
+  summary = groups["curve_summary"]
+  heads = results["aggregate"]["curve_summary"].get("oracle", {})
+  rows = [[label, md.ci(summary[k], "auc_token_accuracy"),
+           md.ci(summary[k], "auc_token_accuracy_minus_oracle", sign=True),
+           md.ci(summary[k], "prunable_heads_token_accuracy", 1),
+           md.ci(summary[k], "test_token_accuracy_at_prunable"),
+           md.ci(summary[k], "prunable_heads_loss", 1)]
+          for k, label in KV_GROUP_CURVES.items() if k in summary]
+  return [
+      "## KV groups", "",
+      f"The model's query heads share key/value heads ({first['num_groups']} "
+      f"groups of {size} query heads). Removing a whole group removes its "
+      "key and value projections, all its query heads and its share of the "
+      "KV cache. The same statistics with groups as the units (every "
+      f"subset of the {first['num_groups']} groups evaluated): prunable "
+      "counts are groups. Head level, for comparison: the oracle removes "
+      f"{md.ci(heads, 'prunable_heads_token_accuracy', 1)} heads within "
+      "the tolerance (any heads, not whole groups).", ""
+  ] + md.table(["curve", "AUC token acc.", "Δ vs oracle", "prunable groups "
+                "(val.)", "test token acc. there",
+                "prunable groups by loss"], rows)
 
 
 #: The orderings that rank heads by the loss (the gradient family and the

@@ -259,7 +259,7 @@ def seed_statistics(curves: Mapping[str, Mapping[str, np.ndarray]],
         found.update(_half_split_statistics(counts[variant], first, second,
                                             test_h, metric, tolerance))
         out.update({(variant, name, k): v for k, v in found.items()})
-      if variant == "all":
+      if variant in ("all", "kv_groups"):  # the granularities of units
         val, test = _values(name, ids, val_m, test_m, "loss", select)
         out.update({(variant, name, k): v for k, v in _loss_statistics(
             fractions, counts[variant], val, test,
