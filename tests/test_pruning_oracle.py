@@ -82,6 +82,7 @@ def test_subsets_equal_masked_models(kwargs):
                                 examples["correct"].sum(-1))
 
 
+@pytest.mark.slow  # seconds of compiling: the full suite only
 def test_a_decoders_subsets_score_the_positions_its_weights_choose():
   """On a causal decoder whose task scores some positions (a recall task's
   answers), the oracle on the split with its weights folded into its targets
