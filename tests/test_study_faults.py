@@ -408,3 +408,20 @@ def test_the_study_runs_on_a_grouped_decoder_scoring_its_answers(
         seed["curve_summary"][name])
   assert "prunable_heads_token_accuracy" in groups["curve_summary"]["oracle"]
   assert "## KV groups" in (out / "report.md").read_text()
+
+
+def test_max_examples_keeps_evenly_spaced_examples_of_validation_and_test(
+    data_dir):
+  from conftest import tiny_config  # pylint: disable=import-outside-toplevel
+  from mha.pruning.study import StudyOptions  # pylint: disable=import-outside-toplevel
+  from mha.pruning.study import experiment  # pylint: disable=import-outside-toplevel
+  config = tiny_config(data_dir)
+  full = experiment.study_splits(config, StudyOptions())
+  cut = experiment.study_splits(config, StudyOptions(max_examples=5))
+  for name in ("validation", "test"):
+    rows = np.linspace(0, len(full[name]) - 1, 5).round().astype(int)
+    np.testing.assert_array_equal(cut[name].inputs, full[name].inputs[rows])
+    np.testing.assert_array_equal(cut[name].targets, full[name].targets[rows])
+  assert len(cut["train"]) == len(full["train"])
+  with pytest.raises(ValueError, match="--max_examples must be >= 0"):
+    StudyOptions(max_examples=-1).validate()

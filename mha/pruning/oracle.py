@@ -705,15 +705,22 @@ def _valid_positions(inputs: np.ndarray, width: int) -> tuple[Array, Array]:
 #: cores (fitted with the grid's cell times of 2026-11-27: about 14 s at 12
 #: heads; 155-250 s at 16 heads alone), a rough guess elsewhere.
 SECONDS_PER_SUBSET = 3.5e-3
+#: The validation positions (non-padding tokens) those seconds were fitted
+#: on: 1,000 examples of 1 to 16 tokens, 8.5 on average.
+REFERENCE_POSITIONS = 8_500
 #: Above this many seconds of oracle (all seeds), the study refuses to start
 #: unless the estimate is accepted (``--accept_estimate``).
 ACCEPT_ABOVE_S = 30 * 60
 
 
-def expected_seconds(config: TransformerConfig) -> float:
+def expected_seconds(config: TransformerConfig,
+                     positions: int | None = None) -> float:
   """A rough guess of the oracle's seconds for one model of ``config`` on 2
-  CPU cores: :data:`SECONDS_PER_SUBSET` per subset, ``2**N`` subsets."""
-  return SECONDS_PER_SUBSET * 2.0 ** num_heads(config)
+  CPU cores: :data:`SECONDS_PER_SUBSET` per subset, ``2**N`` subsets, scaled
+  by the validation split's ``positions`` (non-padding tokens) against
+  :data:`REFERENCE_POSITIONS` where given."""
+  scale = 1.0 if positions is None else positions / REFERENCE_POSITIONS
+  return SECONDS_PER_SUBSET * 2.0 ** num_heads(config) * scale
 
 
 def describe_seconds(seconds: float) -> str:
@@ -724,11 +731,13 @@ def describe_seconds(seconds: float) -> str:
           f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s")
 
 
-def describe_cost(config: TransformerConfig, models: int = 1) -> str:
+def describe_cost(config: TransformerConfig, models: int = 1,
+                  positions: int | None = None) -> str:
   """``every subset of N heads (2**N) for M models: about T, G GiB``: the
-  oracle's estimate, time (on 2 CPU cores) and memory, in words."""
+  oracle's estimate (on ``positions`` validation tokens where given), time
+  (on 2 CPU cores) and memory, in words."""
   n = num_heads(config)
-  time_ = describe_seconds(expected_seconds(config) * models)
+  time_ = describe_seconds(expected_seconds(config, positions) * models)
   return (f"every subset of {n} heads (2**{n} = {2**n:,}) for {models} "
           f"model{'s' * (models != 1)}: about {time_} (estimate, 2 CPU "
           f"cores) and {oracle_bytes(config) / 2**30:.2f} GiB")

@@ -29,6 +29,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 import jax
+import ml_collections
 import numpy as np
 
 from mha import build
@@ -134,6 +135,39 @@ def check_out_dir(workdir: str, out_dir: str,
           "this one's: choose another --out, or delete that study")
 
 
+def study_splits(config: ml_collections.ConfigDict, options: StudyOptions
+                 ) -> dict[str, data.Split]:
+  """The splits the study reads: a next-token task's weights folded into
+  its targets (``data.scored_targets``: every technique then scores the
+  positions the task scores, a recall task's answers), and validation and
+  test cut to ``options.max_examples`` evenly spaced examples where set."""
+  splits = {name: data.scored_targets(split) for name, split in
+            data.load_splits(build.data_spec(config),
+                             config.data.data_dir).items()}
+  if options.max_examples:
+    for name in ("validation", "test"):
+      split = splits[name]
+      if len(split) > options.max_examples:
+        keep = np.linspace(0, len(split) - 1, options.max_examples).round()
+        splits[name] = _take(split, keep.astype(np.int64))
+  return splits
+
+
+def _take(split: data.Split, rows: np.ndarray) -> data.Split:
+  """The examples ``rows`` of ``split`` (every per-example field)."""
+  pick = lambda a: None if a is None else np.asarray(a)[rows]
+  return dataclasses.replace(split, inputs=pick(split.inputs),
+                             targets=pick(split.targets),
+                             weights=pick(split.weights),
+                             distances=pick(split.distances))
+
+
+def _positions(split: data.Split) -> int:
+  """The non-padding tokens of ``split`` (what the oracle's cost scales
+  with)."""
+  return int(np.sum(np.asarray(split.inputs) != 0))
+
+
 def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
                  step: int | None = None,
                  checkpoint: ckpt_lib.LoadedCheckpoint | None = None,
@@ -187,11 +221,14 @@ def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
         f"{heads}")
   applies = oracle.oracle_applies(first.model_config,
                                  options.oracle_max_heads)
-  seconds = oracle.expected_seconds(first.model_config) * options.num_seeds
+  positions = (_positions(study_splits(first.config, options)["validation"])
+               if applies else None)
+  seconds = (oracle.expected_seconds(first.model_config, positions)
+             * options.num_seeds)
   if applies and seconds > oracle.ACCEPT_ABOVE_S and not accept_estimate:
     raise ValueError(
         f"--oracle_max_heads={options.oracle_max_heads}: the oracle is "
-        f"{oracle.describe_cost(first.model_config, options.num_seeds)}, "
+        f"{oracle.describe_cost(first.model_config, options.num_seeds, positions)}, "
         f"over {oracle.ACCEPT_ABOVE_S // 60} min; to run it, give "
         "--oracle_max_heads explicitly with --accept_estimate, or lower "
         f"--oracle_max_heads below {heads}")
@@ -204,7 +241,8 @@ def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
   return first
 
 
-def estimate(first: ckpt_lib.LoadedCheckpoint, options: StudyOptions) -> str:
+def estimate(first: ckpt_lib.LoadedCheckpoint, options: StudyOptions,
+             positions: int | None = None) -> str:
   """One line: the study's estimated time and memory of the oracle, the
   part whose cost grows as ``2**N`` (the rest takes seconds to minutes at
   these sizes), or that the oracle is skipped."""
@@ -213,7 +251,7 @@ def estimate(first: ckpt_lib.LoadedCheckpoint, options: StudyOptions) -> str:
     return (f"Estimate: the oracle is skipped ({oracle.num_heads(config)} "
             f"heads > --oracle_max_heads={options.oracle_max_heads})")
   return ("Estimate: the oracle is "
-          + oracle.describe_cost(config, options.num_seeds))
+          + oracle.describe_cost(config, options.num_seeds, positions))
 
 
 def _analyze_all(checkpoints: Sequence[ckpt_lib.LoadedCheckpoint],
@@ -417,16 +455,12 @@ def run(workdir: str, out_dir: str, options: StudyOptions,
   start = time.perf_counter()
   first = check_inputs(workdir, out_dir, options, step, checkpoint,
                        accept_estimate)
-  log(estimate(first, options))
+  config = first.config
+  splits = study_splits(config, options)
+  log(estimate(first, options, _positions(splits["validation"])))
   os.makedirs(out_dir, exist_ok=True)
   checkpoints = seeds_lib.seed_models(first, out_dir, options.num_seeds, log,
                             retrain=options.retrain_seeds)
-  config = first.config
-  # A next-token task's weights folded into its targets: every technique
-  # scores the positions the task scores (a recall task's answers).
-  splits = {name: data.scored_targets(split) for name, split in
-            data.load_splits(build.data_spec(config),
-                             config.data.data_dir).items()}
   experiment_start = time.perf_counter()
   seeds, agg, extra = _analyze_all(checkpoints, splits, options, log,
                                    out_dir, workdir)

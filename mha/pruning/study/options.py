@@ -123,6 +123,10 @@ class StudyOptions:
       (), "Also prune exactly these heads and report test accuracy, e.g. "
       "0:1,1:3 (LAYER:HEAD, 0-based).")
   batch_size: int = _option(1000, "Examples per evaluation call.")
+  max_examples: int = _option(
+      0, "Study at most this many examples of validation and of test, "
+      "evenly spaced through each split (0: all); for a split of many long "
+      "examples, such as the character LM's windows.")
   seed: int = _option(0, "Seed of the random orders.")
   speed: bool = _option(True, "Run the speed table.")
   plots: bool = _option(
@@ -202,6 +206,9 @@ class StudyOptions:
 
   def validate(self) -> None:
     """Raises ValueError naming the first bad setting."""
+    if self.max_examples < 0:
+      raise ValueError(
+          f"--max_examples must be >= 0 (0: all), got {self.max_examples}")
     for name in ("num_seeds", "oracle_max_heads", "num_bootstrap",
                  "num_random_orders", "speed_repeats", "batch_size",
                  "beam_width", "surrogate_top"):
