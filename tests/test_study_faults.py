@@ -384,7 +384,8 @@ def test_the_study_runs_on_a_grouped_decoder_scoring_its_answers(
       "eval_batch_size=16,batch_size=8"), workdir)
   out = tmp_path / "pruning"
   result = run([sys.executable, STUDY, f"--workdir={workdir}",
-                f"--out={out}", *_SMALL, "--noover_training"],
+                f"--out={out}", *_SMALL, "--noover_training",
+                "--nosearches", "--noreestimate", "--nobootstrap_importance"],
                env=subprocess_env)
   assert result.returncode == 0, result.stderr[-3000:]
   seed = json.loads((out / "results.json").read_text())["seeds"][0]
