@@ -8,7 +8,8 @@ removed together), under the same keys as the head-level study
 (``curve_summary``, ``oracle``, ``oracle_by_loss``, ``importance``,
 ``orders``, ``counts``, ``fractions``), so both granularities sit side by
 side. The statistics use the head-level study's resamples of the same
-examples, so the two are paired.
+examples, so the two are paired. Removed groups output zero (zero
+ablation), whatever ``--ablation`` the head level uses.
 
 The orderings at group level: the group gradient (Michel et al.'s mean
 absolute per-example gradient of the group's mask), Fisher (its mean
