@@ -14,7 +14,8 @@ of a sequence of valid length ``n`` with tokens ``x``:
   occurs once are left out, and the query's own position does not count, so
   a head that attends to itself does not score here);
 * ``diffuse``: the normalised entropy of the query's weights over the ``n``
-  valid keys, ``H(w) / log n = 1 - KL(w || uniform) / log n``: 1 for a
+  keys it may attend to (the valid keys; in a causal model, those up to
+  the query), ``H(w) / log n = 1 - KL(w || uniform) / log n``: 1 for a
   uniform head, 0 for a head on one key (queries with ``n >= 2``).
 
 The first five are attention *masses* on a pattern; ``diffuse`` is the
@@ -77,13 +78,16 @@ def pattern_keys(tokens_BxL: Array) -> dict[str, Array]:
   return {name: key & pairs_BxQxK for name, key in keys.items()}
 
 
-def role_sums(weights_BxHxQxK: Array, tokens_BxL: Array
+def role_sums(weights_BxHxQxK: Array, tokens_BxL: Array,
+              causal: bool = False
               ) -> tuple[dict[str, Array], dict[str, Array]]:
   """Sums over a batch of every pattern's per-query score, per head.
 
   Args:
     weights_BxHxQxK: one layer's attention weights (padding queries all 0).
     tokens_BxL: the batch's tokens, 0 = padding (a valid prefix per row).
+    causal: the weights are a causal model's: query ``i`` may attend to
+      keys ``<= i`` only (``diffuse`` is normalised by their number).
 
   Returns:
     ``(sums, counts)``: ``sums[pattern]`` ``[H]`` float32, the sum of the
@@ -102,9 +106,12 @@ def role_sums(weights_BxHxQxK: Array, tokens_BxL: Array
   n_B = jnp.sum(valid_BxL, axis=-1)
   entropy_BxHxQ = -jnp.sum(
       jnp.where(w > 0, w * jnp.log(jnp.where(w > 0, w, 1.0)), 0.0), axis=-1)
-  log_n = jnp.log(jnp.maximum(n_B, 2).astype(jnp.float32))
-  defined_BxQ = valid_BxL & (n_B >= 2)[:, None]
-  diffuse_BxHxQ = jnp.clip(entropy_BxHxQ / log_n[:, None, None], 0.0, 1.0)
+  keys_BxQ = jnp.broadcast_to(n_B[:, None], valid_BxL.shape)
+  if causal:  # query i sees keys 0..i
+    keys_BxQ = jnp.minimum(keys_BxQ, jnp.arange(valid_BxL.shape[-1])[None] + 1)
+  log_n_BxQ = jnp.log(jnp.maximum(keys_BxQ, 2).astype(jnp.float32))
+  defined_BxQ = valid_BxL & (keys_BxQ >= 2)
+  diffuse_BxHxQ = jnp.clip(entropy_BxHxQ / log_n_BxQ[:, None], 0.0, 1.0)
   sums["diffuse"] = jnp.sum(
       jnp.where(defined_BxQ[:, None], diffuse_BxHxQ, 0.0), axis=(0, 2))
   counts["diffuse"] = jnp.sum(defined_BxQ)
@@ -112,14 +119,14 @@ def role_sums(weights_BxHxQxK: Array, tokens_BxL: Array
 
 
 def attention_role_sums(attention: Sequence[Array], tokens_BxL: Array,
-                        max_heads: int | None = None
+                        max_heads: int | None = None, causal: bool = False
                         ) -> tuple[dict[str, Array], dict[str, Array]]:
   """:func:`role_sums` of every layer: ``sums[pattern]`` ``[L, H]`` (zero
   past a layer's head count, ``H`` the largest count or ``max_heads``),
   ``counts[pattern]`` a scalar (the same queries in every layer)."""
   width = max_heads if max_heads is not None else max(
       (a.shape[1] for a in attention), default=0)
-  per_layer = [role_sums(a, tokens_BxL) for a in attention]
+  per_layer = [role_sums(a, tokens_BxL, causal) for a in attention]
   counts = per_layer[0][1] if per_layer else {p: jnp.zeros(()) for p in
                                                PATTERNS}
   sums = {p: jnp.stack([jnp.pad(s[p], (0, width - s[p].shape[0]))
@@ -143,20 +150,22 @@ def scores(sums: Mapping[str, Any], counts: Mapping[str, Any],
 
 
 def roles_of_attention(attention: Sequence[Array | np.ndarray],
-                       tokens_BxL: Array | np.ndarray
+                       tokens_BxL: Array | np.ndarray, causal: bool = False
                        ) -> dict[str, np.ndarray]:
   """Head roles of given attention weights (one ``[B, H_l, L, L]`` array
-  per layer) on the tokens ``[B, L]``: ``pattern -> [L, H]``."""
+  per layer, a causal model's where ``causal``) on the tokens ``[B, L]``:
+  ``pattern -> [L, H]``."""
   attention = [jnp.asarray(a) for a in attention]
-  sums, counts = jax.jit(attention_role_sums)(attention,
-                                              jnp.asarray(tokens_BxL))
+  sums, counts = jax.jit(attention_role_sums, static_argnames="causal")(
+      attention, jnp.asarray(tokens_BxL), causal=causal)
   return scores(sums, counts, [a.shape[1] for a in attention])
 
 
 @functools.partial(jax.jit, static_argnames="model")
 def _batch_role_sums(model: Transformer, params: Any, inputs: Array):
   _, attention = model.apply({"params": params}, inputs, return_weights=True)
-  return attention_role_sums(attention, inputs, model.config.max_heads)
+  return attention_role_sums(attention, inputs, model.config.max_heads,
+                             model.config.causal)
 
 
 def head_roles(model: Transformer, params: Any, split: data.Split,

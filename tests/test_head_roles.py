@@ -54,6 +54,22 @@ def test_planted_heads_get_their_role():
   assert roles["next_position"][0, 0] == 0.0
 
 
+def test_a_causal_uniform_head_is_diffuse_over_the_keys_it_sees():
+  # Query i of a causal model spreads its weight over keys 0..i: diffuse 1
+  # (normalised by log(i + 1), not by the log of the sequence's length),
+  # and a head on its own position 0.
+  tokens = np.array([[3, 1, 4, 1, 5, 9, 2, 6]], np.int32)
+  length = tokens.shape[1]
+  uniform = np.tril(np.ones((length, length), np.float32))
+  uniform /= uniform.sum(axis=1, keepdims=True)
+  weights = np.stack([uniform, np.eye(length, dtype=np.float32)])[None]
+  roles = head_roles.roles_of_attention([weights], tokens, causal=True)
+  assert roles["diffuse"][0, 0] == pytest.approx(1.0, abs=1e-5)
+  assert roles["diffuse"][0, 1] == pytest.approx(0.0, abs=1e-6)
+  # Read as an encoder's, the same head is below 1.
+  assert head_roles.roles_of_attention([weights], tokens)["diffuse"][0, 0] < 0.9
+
+
 def test_role_sums_pass_through_jit_and_vmap():  # stacked batches
   import jax
   rng = np.random.default_rng(2)
