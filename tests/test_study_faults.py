@@ -64,8 +64,18 @@ def test_an_oracle_estimated_above_30_minutes_is_refused_unless_accepted(
   from mha.pruning import oracle  # pylint: disable=import-outside-toplevel
   from mha.pruning.study import StudyOptions  # pylint: disable=import-outside-toplevel
   from mha.pruning.study import experiment  # pylint: disable=import-outside-toplevel
-  # The tiny model's 16 subsets, each as slow as a 20-head model's 2**20.
-  monkeypatch.setattr(oracle, "SECONDS_PER_SUBSET", 3.5e-3 * 2**16)
+  # The estimate of deep64's model on its reference split is the fitted
+  # guess, and it scales with the tokens and the cost per token.
+  from mha.model import TransformerConfig  # pylint: disable=import-outside-toplevel
+  deep64 = TransformerConfig(vocab_size=11, num_layers=3, num_heads=4,
+                             d_model=64, mlp_dim=64)
+  assert oracle.expected_seconds(deep64, oracle.REFERENCE_POSITIONS) == (
+      pytest.approx(oracle.SECONDS_PER_SUBSET * 2**12))
+  assert oracle.expected_seconds(deep64, 2 * oracle.REFERENCE_POSITIONS) == (
+      pytest.approx(2 * oracle.expected_seconds(deep64)))
+  # The tiny model's 16 subsets, estimated at an hour.
+  monkeypatch.setattr(oracle, "expected_seconds",
+                      lambda config, positions=None: 3600.0)
   out = str(tmp_path / "pruning")
   options = StudyOptions(num_seeds=1)
   with pytest.raises(ValueError, match=(

@@ -708,6 +708,12 @@ SECONDS_PER_SUBSET = 3.5e-3
 #: The validation positions (non-padding tokens) those seconds were fitted
 #: on: 1,000 examples of 1 to 16 tokens, 8.5 on average.
 REFERENCE_POSITIONS = 8_500
+#: The multiply-adds per subset and position of the last block's MLP and the
+#: read-out (:func:`_position_cost`) of the model they were fitted on
+#: (``deep64``: d_model 64, mlp_dim 64, 11 tokens). The character LM
+#: (``pylm``, 18x this) at 256 examples: 1,008 s estimated, 1,080 s
+#: measured (2026-11-29, 2 CPU cores).
+REFERENCE_COST = 2 * 64 * 64 + 64 * 11
 #: Above this many seconds of oracle (all seeds), the study refuses to start
 #: unless the estimate is accepted (``--accept_estimate``).
 ACCEPT_ABOVE_S = 30 * 60
@@ -718,9 +724,20 @@ def expected_seconds(config: TransformerConfig,
   """A rough guess of the oracle's seconds for one model of ``config`` on 2
   CPU cores: :data:`SECONDS_PER_SUBSET` per subset, ``2**N`` subsets, scaled
   by the validation split's ``positions`` (non-padding tokens) against
-  :data:`REFERENCE_POSITIONS` where given."""
-  scale = 1.0 if positions is None else positions / REFERENCE_POSITIONS
+  :data:`REFERENCE_POSITIONS` and by the model's cost per position against
+  :data:`REFERENCE_COST` where ``positions`` are given (the grid's guess,
+  fitted to its cells, gives none)."""
+  scale = 1.0 if positions is None else (
+      positions / REFERENCE_POSITIONS
+      * _position_cost(config) / REFERENCE_COST)
   return SECONDS_PER_SUBSET * 2.0 ** num_heads(config) * scale
+
+
+def _position_cost(config: TransformerConfig) -> int:
+  """Multiply-adds per subset and position of what the oracle runs once per
+  subset: the last block's MLP and the read-out."""
+  return (2 * config.d_model * config.mlp_dim
+          + config.d_model * config.vocab_size)
 
 
 def describe_seconds(seconds: float) -> str:
