@@ -448,6 +448,7 @@ def test_fused_path_equals_weights_path(batch):
   np.testing.assert_allclose(fused, with_weights, **TOL)
 
 
+@pytest.mark.slow  # over 2 s on 2 cores: the full suite only
 def test_library_path_equals_explicit_math():
   # On CPU the fused path runs the explicit math; the branch other platforms
   # take (jax.nn.dot_product_attention) must agree, fully masked rows too.

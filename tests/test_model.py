@@ -56,6 +56,7 @@ def test_padding_invariance():
   np.testing.assert_allclose(changed[0, :5], logits[0, :5], **TOL)
 
 
+@pytest.mark.slow  # over 2 s on 2 cores: the full suite only
 def test_finite_gradients_for_params_and_head_mask():
   params = _init()
   model = Transformer(CFG)

@@ -48,6 +48,7 @@ def test_valid_length():
   assert valid_length(np.array([0, 0])) == 0
 
 
+@pytest.mark.slow  # over 2 s on 2 cores: the full suite only
 def test_writes_png_2x4_with_trailing_padding(tmp_path):
   rng = np.random.default_rng(0)
   tokens = _tokens(rng, 16, 12)

@@ -320,6 +320,7 @@ def test_parse_heads():
       pruning.parse_heads(bad)
 
 
+@pytest.mark.slow  # over 2 s on 2 cores: the full suite only
 def test_time_predictions_reports_rates_and_flops():
   model, params = _init()
   pruned_params, pruned_config = pruning.prune_heads(params, CONFIG,

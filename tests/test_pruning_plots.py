@@ -113,6 +113,7 @@ def test_pruning_curves_errors(tmp_path):
 # Importance heatmaps.
 
 
+@pytest.mark.slow  # over 2 s on 2 cores: the full suite only
 def test_importance_heatmaps_grid_png(tmp_path):
   rng = np.random.default_rng(2)
   measures = {
@@ -284,6 +285,7 @@ def _throughput() -> tuple[list[int], list[float], np.ndarray]:
   return batch_sizes, fractions, base * gains
 
 
+@pytest.mark.slow  # over 2 s on 2 cores: the full suite only
 def test_speed_png_with_flop_ratio(tmp_path):
   batch_sizes, fractions, speed = _throughput()
   path = tmp_path / "speed.png"
