@@ -733,6 +733,12 @@ def expected_seconds(config: TransformerConfig,
   return SECONDS_PER_SUBSET * 2.0 ** num_heads(config) * scale
 
 
+def tokens(split: data.Split) -> int:
+  """The non-padding tokens of ``split``: the ``positions`` of
+  :func:`expected_seconds`."""
+  return int(np.sum(np.asarray(split.inputs) != 0))
+
+
 def _position_cost(config: TransformerConfig) -> int:
   """Multiply-adds per subset and position of what the oracle runs once per
   subset: the last block's MLP and the read-out."""
@@ -1009,7 +1015,7 @@ __all__ = ["subset_masks", "subset_index", "kept_counts", "num_heads",
            "subset_totals", "oracle_bytes", "best_removals",
            "ranked_removals", "shapley_values", "ORACLE_CANDIDATES",
            "SUBSET_COST", "PER_EXAMPLE_BYTES", "TABLE_ROWS_PER_CALL", "VARIANTS", "table_bytes", "machine_memory_bytes",
-           "oracle_applies", "subset_values",
+           "oracle_applies", "subset_values", "tokens",
            "removals_by_variant", "oracle_removals", "evaluate_oracle",
            "embed_tokens", "run_block", "attention_outputs",
            "describe_seconds"]

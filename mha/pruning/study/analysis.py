@@ -342,8 +342,8 @@ def _measure_seed(model: Transformer, params: Params,
   ablations, baselines = _ablations_of(model, params, splits, options, log,
                                        timings)
   if oracle.oracle_applies(config, options.oracle_max_heads):
-    positions = int(np.sum(np.asarray(val.inputs) != 0))
-    log(f"  oracle: {oracle.describe_cost(config, positions=positions)}")
+    log("  oracle: "
+        + oracle.describe_cost(config, positions=oracle.tokens(val)))
   first_half: dict[str, np.ndarray] = {}
   subsets, shapley, removals = oracle.evaluate_oracle(
       model, params, val, batch_size=options.batch_size,

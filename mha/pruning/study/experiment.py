@@ -23,6 +23,7 @@ each seed's per-example sums of every mask it evaluated
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -140,15 +141,24 @@ def study_splits(config: ml_collections.ConfigDict, options: StudyOptions
   """The splits the study reads: a next-token task's weights folded into
   its targets (``data.scored_targets``: every technique then scores the
   positions the task scores, a recall task's answers), and validation and
-  test cut to ``options.max_examples`` evenly spaced examples where set."""
+  test cut to ``options.max_examples`` evenly spaced examples where set.
+  :func:`check_inputs` and :func:`run` ask for the same splits: the last
+  ones read are kept, so they are read once."""
+  return dict(_read_splits(build.data_spec(config), config.data.data_dir,
+                           options.max_examples))
+
+
+@functools.lru_cache(maxsize=1)
+def _read_splits(spec: data.DataSpec, data_dir: str,
+                 max_examples: int) -> dict[str, data.Split]:
+  """:func:`study_splits` of a data spec (its arrays are read-only)."""
   splits = {name: data.scored_targets(split) for name, split in
-            data.load_splits(build.data_spec(config),
-                             config.data.data_dir).items()}
-  if options.max_examples:
+            data.load_splits(spec, data_dir).items()}
+  if max_examples:
     for name in ("validation", "test"):
       split = splits[name]
-      if len(split) > options.max_examples:
-        keep = np.linspace(0, len(split) - 1, options.max_examples).round()
+      if len(split) > max_examples:
+        keep = np.linspace(0, len(split) - 1, max_examples).round()
         splits[name] = _take(split, keep.astype(np.int64))
   return splits
 
@@ -160,12 +170,6 @@ def _take(split: data.Split, rows: np.ndarray) -> data.Split:
                              targets=pick(split.targets),
                              weights=pick(split.weights),
                              distances=pick(split.distances))
-
-
-def _positions(split: data.Split) -> int:
-  """The non-padding tokens of ``split`` (what the oracle's cost scales
-  with)."""
-  return int(np.sum(np.asarray(split.inputs) != 0))
 
 
 def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
@@ -221,7 +225,7 @@ def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
         f"{heads}")
   applies = oracle.oracle_applies(first.model_config,
                                  options.oracle_max_heads)
-  positions = (_positions(study_splits(first.config, options)["validation"])
+  positions = (oracle.tokens(study_splits(first.config, options)["validation"])
                if applies else None)
   seconds = (oracle.expected_seconds(first.model_config, positions)
              * options.num_seeds)
@@ -457,7 +461,7 @@ def run(workdir: str, out_dir: str, options: StudyOptions,
                        accept_estimate)
   config = first.config
   splits = study_splits(config, options)
-  log(estimate(first, options, _positions(splits["validation"])))
+  log(estimate(first, options, oracle.tokens(splits["validation"])))
   os.makedirs(out_dir, exist_ok=True)
   checkpoints = seeds_lib.seed_models(first, out_dir, options.num_seeds, log,
                             retrain=options.retrain_seeds)
