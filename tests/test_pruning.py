@@ -859,6 +859,10 @@ def test_mismatched_seed_directory_is_refused(tiny_run, tmp_path,
      "--oracle_max_heads must be >= 1, got 0"),
     (["--out="], False,
      '--out is empty; name a folder ("." for the current one)'),
+    pytest.param(["--ablation=streaming:2,6"], False,
+                 "--ablation 'streaming:2,6' needs a causal decoder; this "
+                 "model is an encoder (model.causal=False)",
+                 marks=pytest.mark.slow),
     # Found only when the study takes its lock: run.lock cannot be made.
     (["--num_seeds=1"], True, "cannot use {out}: is a directory: "
                               "{out}/run.lock; choose a folder this process "
@@ -1033,6 +1037,10 @@ def test_the_last_line_says_what_was_written():
     ({"gate_targets": (2, -1)}, "--gate_targets must be numbers of heads "
                                 "removed >= 1, got [2, -1]"),
     ({"gate_method": "l1"}, "--gate_method 'l1' is not one of: top_k"),
+    ({"ablation": "streaming:0,0"}, "SINKS + WINDOW must be at least 1"),
+    ({"ablation": "streaming:4"}, "expected streaming:SINKS,WINDOW"),
+    ({"ablation": "streaming:4,16", "gates": True},
+     "--ablation streaming:4,16: gates, retraining and mean ablation"),
 ])
 def test_bad_options_are_refused(changes, message):
   with pytest.raises(ValueError) as raised:
@@ -1064,7 +1072,9 @@ def test_bad_input_is_refused_before_any_work(tiny_workdir, tmp_path):
                         "--search_polish_rounds must be >= 0"),
                        (dict(gates=True, gate_targets=(1, 4)),
                         r"--gate_targets: .* from 1 to 3 for this model's 4 "
-                        r"heads, got \[1, 4\]")):
+                        r"heads, got \[1, 4\]"),
+                       (dict(ablation="streaming:1,2"),
+                        "needs a causal decoder; this model is an encoder")):
     with pytest.raises(ValueError, match=message):
       study.check_inputs(tiny_workdir, out, dataclasses.replace(options,
                                                                 **bad))

@@ -19,7 +19,14 @@ head. The modes (:data:`MODES`):
 * ``resample``: the head's context on *another example of the same length*
   of the same split, in the unpruned model (resample ablation): shifts
   ``[B, T, D]`` per example, computed inside the jitted call from the donor
-  examples' tokens (one more forward pass).
+  examples' tokens (one more forward pass);
+* ``streaming:SINKS,WINDOW`` (causal models): the head keeps a streaming KV
+  cache instead of vanishing (StreamingLLM's sinks and recent window): it
+  attends to the first ``SINKS`` positions and the last ``WINDOW``
+  positions up to and including the query (:func:`window_mask`). Its shift
+  ``r_h W_o[h]`` is then the head's own output under the window mask, a
+  function of the layer's input; :func:`streaming_interceptor` applies it.
+  A mask value between 0 and 1 mixes the two outputs (DuoAttention's gate).
 
 An :class:`Ablation` holds a mode and its data for one split (for resample,
 one donor per example of that split, aligned with it); the functions of
@@ -51,12 +58,20 @@ from mha import evaluate as eval_lib
 from mha import head_masks
 from mha.run import sharding as sharding_lib
 from mha.aliases import Array, Params
-from mha.model import Transformer
-from mha.pruning.constants import ABLATION_MODES
+from mha.attention import MultiHeadAttention
+from mha.model import Transformer, TransformerConfig
+from mha.pruning.constants import (ABLATION_MODES, ABLATION_STREAMING,
+                                   parse_ablation)
 from mha.run import arguments
 
-#: The ablation modes, ``--ablation``'s choices.
+#: The ablation modes whose replacement is a fixed shift (``--ablation``'s
+#: choices besides ``streaming:SINKS,WINDOW``).
 MODES = ABLATION_MODES
+#: The mode in which a removed head keeps sinks and a recent window.
+STREAMING = ABLATION_STREAMING
+#: ``(mode, sinks, window)`` of an ``--ablation`` value (ValueError if
+#: malformed): :func:`mha.pruning.constants.parse_ablation`.
+parse = parse_ablation
 
 
 @struct.dataclass
@@ -72,11 +87,26 @@ class Ablation:
       aligned with the split (or with a batch of it inside a call). Once
       :meth:`resolved`, resample carries its donors' shifts ``[L, H, B, T,
       D]`` in ``shifts`` instead.
+    sinks, window: ``streaming`` only: the positions a removed head keeps.
   """
 
   mode: str = struct.field(pytree_node=False)
   shifts: Array | None = None
   donors: Array | None = None
+  sinks: int = struct.field(pytree_node=False, default=0)
+  window: int = struct.field(pytree_node=False, default=0)
+
+  @property
+  def streaming(self) -> bool:
+    """Whether a removed head keeps a streaming cache (its shift depends on
+    the layer's input, so :meth:`layer_shifts` has none)."""
+    return self.mode == STREAMING
+
+  @property
+  def spec(self) -> str:
+    """The ``--ablation`` value this ablation is (``streaming:4,16``)."""
+    return (f"{STREAMING}:{self.sinks},{self.window}" if self.streaming
+            else self.mode)
 
   def layer_shifts(self, model: Transformer,
                    params: Params) -> list[Array | None]:
@@ -84,7 +114,7 @@ class Ablation:
     the shift each head adds when removed, for the examples this ablation
     is aligned with (resample: the donors' head outputs, computed here)."""
     config = model.config
-    if self.mode == "zero":
+    if self.mode == "zero" or self.streaming:
       return [None] * config.num_layers
     if self.shifts is None:  # resample, not yet resolved
       outs = head_outputs(model, params, jnp.asarray(self.donors))
@@ -109,10 +139,60 @@ class Ablation:
 
 
 def check_mode(mode: str) -> str:
-  """``mode`` if it is one of :data:`MODES`, else ``ValueError``."""
-  if mode not in MODES:
-    raise ValueError(f"ablation {mode!r} is not one of: {', '.join(MODES)}")
+  """``mode`` if it is one of :data:`MODES` or a well-formed
+  ``streaming:SINKS,WINDOW`` (:func:`parse`), else ``ValueError``."""
+  parse(mode)
   return mode
+
+
+def check_streaming(spec: str, config: TransformerConfig,
+                    context: int) -> None:
+  """``ValueError`` unless ``streaming:SINKS,WINDOW`` applies to a model of
+  ``config`` at sequences of ``context`` tokens: the model is causal (a
+  streaming cache is a decoder's) and ``SINKS + WINDOW < context`` (else a
+  streaming head keeps every position: nothing to save). Other modes
+  pass."""
+  mode, sinks, window = parse(spec)
+  if mode != STREAMING:
+    return
+  if not config.causal:
+    raise ValueError(f"ablation {spec!r} needs a causal decoder; this "
+                     "model is an encoder (model.causal=False)")
+  if sinks + window >= context:
+    raise ValueError(
+        f"ablation {spec!r}: SINKS + WINDOW = {sinks + window} keeps every "
+        f"position of a context of {context} tokens; nothing to save "
+        f"(use SINKS + WINDOW < {context})")
+
+
+def window_mask(length: int, sinks: int, window: int) -> Array:
+  """``[length, length]`` bool: query ``t`` may attend to key ``s`` iff
+  ``s <= t`` and ``s < sinks`` or ``t - s < window`` (the first ``sinks``
+  positions and the last ``window`` up to and including the query)."""
+  t = jnp.arange(length)[:, None]
+  s = jnp.arange(length)[None, :]
+  return (s <= t) & ((s < sinks) | (t - s < window))
+
+
+def windowed(mask: Array | None, length: int, sinks: int,
+             window: int) -> Array:
+  """``mask`` (``[..., T, T]`` bool, or None) restricted to
+  :func:`window_mask`."""
+  kept = window_mask(length, sinks, window)
+  if mask is None:
+    return kept
+  return jnp.logical_and(mask, kept.reshape((1,) * (mask.ndim - 2)
+                                            + kept.shape))
+
+
+def kv_memory(kept: Any, num_heads: int, context: int, sinks: int,
+              window: int) -> np.ndarray:
+  """The share of a full KV cache kept when ``kept`` of ``num_heads``
+  heads keep all ``context`` positions and the others ``sinks + window``:
+  ``(k T + (N - k) min(S + W, T)) / (N T)``."""
+  kept = np.asarray(kept, np.float64)
+  held = min(sinks + window, context)
+  return (kept * context + (num_heads - kept) * held) / (num_heads * context)
 
 
 # --------------------------------------------------------------------------
@@ -175,12 +255,59 @@ def block_interceptor(layer_mask: Array, shift: Array) -> Callable[..., Any]:
   return intercept
 
 
+def streaming_interceptor(sinks: int, window: int) -> Callable[..., Any]:
+  """An ``nn.intercept_methods`` interceptor under which every attention
+  layer called with a ``head_mask`` ``m`` gives
+
+      out = sum_h (m_h c_h + (1 - m_h) c^s_h) W_o[h] + b,
+
+  ``c^s_h`` the head's context under its mask and :func:`window_mask`: a
+  removed head keeps a streaming cache. The layer runs once on its inputs
+  stacked twice, under ``m`` and its mask, and under ``1 - m`` and the
+  window; the two outputs are added and the bias counted twice taken off
+  (the same as the per-head masks up to float32 rounding)."""
+
+  def intercept(next_fun, args, kwargs, context):
+    module = context.module
+    head_mask = kwargs.get("head_mask")
+    if (not isinstance(module, MultiHeadAttention)
+        or context.method_name != "__call__" or head_mask is None
+        or module.num_heads == 0):
+      return next_fun(*args, **kwargs)
+    if len(args) > 1 or any(kwargs.get(k) is not None for k in (
+        "inputs_k", "inputs_v", "inputs_kv", "valid_lens")):
+      raise ValueError("the streaming ablation intercepts self-attention "
+                       "called as layer(x, mask=..., head_mask=...)")
+    x = args[0]
+    length = x.shape[-2]
+    mask = kwargs.get("mask")
+    full = jnp.ones((length, length), bool) if mask is None else mask
+    full = full.reshape((1,) * (x.ndim + 1 - full.ndim) + full.shape)
+    both = jnp.stack([full, windowed(full, length, sinks, window)])
+    gates = jnp.stack([head_mask, 1.0 - head_mask])
+    gates = gates.reshape(gates.shape[:1] + (1,) * (x.ndim - 1 - (
+        gates.ndim - 1)) + gates.shape[1:])
+    out, weights = next_fun(jnp.stack([x, x]), **dict(
+        kwargs, mask=both, head_mask=gates))
+    bias = module.variables["params"]["out"].get("bias")
+    out = out[0] + out[1]
+    if bias is not None:
+      out = out - bias.astype(out.dtype).reshape(
+          (1,) * (out.ndim - 1) + bias.shape)
+    return out, None if weights is None else weights[0]
+  return intercept
+
+
 def ablated_logits(model: Transformer, params: Params, inputs: Array,
                    head_mask: Array, ablation: Ablation | None) -> Array:
   """Logits ``[B, T, V]`` under a dense ``[L, H]`` head mask, each removed
   head replaced as ``ablation`` (aligned with ``inputs``) says."""
   if ablation is None or ablation.mode == "zero":
     return head_masks.masked_logits(model, params, inputs, head_mask)
+  if ablation.streaming:
+    with nn.intercept_methods(streaming_interceptor(ablation.sinks,
+                                                    ablation.window)):
+      return head_masks.masked_logits(model, params, inputs, head_mask)
   shifts = ablation.layer_shifts(model, params)
   mask = jnp.asarray(head_mask, jnp.float32)
 
@@ -266,7 +393,7 @@ def build(model: Transformer, params: Params, mode: str,
 
   Args:
     model, params: the unpruned model.
-    mode: one of :data:`MODES`.
+    mode: one of :data:`MODES` or ``streaming:SINKS,WINDOW``.
     reference: the split the means are measured on (validation).
     split: the split the ablation will be evaluated on (resample's donors
       come from it).
@@ -274,7 +401,9 @@ def build(model: Transformer, params: Params, mode: str,
     batch_size: examples per call when measuring means.
     means: :func:`position_means` of ``reference``, when already measured.
   """
-  check_mode(mode)
+  mode, sinks, window = parse(mode)
+  if mode == STREAMING:
+    return Ablation(mode, sinks=sinks, window=window)
   if mode == "zero":
     return Ablation(mode)
   if mode == "resample":
@@ -351,6 +480,8 @@ def attribution(model: Transformer, params: Params, split: data.Split,
                   np.nan)
 
 
-__all__ = ["MODES", "Ablation", "check_mode", "layer_of", "head_outputs",
+__all__ = ["MODES", "STREAMING", "Ablation", "check_mode", "parse",
+           "check_streaming", "window_mask", "windowed", "kv_memory",
+           "streaming_interceptor", "layer_of", "head_outputs",
            "ablated_logits", "position_means", "resample_donors", "build",
            "batched", "attribution", "block_interceptor"]

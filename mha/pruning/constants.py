@@ -25,6 +25,13 @@ ORDERINGS = {
     "confidence": "confidence",
     "entropy": "entropy",
     "shapley": "Shapley value",
+    # KV-cache head scores (causal models; duo_gates under streaming only).
+    "retrieval_score": "retrieval score (Wu et al.)",
+    "echo": "echo (RazorAttention)",
+    "induction": "induction (RazorAttention)",
+    "headkv": "HeadKV",
+    "attention_distance": "mean attention distance",
+    "duo_gates": "DuoAttention gates",
     "reverse_gradient": "reverse gradient",
     "random": "random",
 }
@@ -32,6 +39,35 @@ ORDERINGS = {
 #: What a removed head outputs (:mod:`mha.pruning.ablation`), ``--ablation``'s
 #: choices.
 ABLATION_MODES = ("zero", "mean", "mean_position", "resample")
+#: The mode ``streaming:SINKS,WINDOW``: a removed head keeps a streaming KV
+#: cache (causal models).
+ABLATION_STREAMING = "streaming"
+
+
+def parse_ablation(spec: str) -> tuple[str, int, int]:
+  """``(mode, sinks, window)`` of an ``--ablation`` value: one of
+  :data:`ABLATION_MODES` (sinks and window 0) or ``streaming:SINKS,WINDOW``
+  with integers ``SINKS, WINDOW >= 0`` and ``SINKS + WINDOW >= 1``; else
+  ``ValueError``, naming what is wrong."""
+  if spec in ABLATION_MODES:
+    return spec, 0, 0
+  name, sep, rest = spec.partition(":")
+  choices = ", ".join(ABLATION_MODES
+                      + (f"{ABLATION_STREAMING}:SINKS,WINDOW",))
+  if name != ABLATION_STREAMING:
+    raise ValueError(f"ablation {spec!r} is not one of: {choices}")
+  parts = rest.split(",")
+  if not sep or len(parts) != 2 or not all(
+      p.strip().isdigit() for p in parts):
+    raise ValueError(f"ablation {spec!r}: expected "
+                     f"{ABLATION_STREAMING}:SINKS,WINDOW with two integers "
+                     ">= 0, e.g. streaming:4,16")
+  sinks, window = (int(p) for p in parts)
+  if sinks + window < 1:
+    raise ValueError(f"ablation {spec!r}: SINKS + WINDOW must be at least "
+                     "1 (a streaming head keeps some positions)")
+  return ABLATION_STREAMING, sinks, window
+
 
 #: How :func:`mha.pruning.gates.train_exact_k` trains: an L0 Lagrangian on
 #: the expected count kept, or Gumbel top-k with a straight-through estimator.

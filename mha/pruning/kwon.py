@@ -52,6 +52,7 @@ from mha.aliases import Array, Params
 from mha.head_masks import existing_heads, full_head_mask
 from mha.model import Transformer, TransformerConfig
 from mha.model import attention_mask as model_mask
+from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
 from mha.pruning import oracle
 from mha.run import arguments
@@ -63,27 +64,34 @@ EXHAUSTIVE_LIMIT = 20_000
 
 @functools.partial(jax.jit, static_argnames="model")
 def _fisher_sums(model: Transformer, params: Params, inputs: Array,
-                 targets: Array, head_mask: Array) -> Array:
+                 targets: Array, head_mask: Array,
+                 ablation: ablation_lib.Ablation | None = None) -> Array:
   """``[L, H, H]``: the sum over the batch of each layer's outer product of
   the per-example mask gradient (padding rows have zero gradient)."""
-  grads = core.head_mask_gradients(model, params, inputs, targets, head_mask)
+  grads = core.head_mask_gradients(model, params, inputs, targets, head_mask,
+                                   ablation)
   return jnp.einsum("blh,blg->lhg", grads, grads)
 
 
 def fisher_blocks(model: Transformer, params: Params, split: data.Split, *,
-                  batch_size: int = 1000) -> np.ndarray:
+                  batch_size: int = 1000,
+                  ablation: ablation_lib.Ablation | None = None
+                  ) -> np.ndarray:
   """The empirical Fisher information of the head mask at the full mask,
   block-diagonal by layer: ``[L, H, H]``, ``E_x[g_l(x) g_l(x)^T]`` with
   ``g_l(x)`` the gradient of example ``x``'s mean token loss with respect to
-  layer ``l``'s head mask. Entries of heads that do not exist are 0."""
+  layer ``l``'s head mask (a mask value below 1 mixes in ``ablation``'s
+  replacement, built for ``split``; default zero). Entries of heads that do
+  not exist are 0."""
   arguments.check_count("batch_size", batch_size)
   config = model.config
   mask = jnp.asarray(full_head_mask(config))
   total = np.zeros((config.num_layers, config.max_heads, config.max_heads),
                    np.float64)
-  for inputs, targets in core.batches(split, batch_size):
-    total += np.asarray(_fisher_sums(model, params, inputs, targets, mask),
-                        np.float64)
+  for inputs, targets, abl in ablation_lib.batched(split, batch_size,
+                                                   ablation):
+    total += np.asarray(_fisher_sums(model, params, inputs, targets, mask,
+                                     abl), np.float64)
   exists = existing_heads(config)
   total *= exists[:, :, None] & exists[:, None, :]
   return total / max(len(split), 1)

@@ -310,7 +310,8 @@ def _run_block_at(model: Transformer, params: Params, layer: int, x: Array,
 def _last_layer_sums(model: Transformer, params: Params, xs: Array,
                      attention_mask: Array, codes: Array, positions: Array,
                      weights: Array, targets: Array, tokens: Array,
-                     shift: Array | None, added: Array | None = None
+                     shift: Array | None, added: Array | None = None,
+                     streaming_mask: Array | None = None
                      ) -> tuple[Array, Array, Array]:
   """Per-example sums ``[prefixes, M, B]`` (loss, correct, exact) of the
   last block under each of its masks ``codes`` ``[M, H]`` and the read-out.
@@ -330,7 +331,9 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
   the combined output (``nn.intercept_methods``). The prefixes run one at
   a time and the masks in groups of :data:`MASKS_PER_STEP`
   (``jax.lax.map``), so that a group's activations stay small: one program
-  on every backend.
+  on every backend. With ``streaming_mask`` (streaming ablation), each
+  head's part under that mask is computed too, and a removed head
+  contributes it instead of nothing.
   """
   cfg = model.config
   layer = cfg.num_layers - 1
@@ -345,9 +348,13 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
   flat_targets = jnp.maximum(flat_targets, 0)
 
   def for_prefix(x):
+    streamed = None
     if shift is None and added is None:
       base, heads = _head_outputs(model, params, layer, x, attention_mask,
                                   positions)  # [P, D], [H, P, D]
+      if streaming_mask is not None:
+        _, streamed = _head_outputs(model, params, layer, x, streaming_mask,
+                                    positions)  # [H, P, D]
     else:
       outs = attention_outputs(model, params, layer, x, attention_mask,
                                basis, shift, added)  # [1 + H, B, T, D]
@@ -360,9 +367,12 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
       # m @ heads, written out: the masks are 0 or 1, so this is the
       # matmul's sum in its order (bitwise the same), fused into the
       # residual's addition instead of a matmul and a transposition.
-      combined = m[0] * heads[0]
+      def part(h):  # A removed streaming head keeps its windowed part.
+        return (m[h] * heads[h] if streamed is None else
+                m[h] * heads[h] + (1.0 - m[h]) * streamed[h])
+      combined = part(0)
       for h in range(1, count):
-        combined = combined + m[h] * heads[h]
+        combined = combined + part(h)
       added = base + combined  # [P, D]
 
       # (shift: already in `added`)
@@ -383,6 +393,16 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
       return jax.lax.map(for_prefix(x), codes, batch_size=MASKS_PER_STEP)
     return jax.vmap(for_prefix(x))(codes)
   return jax.lax.map(one, xs)
+
+
+def _streaming_block(model: Transformer, params: Params, layer: int, x: Array,
+                     attention_mask: Array, layer_mask: Array,
+                     ablation: ablation_lib.Ablation) -> Array:
+  """:func:`run_block` with each removed head keeping its streaming
+  window (``ablation``: ``streaming``)."""
+  with nn.intercept_methods(ablation_lib.streaming_interceptor(
+      ablation.sinks, ablation.window)):
+    return run_block(model, params, layer, x, attention_mask, layer_mask)
 
 
 def _readout(model: Transformer, params: Params, x: Array) -> Array:
@@ -415,7 +435,10 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
   LayerNorm rounds by the number of rows); else as every other layer.
   ``ablation``
   (aligned with ``inputs``): each removed head replaced as
-  :mod:`mha.pruning.ablation` says.
+  :mod:`mha.pruning.ablation` says; under ``streaming`` every layer but the
+  fast last one runs under :func:`mha.pruning.ablation.streaming_interceptor`
+  (a removed head's windowed output depends on the layer's input, so it is
+  computed once per prefix, like the attention weights).
 
   Returns:
     ``loss_sum``, ``correct``, ``exact``: ``[2**N, B]`` (with
@@ -430,6 +453,10 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
   fast = positions is not None and cfg.heads_per_layer[-1] > 0
   added = (ablation.layer_shifts(model, params) if ablation is not None
            else [None] * cfg.num_layers)
+  streaming = ablation is not None and ablation.streaming
+  streaming_mask = (ablation_lib.windowed(
+      attention_mask, inputs.shape[-1], ablation.sinks, ablation.window)
+                    if streaming else None)
   if fast:
     inverse = _inverse_positions(positions, position_weights, inputs.size)
   sizes = []
@@ -442,10 +469,14 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
       per_subset = _last_layer_sums(
           model, params, xs, attention_mask, codes, positions,
           position_weights, targets, jnp.sum(counted, axis=-1), shift,
-          added[layer])
+          added[layer], streaming_mask)
       per_subset = tuple(v.reshape((-1,) + v.shape[2:]) for v in per_subset)
       break
-    if fast and added[layer] is None and count:
+    if streaming:
+      run = functools.partial(
+          _streaming_block, model, params, layer,
+          attention_mask=attention_mask, ablation=ablation)
+    elif fast and added[layer] is None and count:
       run = functools.partial(
           _run_block_at, model, params, layer, attention_mask=attention_mask,
           shift=shift, positions=positions, inverse=inverse)

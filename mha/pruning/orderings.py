@@ -32,6 +32,7 @@ from mha.model import Transformer
 from mha.run.progress import quiet, timed
 from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
+from mha.pruning import kv_scorers
 from mha.pruning import kwon
 from mha.pruning import oracle
 from mha.pruning.constants import ORDERINGS
@@ -86,7 +87,8 @@ def measure_importance(model: Transformer, params: Params,
   receives the seconds of each measure. ``ablation`` (built for
   ``validation``): what a removed head outputs in leave-one-out (and in
   ``subsets``/``table``); the mask-gradient measures (gradient, Fisher) are
-  taken at zero ablation. ``baselines``: the ablations of attribution
+  taken at zero ablation, except under ``streaming``, where they are taken
+  under it (a mask value mixes a head's full and windowed outputs). ``baselines``: the ablations of attribution
   patching, ``attribution_<name>`` (default
   :func:`attribution_baselines`). ``gradient_per_example`` ``[n, L, H]``
   holds each example's ``|dL/d xi|``, whose mean is ``gradient``."""
@@ -94,9 +96,15 @@ def measure_importance(model: Transformer, params: Params,
   timings = {} if timings is None else timings
   half_a, half_b = halves(validation)
 
+  # Under streaming a mask value mixes a head's full and windowed outputs
+  # (DuoAttention's gate): its gradient is the measure's natural meaning.
+  # Other modes keep the published measures, at zero ablation.
+  at = ablation if ablation is not None and ablation.streaming else None
+
   def gradients():  # Per example: the halves' means and the whole's.
     per = core.gradient_importance(model, params, validation,
-                                   batch_size=batch_size, per_example=True)
+                                   batch_size=batch_size, per_example=True,
+                                   ablation=at)
     mean = lambda rows: rows.sum(axis=0) / max(len(rows), 1)
     return (mean(per[:len(half_a)]), mean(per[len(half_a):]), mean(per),
             per)
@@ -125,11 +133,18 @@ def measure_importance(model: Transformer, params: Params,
       log, "Fisher information of the head mask (per-example gradients "
       "squared, block-diagonal by layer)",
       lambda: kwon.fisher_blocks(model, params, validation,
-                                 batch_size=batch_size))
+                                 batch_size=batch_size, ablation=at))
   attn, timings["confidence_s"] = timed(
       log, "attention confidence and entropy",
       lambda: core.attention_confidence(model, params, validation,
                                         batch_size=batch_size))
+  kv = {}
+  if model.config.causal:
+    kv, timings["kv_scorers_s"] = timed(
+        log, "KV-cache head scores (retrieval score, echo, induction, "
+        "HeadKV, attention distance)",
+        lambda: kv_scorers.measure(model, params, validation,
+                                   batch_size=batch_size))
   return {
       "gradient": grad,
       "gradient_l2": core.normalize_per_layer(grad),
@@ -139,6 +154,7 @@ def measure_importance(model: Transformer, params: Params,
       **attribution,
       "confidence": attn["confidence"],
       "entropy": attn["entropy"],
+      **kv,
       "leave_one_out_token_accuracy_drop":
           loo["base"]["token_accuracy"] - loo["token_accuracy"],
       "gradient_validation_half_a": grad_a,
@@ -170,6 +186,13 @@ def attribution_baselines(model: Transformer, params: Params,
           for name, mode in ATTRIBUTION_BASELINES.items()}
 
 
+#: The KV-cache head scores that become orderings where the study measured
+#: them (:mod:`mha.pruning.kv_scorers` on causal models,
+#: :mod:`mha.pruning.duo_gates` under a streaming ablation).
+KV_SCORES = ("retrieval_score", "echo", "induction", "headkv",
+             "attention_distance", "duo_gates")
+
+
 def orders_from_importance(importance: Mapping[str, np.ndarray]
                            ) -> dict[str, np.ndarray]:
   """The order (least important first) of every measure in ``importance``
@@ -188,6 +211,10 @@ def orders_from_importance(importance: Mapping[str, np.ndarray]
     key = f"attribution_{name}"
     if key in importance:  # The estimated loss increase, least first.
       orders[key] = core.order_from_importance(importance[key])
+  # The KV-cache scores (higher: needs its full cache more), where measured.
+  for name in KV_SCORES:
+    if name in importance:
+      orders[name] = core.order_from_importance(importance[name])
   shapley = importance.get("shapley_token_accuracy")
   if shapley is not None and not np.all(np.isnan(shapley)):
     orders["shapley"] = core.order_from_importance(shapley)
@@ -239,6 +266,6 @@ def compute_orders(model: Transformer, params: Params, validation: data.Split,
   return orders
 
 
-__all__ = ["ORDERINGS", "ATTRIBUTION_BASELINES", "attribution_baselines",
+__all__ = ["ORDERINGS", "ATTRIBUTION_BASELINES", "KV_SCORES", "attribution_baselines",
            "halves", "measure_importance",
            "orders_from_importance", "compute_orders"]

@@ -30,6 +30,7 @@ from mha.run.progress import timed
 from mha.pruning import ablation as ablation_lib
 from mha.pruning import best_ordering
 from mha.pruning import core
+from mha.pruning import duo_gates
 from mha.pruning import gates as gates_lib
 from mha.pruning import kwon
 from mha.pruning import oracle
@@ -360,6 +361,14 @@ def _measure_seed(model: Transformer, params: Params,
   fisher_blocks = importance.pop("fisher_blocks")
   gradient_per_example = importance.pop("gradient_per_example")
   importance["shapley_token_accuracy"] = shapley
+  if ablations["validation"].streaming:  # DuoAttention's learned gates
+    duo, timings["duo_gates_s"] = timed(
+        log, f"DuoAttention gates ({duo_gates.STEPS} steps on train, L1 "
+        f"{duo_gates.STRENGTH:g})",
+        lambda: duo_gates.train(model, params, splits["train"],
+                                ablations["validation"], seed=options.seed,
+                                log=log))
+    importance["duo_gates"] = duo["alpha"]
   method = "exact" if subsets is not None and options.shapley != "sampled" else (
       "sampled" if options.shapley != "exact" else None)
   if method == "sampled":
@@ -928,6 +937,17 @@ def analyze_seed(model: Transformer, params: Params,
       "bootstrap_importance": bootstrap_info,
       "timings": timings,
   }
+  mode, sinks, window = ablation_lib.parse(options.ablation)
+  if mode == ablation_lib.STREAMING:  # The share of the KV cache kept.
+    context = splits["test"].inputs.shape[1]
+    n = m["num_heads"]
+    out["kv_memory"] = ablation_lib.kv_memory(
+        n - plan.counts["all"], n, context, sinks, window)
+    out["no_layer_emptied"]["kv_memory"] = ablation_lib.kv_memory(
+        n - plan.counts["no_layer_emptied"], n, context, sinks, window)
+    for group in (out, out["no_layer_emptied"]):
+      for curve in group.get("curves", {}).values():
+        curve["kv_memory"] = group["kv_memory"]
   if kv_group_study.applies(model, options):  # GQA: whole groups too
     out[kv_group_study.VARIANT], group_statistics = kv_group_study.analyze(
         model, params, splits, options, resamples.validation, resamples.test,

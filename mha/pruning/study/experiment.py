@@ -42,6 +42,7 @@ from mha.run import provenance
 from mha import data
 from mha.aliases import Log
 from mha.run.progress import timed
+from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
 from mha.pruning import export
 from mha.pruning import gates
@@ -207,6 +208,13 @@ def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
   seeds_lib.check_seeds(first, out_dir, options.num_seeds, options.retrain_seeds)
   if options.remove_heads:
     core.prune_heads(first.params, first.model_config, options.remove_heads)
+  if options.ablation != "zero":
+    context = study_splits(first.config, options)["validation"].inputs.shape[1]
+    try:
+      ablation_lib.check_streaming(options.ablation, first.model_config,
+                                   context)
+    except ValueError as e:
+      raise ValueError(f"--{e}") from None
   if options.gates and options.gate_targets:
     try:
       gates.check_targets(first.model_config, options.gate_targets)
@@ -474,7 +482,11 @@ def run(workdir: str, out_dir: str, options: StudyOptions,
       "seeds": seeds, "aggregate": agg,
       "jax": {"version": jax.__version__, "backend": jax.default_backend(),
               "devices": [str(d) for d in jax.devices()]}}
-  if options.speed:
+  if options.speed and ablation_lib.parse(options.ablation)[0] == (
+      ablation_lib.STREAMING):
+    log("Speed of physically pruned models: skipped under --ablation "
+        f"{options.ablation} (its heads are kept, with a shorter cache)")
+  elif options.speed:
     log("Speed of physically pruned models (first seed):")
     order = np.asarray(seeds[0]["orders"][options.speed_order])
     results["speed"], seconds = timed(

@@ -46,10 +46,13 @@ RANDOM_SEED = 0
 
 def applies(model: Transformer, options: StudyOptions) -> bool:
   """Whether the study runs at group granularity too: a grouped model
-  whose ``2**U`` group subsets are within ``--oracle_max_heads``."""
+  whose ``2**U`` group subsets are within ``--oracle_max_heads``, unless
+  the heads keep a streaming cache (``--ablation streaming``: the groups'
+  removal is zero ablation)."""
   config = model.config
   return (kv_groups.is_grouped(config)
-          and kv_groups.num_groups(config) <= options.oracle_max_heads)
+          and kv_groups.num_groups(config) <= options.oracle_max_heads
+          and not options.ablation.startswith("streaming"))
 
 
 def _best(values: np.ndarray, kept: np.ndarray, count: int,

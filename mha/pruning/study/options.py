@@ -18,9 +18,9 @@ from absl import flags
 
 from mha.run import cli
 from mha.run.figures import PLOT_FORMATS
-from mha.pruning.constants import (ABLATION_MODES, ADAPTIVE_MIN_SECONDS,
+from mha.pruning.constants import (ABLATION_STREAMING, ADAPTIVE_MIN_SECONDS,
                                    EXACT_K_METHODS, MAX_REPEATS, ORDERINGS,
-                                   REPEATS, TARGET_WIDTH)
+                                   REPEATS, TARGET_WIDTH, parse_ablation)
 
 #: ``--shapley``: how the Shapley values are computed.
 SHAPLEY_METHODS = ("auto", "exact", "sampled")
@@ -142,10 +142,14 @@ class StudyOptions:
       "patching.")
   ablation: str = _option(
       "zero", "What a removed head outputs: zero, mean (its mean context "
-      "over validation), mean_position (that mean at each position) or "
-      "resample (its context on another example of the same length). The "
-      "oracle, every curve, the searches, leave-one-out and Shapley values "
-      "are computed under it.")
+      "over validation), mean_position (that mean at each position), "
+      "resample (its context on another example of the same length) or, on "
+      "a causal decoder, streaming:SINKS,WINDOW (it keeps a streaming KV "
+      "cache: it attends to the first SINKS positions and the last WINDOW "
+      "up to the query; e.g. streaming:4,16). The oracle, every curve, the "
+      "searches, leave-one-out and Shapley values are computed under it "
+      "(under streaming, gradient and Fisher too, and the curves gain "
+      "kv_memory).")
   gates: bool = _option(
       False, "Learn exact-K head gates, one per number of heads removed "
       "(--gate_targets, --gate_method; the gates' main result), and "
@@ -255,9 +259,15 @@ class StudyOptions:
                         if k not in ("random", "shapley"))
       raise ValueError(
           f"--speed_order {self.speed_order!r} is not one of: {valid}")
-    if self.ablation not in ABLATION_MODES:
-      raise ValueError(f"--ablation {self.ablation!r} is not one of: "
-                       f"{', '.join(ABLATION_MODES)}")
+    try:
+      mode = parse_ablation(self.ablation)[0]
+    except ValueError as e:
+      raise ValueError(f"--{e}") from None
+    if mode == ABLATION_STREAMING and self.extensions:
+      raise ValueError(
+          f"--ablation {self.ablation}: gates, retraining and mean ablation "
+          "(--gates, --retrain, --mean_ablation, --full) assume removed "
+          "heads output nothing; run them with --ablation zero")
     if self.plot_format not in PLOT_FORMATS:
       raise ValueError(f"--plot_format {self.plot_format!r} is not one of: "
                        f"{', '.join(PLOT_FORMATS)}")

@@ -222,6 +222,8 @@ def pruning_curves_figure(
     bands: Collection[str] | None = None,
     intervals: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
     points: Mapping[str, Sequence[np.ndarray]] | None = None,
+    xlabel: str = "fraction of heads removed",
+    kv_axis: tuple[float, float] | None = None,
 ) -> Figure:
   """Builds (but does not save) the figure of :func:`plot_pruning_curves`."""
   fractions, curves = _check_curves(fractions, curves)
@@ -302,7 +304,15 @@ def pruning_curves_figure(
   ax.set_ylim(low - margin, high + margin)
   if fractions.min() >= 0.0 and fractions.max() <= 1.0:
     ax.set_xlim(-0.02, 1.02)
-  ax.set_xlabel("fraction of heads removed", fontsize=_LABEL_SIZE)
+  ax.set_xlabel(xlabel, fontsize=_LABEL_SIZE)
+  if kv_axis is not None:
+    start, stop = kv_axis
+    top = ax.secondary_xaxis("top", functions=(
+        lambda f: start + (stop - start) * f,
+        lambda m: (m - start) / (stop - start)))
+    top.set_xlabel("KV memory kept (share of the full cache)",
+                   fontsize=_LABEL_SIZE)
+    top.tick_params(labelsize=_TICK_SIZE)
   ax.set_ylabel(metric, fontsize=_LABEL_SIZE)
   ax.tick_params(labelsize=_TICK_SIZE)
   ax.grid(True, color="0.9", linewidth=0.8)
@@ -335,6 +345,8 @@ def plot_pruning_curves(
     bands: Collection[str] | None = None,
     intervals: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
     points: Mapping[str, Sequence[np.ndarray]] | None = None,
+    xlabel: str = "fraction of heads removed",
+    kv_axis: tuple[float, float] | None = None,
 ) -> str:
   """Writes a PNG of the metric vs the fraction of heads removed.
 
@@ -362,6 +374,10 @@ def plot_pruning_curves(
     intervals: ordering name -> ``(low [P], high [P])``, e.g. 95% bootstrap
       intervals; when given, these are the only bands drawn (and the legend
       says so).
+    xlabel: the x-axis label.
+    kv_axis: ``(at 0, at 1)``: the KV memory kept at no and at every head
+      removed (streaming ablation), drawn as a second x-axis on top (it is
+      linear in the fraction).
     points: name -> ``(x, y, low, high)``: single points with a vertical
       interval drawn over the curves (e.g. the subsets of learned gates).
 
@@ -380,7 +396,9 @@ def plot_pruning_curves(
                             title=title,
                             bands=bands,
                             intervals=intervals,
-                            points=points), path)
+                            points=points,
+                            xlabel=xlabel,
+                            kv_axis=kv_axis), path)
 
 
 def _panel_grid(count: int) -> tuple[int, int]:

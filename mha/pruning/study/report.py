@@ -33,6 +33,7 @@ import numpy as np
 
 from mha import head_roles
 from mha.pruning import stats
+from mha.pruning.constants import ABLATION_STREAMING, parse_ablation
 from mha.pruning.study import markdown as md
 from mha.pruning.study import plots as pruning_plots
 from mha.pruning.study import report_extensions
@@ -78,10 +79,15 @@ def _curve_plot(results: Mapping[str, Any], group: Mapping[str, Any],
     if key in bands:
       ci = np.asarray(entry[f"{metric}_ci"], np.float64)
       intervals[label] = (ci[:, 0], ci[:, 1])
+  first = results["seeds"][0]
+  streaming = "kv_memory" in first
   return pruning_plots.plot_pruning_curves(
       fractions, curves, path, metric=_METRIC_LABELS[metric],
       baseline=_unpruned(results, metric), intervals=intervals, title=title,
-      points=points)
+      points=points, xlabel=("fraction of heads given a streaming cache"
+                             if streaming else "fraction of heads removed"),
+      kv_axis=((first["kv_memory"][0], first["kv_memory"][-1])
+               if streaming else None))
 
 
 def _unpruned(results: Mapping[str, Any], metric: str) -> float:
@@ -347,6 +353,7 @@ def report_lines(results: Mapping[str, Any]) -> list[str]:
   lines += _tuning_section(results)
   lines += _loss_oracle_section(results)
   lines += _kv_groups_section(results)
+  lines += _kv_cache_section(results)
   lines += _over_training_section(results)
   lines += _no_layer_emptied_section(results)
   lines += _spearman_section(results)
@@ -443,7 +450,17 @@ ABLATION_TEXT = {
 
 def _ablation_sentence(mode: str) -> str:
   """Which ablation the study's subsets were evaluated under."""
-  text = (f"Ablation: a removed head outputs {ABLATION_TEXT[mode]} "
+  name, sinks, window = parse_ablation(mode)
+  if name == ABLATION_STREAMING:
+    return (f"Ablation: a removed head keeps a streaming KV cache (`--ablation "
+            f"{mode}`): it attends to the first {sinks} positions and the "
+            f"last {window} up to the query instead of the whole context. "
+            "The oracle, every curve, the searches, leave-one-out, Shapley "
+            "values and the mask-gradient measures (gradient, Fisher: a "
+            "mask value mixes a head's full and windowed outputs) are "
+            "computed under it; 'heads removed' means heads given the "
+            "short cache.")
+  text = (f"Ablation: a removed head outputs {ABLATION_TEXT[name]} "
           f"(`--ablation {mode}`). The oracle, every curve, the searches, "
           "leave-one-out and Shapley values are computed under it")
   if mode == "zero":
@@ -738,6 +755,154 @@ def _oracle_section(results: Mapping[str, Any]) -> list[str]:
       "split, among the few best subsets of the full split for each number "
       "of heads removed, so the oracle's intervals include the variability "
       "of its choice.", ""]
+
+
+#: The curves of the KV-cache table (streaming ablation), in its order:
+#: the ground truth, the learned gates, the attention-pattern scores, the
+#: existing measures, random.
+KV_CACHE_CURVES = ("oracle", "best_ordering", "duo_gates", "retrieval_score",
+                   "headkv", "echo", "induction", "attention_distance",
+                   "gradient", "fisher", "leave_one_out", "shapley",
+                   "random")
+#: The attention-pattern heuristics DuoAttention's gates are compared with.
+KV_HEURISTICS = ("retrieval_score", "headkv", "echo", "induction",
+                 "attention_distance")
+
+
+def _kv_text(value: float, interval: Sequence[float] | None) -> str:
+  """A share of the KV cache as a percentage, with its interval."""
+  pct = lambda x: f"{100 * x + 0.0:.1f}"  # + 0.0: no "-0.0"
+  if interval is None:
+    return f"{pct(value)}%"
+  return f"{pct(value)}% [{pct(min(interval))}, {pct(max(interval))}]"
+
+
+def _kv_cache_section(results: Mapping[str, Any]) -> list[str]:
+  """Under ``--ablation streaming``: which heads need their whole KV cache
+  (the oracle's minimal set within the tolerance), each scorer's gap to
+  it in heads and in KV memory, and the three published claims tested."""
+  mode, sinks, window = parse_ablation(results.get("ablation", "zero"))
+  first = results["seeds"][0]
+  if mode != ABLATION_STREAMING or "kv_memory" not in first:
+    return []
+  summary_ = results["aggregate"]["curve_summary"]
+  counts = np.asarray(first["counts"])
+  n = int(counts.max())
+  memory = np.asarray(first["kv_memory"], np.float64)
+  context = results.get("splits", {}).get("test", {}).get("length")
+  per_head = (memory[0] - memory[-1]) / max(n, 1)  # KV share of one head
+  metric = "token_accuracy"
+  key = f"prunable_heads_{metric}"
+  tol = results["options"].get("tolerance", 0.01)
+
+  def full_heads(entry):  # heads that keep a full cache at the level
+    value = n - entry[key]
+    ci = entry.get(f"{key}_ci")
+    return value, None if ci is None else [n - ci[1], n - ci[0]]
+
+  def kv_at(entry):
+    value, ci = full_heads(entry)
+    lowest = memory[-1]
+    return (lowest + value * per_head,
+            None if ci is None else [lowest + c * per_head for c in ci])
+
+  rows = []
+  for name in KV_CACHE_CURVES:
+    entry = summary_.get(name)
+    if entry is None or key not in entry:
+      continue
+    heads, heads_ci = full_heads(entry)
+    kv, kv_ci = kv_at(entry)
+    gap = entry.get(f"{key}_minus_oracle")
+    gap_ci = entry.get(f"{key}_minus_oracle_ci")
+    rows.append([
+        results.get("curve_labels", {}).get(name, name),
+        f"{heads:.1f}" + ("" if heads_ci is None else
+                          f" [{heads_ci[0]:.1f}, {heads_ci[1]:.1f}]"),
+        _kv_text(kv, kv_ci),
+        "" if gap is None else (
+            _kv_text(-gap * per_head, None if gap_ci is None else
+                     [-c * per_head for c in gap_ci])),
+        md.ci(entry, f"auc_{metric}"),
+        "" if name == "oracle" else md.ci(entry, f"auc_{metric}_minus_oracle",
+                                          sign=True)])
+  lines = [
+      "## KV cache: which heads need their whole context", "",
+      f"Each curve gives heads, in its order, a streaming cache ({sinks} "
+      f"sink positions and a window of {window}) instead of the whole "
+      f"context{'' if context is None else f' of {context} tokens'}; the "
+      f"KV memory kept is `(k T + (N - k)(S + W)) / (N T)` for `k` full "
+      f"heads of `N = {n}`. Full heads at the level: the fewest heads that "
+      f"keep test {metric.replace('_', ' ')} within {tol:g} of the full "
+      "model (chosen on validation, as the pruning level); the oracle's is "
+      "the minimal set over every subset. Mean accuracy over the KV range: "
+      "the AUC of the curve, the same over heads removed as over KV "
+      "memory (KV memory is linear in the heads removed). Means over "
+      "seeds, 95% intervals.", ""]
+  lines += md.table(["ordering", "full heads at the level",
+                     "KV memory at the level", "KV memory above the oracle's",
+                     "mean accuracy over the KV range",
+                     "minus the oracle's"], rows)
+  lines += _kv_questions(summary_, n, key, metric)
+  return lines
+
+
+def _kv_questions(summary_: Mapping[str, Any], n: int, key: str,
+                  metric: str) -> list[str]:
+  """The three published claims, one sentence each, from the intervals."""
+  out = []
+  oracle_ = summary_.get("oracle", {})
+  if key not in oracle_:
+    return out
+  need = n - oracle_[key]
+  need_ci = oracle_.get(f"{key}_ci") or [oracle_[key]] * 2
+  share = (f"{100 * need / n:.0f}% of heads [{100 * (n - need_ci[1]) / n:.0f}"
+           f", {100 * (n - need_ci[0]) / n:.0f}]")
+  retrieval = summary_.get("retrieval_score", {})
+  if key in retrieval:
+    gap = retrieval.get(f"{key}_minus_oracle_ci")
+    same = gap is not None and gap[0] <= 0 <= gap[1]
+    under = (n - need_ci[0]) / n < 0.05
+    verdict = ("are not shown to differ from it in number" if same else
+               "need more full heads than it")
+    out.append(
+        f"- **Wu et al. (retrieval heads are few, under 5%):** the minimal "
+        f"set of full-cache heads is {share} here, "
+        f"{'under' if under else 'not under'} 5% by its interval; the top "
+        f"retrieval-score heads {verdict} "
+        f"({md.ci(retrieval, key + '_minus_oracle', digits=1, sign=True)} "
+        "heads prunable against the oracle).")
+  duo = summary_.get("duo_gates", {})
+  compared = [(h, summary_[h]) for h in KV_HEURISTICS if h in summary_ and
+              f"auc_{metric}_minus_duo_gates" in summary_[h]]
+  if duo and compared:
+    wins = [h for h, e in compared
+            if e[f"auc_{metric}_minus_duo_gates_ci"][1] < 0]
+    losses = [h for h, e in compared
+              if e[f"auc_{metric}_minus_duo_gates_ci"][0] > 0]
+    out.append(
+        "- **DuoAttention (optimised gates beat attention-pattern "
+        "heuristics):** by mean accuracy over the KV range (paired), the "
+        f"gates beat {len(wins)} of the {len(compared)} heuristics"
+        + (f" ({', '.join(wins)})" if wins else "")
+        + f", lose to {len(losses)}"
+        + (f" ({', '.join(losses)})" if losses else "")
+        + ", and the rest are within their intervals.")
+  razor = [summary_[h] for h in ("echo", "induction") if h in summary_]
+  if razor:
+    best = max(razor, key=lambda e: e.get(key, -1))
+    name = "echo" if best is summary_.get("echo") else "induction"
+    gap = best.get(f"{key}_minus_oracle_ci")
+    out.append(
+        "- **RazorAttention (echo and induction heads suffice):** ranked by "
+        f"their {name} score (the better of the two), the heads kept at the "
+        "level "
+        + ("match the oracle's count within the interval"
+           if gap is not None and gap[0] <= 0 <= gap[1] else
+           "are more than the oracle's")
+        + f" ({md.ci(best, key + '_minus_oracle', digits=1, sign=True)} "
+        "heads prunable against the oracle).")
+  return out + [""]
 
 
 #: The group-level curves, in the order of the KV-groups table.

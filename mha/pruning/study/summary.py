@@ -43,7 +43,10 @@ BASELINES = ("random", "reverse_gradient")
 #: The curves every other curve's AUC is compared with. An ordering's gap
 #: to the oracle is its gap to the best ordering (the ranking error) plus
 #: the best ordering's gap to the oracle (the price of nesting).
-REFERENCES = ("random", "reverse_gradient", "oracle", "best_ordering")
+#: DuoAttention's gates (streaming ablation only) against the attention-
+#: pattern scores: the KV-cache report's second question, paired.
+REFERENCES = ("random", "reverse_gradient", "oracle", "best_ordering",
+              "duo_gates")
 #: The reference of the loss curves: the oracle chosen by validation loss,
 #: the objective the gradient family ranks by.
 LOSS_REFERENCE = "oracle_by_loss"

@@ -1,0 +1,210 @@
+"""Tests of the streaming ablation (``--ablation streaming:SINKS,WINDOW``):
+a removed head keeps sinks and a recent window instead of vanishing."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mha import data
+from mha import evaluate as eval_lib
+from mha.attention import MultiHeadAttention
+from mha.model import Transformer, TransformerConfig
+from mha.model import attention_mask as model_mask
+from mha.pruning import ablation as ablation_lib
+from mha.pruning import core
+from mha.pruning import duo_gates
+from mha.pruning import oracle
+
+
+def _decoder(num_layers=2, num_heads=4, length=12, n=10, seed=0,
+             **kwargs):
+  config = TransformerConfig(vocab_size=9, num_layers=num_layers,
+                             num_heads=num_heads, d_model=16, mlp_dim=16,
+                             max_len=length, causal=True, **kwargs)
+  model = Transformer(config)
+  params = model.init(jax.random.key(seed),
+                      jnp.ones((1, length), jnp.int32))["params"]
+  rng = np.random.default_rng(seed)
+  inputs = rng.integers(1, 9, (n, length)).astype(np.int32)
+  inputs[0, -3:] = 0  # padding at the end of one example
+  targets = np.where(inputs != 0, rng.integers(1, 9, (n, length)),
+                     data.UNSCORED).astype(np.int32)
+  targets[:, :2] = data.UNSCORED  # positions the task does not score
+  return model, params, data.Split(inputs, targets)
+
+
+def _direct_logits(model, params, inputs, head_mask, sinks, window):
+  """The held-out reference: each layer's attention under a per-head mask,
+  the model's own mask for a kept head and that mask restricted to the
+  window for a removed one, every head's context kept (no head mask)."""
+  config = model.config
+  inputs = jnp.asarray(inputs)
+  full = model_mask(config, inputs)  # [B, 1, T, T]
+  windowed = ablation_lib.windowed(full, inputs.shape[-1], sinks, window)
+
+  def intercept(next_fun, args, kwargs, context):
+    if (isinstance(context.module, MultiHeadAttention)
+        and context.method_name == "__call__"):
+      layer = int(context.module.path[-2].split("_")[-1])
+      keep = jnp.asarray(head_mask)[layer, :config.heads_per_layer[layer]]
+      mask = jnp.where(keep[None, :, None, None] > 0.5, full, windowed)
+      return next_fun(*args, **dict(kwargs, mask=mask, head_mask=None))
+    return next_fun(*args, **kwargs)
+  with nn.intercept_methods(intercept):
+    logits, _ = model.apply({"params": params}, inputs, return_weights=False)
+  return logits
+
+
+def test_parse_and_checks():
+  assert ablation_lib.parse("zero") == ("zero", 0, 0)
+  assert ablation_lib.parse("streaming:4,16") == ("streaming", 4, 16)
+  assert ablation_lib.parse("streaming:0,1") == ("streaming", 0, 1)
+  for bad, says in (("streaming", "SINKS,WINDOW"), ("streaming:4", "two"),
+                    ("streaming:a,4", "two"), ("streaming:-1,4", "two"),
+                    ("streaming:0,0", "at least 1"), ("window:1,2", "one of")):
+    with pytest.raises(ValueError, match=says):
+      ablation_lib.parse(bad)
+  decoder = TransformerConfig(vocab_size=9, num_layers=1, num_heads=2,
+                              d_model=8, mlp_dim=8, max_len=32, causal=True)
+  ablation_lib.check_streaming("streaming:4,16", decoder, 32)
+  encoder = dataclasses.replace(decoder, causal=False)
+  ablation_lib.check_streaming("mean", encoder, 32)
+  with pytest.raises(ValueError, match="nothing to save"):
+    ablation_lib.check_streaming("streaming:4,28", decoder, 32)
+  with pytest.raises(ValueError, match="encoder"):
+    ablation_lib.check_streaming("streaming:1,2", encoder, 32)
+
+
+def test_window_mask_and_kv_memory_by_hand():
+  got = np.asarray(ablation_lib.window_mask(5, 1, 2)).astype(int)
+  want = np.array([[1, 0, 0, 0, 0],
+                   [1, 1, 0, 0, 0],
+                   [1, 1, 1, 0, 0],
+                   [1, 0, 1, 1, 0],
+                   [1, 0, 0, 1, 1]])
+  np.testing.assert_array_equal(got, want)
+  # 12 heads at context 128, 4 + 16 kept by a streaming head.
+  np.testing.assert_allclose(
+      ablation_lib.kv_memory([12, 6, 0], 12, 128, 4, 16),
+      [1.0, (6 * 128 + 6 * 20) / (12 * 128), 20 / 128])
+
+
+@pytest.mark.parametrize("kv_heads", [
+    pytest.param(None, marks=pytest.mark.slow), 2])
+def test_streaming_logits_equal_the_direct_window_masks(kv_heads):
+  """Under ``ablated_logits`` a removed head's output is its output under
+  the window mask (the layer's output under ``m`` plus its output under the
+  window and ``1 - m``): the direct per-head masks give the same logits,
+  also on a GQA model. Keeping every head is the unpruned model, and a
+  window as long as the context removes nothing."""
+  model, params, split = _decoder(num_kv_heads=kv_heads)
+  abl = ablation_lib.build(model, params, "streaming:2,3", split, split)
+  assert abl.spec == "streaming:2,3" and abl.streaming
+  rng = np.random.default_rng(0)
+  for mask in (rng.integers(0, 2, (2, 4)).astype(np.float32),
+               np.zeros((2, 4), np.float32), np.ones((2, 4), np.float32)):
+    got = ablation_lib.ablated_logits(model, params, split.inputs, mask, abl)
+    want = _direct_logits(model, params, split.inputs, mask, 2, 3)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  plain, _ = model.apply({"params": params}, split.inputs)
+  everything = ablation_lib.Ablation("streaming", sinks=0, window=12)
+  np.testing.assert_allclose(
+      ablation_lib.ablated_logits(model, params, split.inputs,
+                                  np.zeros((2, 4), np.float32), everything),
+      plain, rtol=1e-5, atol=1e-5)
+
+
+def _direct_metrics(model, params, split, masks, sinks, window):
+  out = {k: [] for k in ("loss", "token_accuracy", "exact_match")}
+  run = jax.jit(lambda m: eval_lib.metric_sums(
+      _direct_logits(model, params, split.inputs, m, sinks, window),
+      jnp.maximum(split.targets, 0), split.inputs,
+      data.scored(split.inputs, split.targets).astype(jnp.float32)))
+  for mask in masks:
+    got = eval_lib.summarize(jax.device_get(run(jnp.asarray(mask))))
+    for key in out:
+      out[key].append(got[key])
+  return {k: np.asarray(v) for k, v in out.items()}
+
+
+def _check_oracle(num_layers, num_heads, n):
+  model, params, split = _decoder(num_layers, num_heads, n=n)
+  abl = ablation_lib.build(model, params, "streaming:1,3", split, split)
+  masks = oracle.subset_masks(model.config)
+  want = _direct_metrics(model, params, split, masks, 1, 3)
+  streamed = eval_lib.summarize(oracle.subset_totals(
+      model, params, split, batch_size=8, ablation=abl))
+  table = core.summarize_examples(oracle.evaluate_subsets(
+      model, params, split, per_example=True, batch_size=8, ablation=abl))
+  for got in (streamed, table):
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=2e-5)
+    for key in ("token_accuracy", "exact_match"):
+      np.testing.assert_array_equal(got[key], want[key])
+  # The ablation matters: removing heads differs from zero ablation.
+  zero = eval_lib.summarize(oracle.subset_totals(model, params, split,
+                                                 batch_size=8))
+  assert np.abs(zero["loss"][0] - streamed["loss"][0]) > 1e-3
+
+
+def test_streamed_oracle_equals_the_direct_evaluation_8_heads():
+  """The oracle under ``streaming`` (every subset, layer prefixes shared,
+  the last layer from each head's full and windowed parts) equals running
+  each of the 256 subsets through the whole model with per-head window
+  masks: loss to float32 rounding, token accuracy and exact match
+  exactly."""
+  _check_oracle(2, 4, n=10)
+
+
+@pytest.mark.slow  # 4096 direct evaluations
+def test_streamed_oracle_equals_the_direct_evaluation_12_heads():
+  _check_oracle(3, 4, n=6)
+
+
+@pytest.mark.slow  # seconds of compiling: the full suite only
+def test_streaming_gradient_and_leave_one_out_run_through_core():
+  """The existing measures run under the streaming ablation: leave-one-out
+  is the direct evaluation with one head windowed, and the mask gradient
+  is the derivative of the mix of full and windowed outputs."""
+  model, params, split = _decoder(1, 2, n=6)
+  abl = ablation_lib.build(model, params, "streaming:0,2", split, split)
+  loo = core.leave_one_out(model, params, split, ablation=abl)
+  want = _direct_metrics(model, params, split,
+                         [np.array([[0, 1]], np.float32),
+                          np.array([[1, 0]], np.float32),
+                          np.ones((1, 2), np.float32)], 0, 2)
+  np.testing.assert_allclose(
+      np.asarray(loo["loss_increase"])[0],
+      want["loss"][:2] - want["loss"][2], rtol=1e-4, atol=1e-6)
+  grads = ablation_lib.attribution(model, params, split, abl)
+  assert np.all(np.isfinite(grads))
+
+
+@pytest.mark.slow  # 60 training steps
+def test_duo_gates_close_a_head_whose_window_changes_nothing():
+  """DuoAttention's gates on a planted decoder: head 0 writes nothing (its
+  value projection is zero), so its full and windowed outputs agree and
+  the L1 penalty alone moves its gate, to 0; head 1's window changes the
+  hidden states, and its gate stays open. At every gate 1 the mixed model
+  is the full model (distance 0)."""
+  model, params, split = _decoder(1, 2, length=12, n=32, seed=3)
+  value = params["layer_0"]["attention"]["value"]
+  params = jax.tree_util.tree_map(lambda x: x, params)
+  params["layer_0"]["attention"]["value"] = dict(
+      value, kernel=value["kernel"].at[:, 0].set(0.0),
+      bias=value["bias"].at[0].set(0.0))
+  abl = ablation_lib.build(model, params, "streaming:1,2", split, split)
+  ones = jnp.ones((1, 2))
+  _, distance = duo_gates.distillation_loss(
+      ones, model, params, split.inputs, split.targets, abl, 0.05)
+  assert float(distance) == 0.0
+  out = duo_gates.train(model, params, split, abl, steps=60, batch_size=16,
+                        strength=0.01, learning_rate=0.05)
+  alpha = out["alpha"][0]
+  assert alpha[0] == 0.0 and alpha[1] > 0.5, alpha
+  with pytest.raises(ValueError, match="streaming"):
+    duo_gates.train(model, params, split, ablation_lib.Ablation("zero"),
+                    steps=1)
