@@ -419,6 +419,29 @@ def test_the_study_runs_on_a_grouped_decoder_scoring_its_answers(
         seed["curve_summary"][name])
   assert "prunable_heads_token_accuracy" in groups["curve_summary"]["oracle"]
   assert "## KV groups" in (out / "report.md").read_text()
+  # Issue 58: the same model under the streaming ablation (context 24).
+  kv_out = tmp_path / "kv"
+  result = run([sys.executable, STUDY, f"--workdir={workdir}",
+                f"--out={kv_out}", *_SMALL, "--noover_training",
+                "--nosearches", "--noreestimate", "--nobootstrap_importance",
+                "--ablation=streaming:2,4"], env=subprocess_env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  results = json.loads((kv_out / "results.json").read_text())
+  streamed = results["seeds"][0]
+  assert results["ablation"] == "streaming:2,4" and "kv_groups" not in streamed
+  np.testing.assert_allclose(  # k full heads of 8 at 24 tokens, 6 kept
+      streamed["kv_memory"], [(k * 24 + (8 - k) * 6) / (8 * 24)
+                              for k in range(8, -1, -1)])
+  assert streamed["curves"]["oracle"]["kv_memory"] == streamed["kv_memory"]
+  for name in ("retrieval_score", "echo", "induction", "headkv",
+               "attention_distance", "duo_gates"):
+    assert name in streamed["importance"] and name in streamed["orders"]
+    assert name in streamed["curve_summary"]
+  for key in ("loss", "token_accuracy", "exact_match"):  # all heads full
+    np.testing.assert_allclose(streamed["oracle"][0]["validation"][key],
+                               unpruned[key], rtol=1e-5)
+  assert "## KV cache: which heads need their whole context" in (
+      kv_out / "report.md").read_text()
 
 
 def test_max_examples_keeps_evenly_spaced_examples_of_validation_and_test(

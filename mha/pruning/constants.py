@@ -36,6 +36,12 @@ ORDERINGS = {
     "random": "random",
 }
 
+#: The KV-cache head scores among :data:`ORDERINGS`: measured on causal
+#: models (``duo_gates`` under a streaming ablation only), orders of which
+#: heads keep a full cache, not of heads to cut out of a model.
+KV_SCORES = ("retrieval_score", "echo", "induction", "headkv",
+             "attention_distance", "duo_gates")
+
 #: What a removed head outputs (:mod:`mha.pruning.ablation`), ``--ablation``'s
 #: choices.
 ABLATION_MODES = ("zero", "mean", "mean_position", "resample")

@@ -65,7 +65,8 @@ from mha.run import arguments
 PROVENANCE_FILE = "pruned_from.json"
 #: What ``--order`` takes: every ordering of the study but ``random``, and
 #: ``oracle`` (the best subset on validation).
-ORDERS = tuple(k for k in orderings.ORDERINGS if k != "random") + ("oracle",)
+ORDERS = tuple(k for k in orderings.ORDERINGS
+               if k != "random" and k not in orderings.KV_SCORES) + ("oracle",)
 #: The orders that evaluate every subset of heads (at most
 #: ``--oracle_max_heads`` heads).
 SUBSET_ORDERS = ("shapley", "oracle")

@@ -35,7 +35,7 @@ from mha.pruning import core
 from mha.pruning import kv_scorers
 from mha.pruning import kwon
 from mha.pruning import oracle
-from mha.pruning.constants import ORDERINGS
+from mha.pruning.constants import KV_SCORES, ORDERINGS
 from mha.run import arguments
 
 # ORDERINGS (mha.pruning.constants): key -> label of each ordering.
@@ -184,13 +184,6 @@ def attribution_baselines(model: Transformer, params: Params,
       model, params, mode, split, split, means=means,
       rng=np.random.default_rng([seed, 3]))
           for name, mode in ATTRIBUTION_BASELINES.items()}
-
-
-#: The KV-cache head scores that become orderings where the study measured
-#: them (:mod:`mha.pruning.kv_scorers` on causal models,
-#: :mod:`mha.pruning.duo_gates` under a streaming ablation).
-KV_SCORES = ("retrieval_score", "echo", "induction", "headkv",
-             "attention_distance", "duo_gates")
 
 
 def orders_from_importance(importance: Mapping[str, np.ndarray]

@@ -19,8 +19,9 @@ from absl import flags
 from mha.run import cli
 from mha.run.figures import PLOT_FORMATS
 from mha.pruning.constants import (ABLATION_STREAMING, ADAPTIVE_MIN_SECONDS,
-                                   EXACT_K_METHODS, MAX_REPEATS, ORDERINGS,
-                                   REPEATS, TARGET_WIDTH, parse_ablation)
+                                   EXACT_K_METHODS, KV_SCORES, MAX_REPEATS,
+                                   ORDERINGS, REPEATS, TARGET_WIDTH,
+                                   parse_ablation)
 
 #: ``--shapley``: how the Shapley values are computed.
 SHAPLEY_METHODS = ("auto", "exact", "sampled")
@@ -254,9 +255,9 @@ class StudyOptions:
       raise ValueError(
           f"--batch_sizes must be positive integers, got {self.batch_sizes}")
     if self.speed_order not in ORDERINGS or self.speed_order in (
-        "random", "shapley"):
+        "random", "shapley") + KV_SCORES:
       valid = ", ".join(k for k in ORDERINGS
-                        if k not in ("random", "shapley"))
+                        if k not in ("random", "shapley") + KV_SCORES)
       raise ValueError(
           f"--speed_order {self.speed_order!r} is not one of: {valid}")
     try:
