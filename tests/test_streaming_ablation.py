@@ -17,6 +17,7 @@ from mha.model import attention_mask as model_mask
 from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
 from mha.pruning import duo_gates
+from mha.pruning import mixed_cache
 from mha.pruning import oracle
 
 
@@ -208,3 +209,31 @@ def test_duo_gates_close_a_head_whose_window_changes_nothing():
   with pytest.raises(ValueError, match="streaming"):
     duo_gates.train(model, params, split, ablation_lib.Ablation("zero"),
                     steps=1)
+
+
+def test_mixed_cache_decodes_as_the_streaming_ablation():
+  """Decoding through the mixed cache (full heads keep every position, the
+  others a ring of sinks and the recent window) gives, position by
+  position, the logits of the streaming ablation's forward pass with the
+  same heads removed; with every head full, the model's own; and its keys
+  and values take the formula's share of the full cache's bytes."""
+  model, params, split = _decoder(2, 4, length=12, n=3, seed=5)
+  tokens = np.where(split.inputs == 0, 1, split.inputs)  # no padding
+  full = np.array([[1, 0, 0, 1], [0, 1, 0, 0]], bool)
+  abl = ablation_lib.Ablation("streaming", sinks=2, window=3)
+  want = ablation_lib.ablated_logits(model, params, tokens,
+                                     full.astype(np.float32), abl)
+  got = mixed_cache.cached_logits(model, params, tokens, full, sinks=2,
+                                  window=3)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  plain, _ = model.apply({"params": params}, tokens)
+  every = mixed_cache.cached_logits(model, params, tokens,
+                                    np.ones((2, 4), bool), sinks=2, window=3)
+  np.testing.assert_allclose(every, plain, rtol=1e-5, atol=1e-5)
+  cache = mixed_cache.init_cache(model.config, full, batch_size=3, length=12,
+                                 sinks=2, window=3)
+  whole = mixed_cache.init_cache(model.config, np.ones((2, 4), bool),
+                                 batch_size=3, length=12, sinks=2, window=3)
+  np.testing.assert_allclose(
+      mixed_cache.cache_bytes(cache) / mixed_cache.cache_bytes(whole),
+      ablation_lib.kv_memory(3, 8, 12, 2, 3))
