@@ -24,7 +24,6 @@ against the model's own forward pass.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 

@@ -441,3 +441,26 @@ def test_decode_benchmark_compares_the_cache_with_recomputing(tmp_path,
   assert result.returncode == 2
   assert result.stderr.strip() == ("decode_benchmark.py: error: --kv_heads=2 "
                                    "does not divide --heads=3")
+
+
+@pytest.mark.slow  # a subprocess compiling three scans
+def test_mixed_cache_benchmark_measures_memory_against_the_formula(
+    tmp_path, subprocess_env):
+  script = os.path.join(BENCHMARKS, "mixed_cache_benchmark.py")
+  out = tmp_path / "mixed.json"
+  result = run([sys.executable, script, "--contexts=32", "--sinks=2",
+                "--window=4", "--batch=2", "--repeats=1", f"--out={out}"],
+               cwd=tmp_path, env=subprocess_env, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  results = json.loads(out.read_text())
+  _check_record(results, "mixed_cache")
+  (speed,) = results["speed"]
+  # One full head of 8 at 32 positions, the others 6: the formula exactly.
+  assert speed["kv_memory"] == pytest.approx((32 + 7 * 6) / (8 * 32))
+  assert speed["kv_memory"] == pytest.approx(speed["kv_memory_formula"])
+  assert all(v > 0 for v in speed["tokens_per_second"].values())
+  result = run([sys.executable, script, "--contexts=16", "--sinks=4",
+                "--window=16"], cwd=tmp_path, env=subprocess_env, timeout=120)
+  assert result.returncode == 2
+  assert result.stderr.strip() == ("mixed_cache_benchmark.py: error: every "
+                                   "context must exceed --sinks + --window")
