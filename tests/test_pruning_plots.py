@@ -415,3 +415,19 @@ def test_pruning_curve_panels_png_with_references_in_every_panel(tmp_path):
                                                  references, str(path)))
   with pytest.raises(ValueError, match="panels is empty"):
     pp.pruning_curve_panels_figure(fractions, {}, references)
+
+
+def test_curves_in_a_narrow_band_zoom_the_axis_and_streaming_adds_kv():
+  """A language model's curves (every value within 0.06) get an axis that
+  spans them, not 0 to 1; a streaming study's figure gains the KV-memory
+  axis on top, linear in the fraction."""
+  fractions = np.linspace(0.0, 1.0, 5)
+  curves = {"gradient": np.array([0.63, 0.63, 0.62, 0.61, 0.60]),
+            "random": np.array([0.63, 0.62, 0.61, 0.60, 0.59])}
+  fig = pp.pruning_curves_figure(fractions, curves, baseline=0.63,
+                                 kv_axis=(1.0, 0.2))
+  ax = fig.axes[0]
+  low, high = ax.get_ylim()
+  assert 0.58 < low < 0.59 and 0.63 < high < 0.64
+  (top,) = ax.child_axes
+  assert top.get_xlabel() == "KV memory kept (share of the full cache)"

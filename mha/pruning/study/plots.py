@@ -212,6 +212,11 @@ def _band(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
   return low, high, f"{lo:g}\u2013{hi:g}th pct"
 
 
+#: A curves figure whose values all lie within a band narrower than this
+#: zooms its y-axis to the band instead of spanning 0 to 1.
+ZOOM_BELOW = 0.3
+
+
 def pruning_curves_figure(
     fractions: np.ndarray,
     curves: Mapping[str, np.ndarray],
@@ -300,7 +305,16 @@ def pruning_curves_figure(
                                     [baseline - 0.01])])
   low = min(0.0, float(finite.min())) if finite.size else 0.0
   high = max(1.0, float(finite.max())) if finite.size else 1.0
-  margin = 0.03 * (high - low)
+  drawn = np.concatenate([finite] + [
+      np.asarray(b, np.float64).ravel() for pair in (intervals or {}).values()
+      for b in pair])
+  drawn = drawn[np.isfinite(drawn)]
+  if drawn.size and drawn.max() - drawn.min() < ZOOM_BELOW:
+    # Every curve and band within a narrow range (a language model's
+    # next-character accuracy): the axis spans it, not 0 to 1, or the
+    # curves are one line.
+    low, high = float(drawn.min()), float(drawn.max())
+  margin = 0.03 * (high - low) if high > low else 0.01
   ax.set_ylim(low - margin, high + margin)
   if fractions.min() >= 0.0 and fractions.max() <= 1.0:
     ax.set_xlim(-0.02, 1.02)
