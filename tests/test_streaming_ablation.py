@@ -94,8 +94,8 @@ def test_window_mask_and_kv_memory_by_hand():
       [1.0, (6 * 128 + 6 * 20) / (12 * 128), 20 / 128])
 
 
-@pytest.mark.parametrize("kv_heads", [
-    pytest.param(None, marks=pytest.mark.slow), 2])
+@pytest.mark.slow  # seconds of compiling: the full suite only
+@pytest.mark.parametrize("kv_heads", [None, 2])
 def test_streaming_logits_equal_the_direct_window_masks(kv_heads):
   """Under ``ablated_logits`` a removed head's output is its output under
   the window mask (the layer's output under ``m`` plus its output under the
@@ -211,6 +211,7 @@ def test_duo_gates_close_a_head_whose_window_changes_nothing():
                     steps=1)
 
 
+@pytest.mark.slow  # three scans compiled
 def test_mixed_cache_decodes_as_the_streaming_ablation():
   """Decoding through the mixed cache (full heads keep every position, the
   others a ring of sinks and the recent window) gives, position by
