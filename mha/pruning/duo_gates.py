@@ -45,6 +45,7 @@ from mha import data
 from mha import head_masks
 from mha.aliases import Array, Params
 from mha.model import Transformer
+from mha.pruning import gates as gates_lib
 from mha.pruning.ablation import Ablation, ablated_logits
 from mha.run import arguments
 
@@ -89,11 +90,6 @@ def distillation_loss(alpha: Array, model: Transformer, params: Params,
   return distill + strength * jnp.sum(jnp.abs(alpha) * exists), distill
 
 
-@functools.lru_cache(maxsize=None)
-def _adam(learning_rate: float) -> optax.GradientTransformation:
-  return optax.adam(learning_rate)
-
-
 @functools.partial(jax.jit, static_argnames=("model", "optimizer"))
 def _step(model, optimizer, params, alpha, opt_state, inputs, targets,
           ablation, strength):
@@ -134,7 +130,9 @@ def train(model: Transformer, params: Params, train_split: data.Split,
   config = model.config
   exists = head_masks.existing_heads(config)
   alpha = jnp.asarray(exists, jnp.float32)
-  optimizer = _adam(float(learning_rate))
+  # One optimizer object per rate, shared with the head gates: a static
+  # argument of the jitted step, so later calls hit its compile cache.
+  optimizer = gates_lib._adam(float(learning_rate))  # pylint: disable=protected-access
   opt_state = optimizer.init(alpha)
   start = time.perf_counter()
   distill = jnp.zeros(())

@@ -31,6 +31,7 @@ from mha.model import Transformer
 from mha.pruning import core
 from mha.pruning import kv_groups
 from mha.pruning import oracle
+from mha.pruning.constants import ABLATION_STREAMING, parse_ablation
 from mha.pruning.study import summary
 from mha.pruning.study.options import StudyOptions
 
@@ -52,7 +53,7 @@ def applies(model: Transformer, options: StudyOptions) -> bool:
   config = model.config
   return (kv_groups.is_grouped(config)
           and kv_groups.num_groups(config) <= options.oracle_max_heads
-          and not options.ablation.startswith("streaming"))
+          and parse_ablation(options.ablation)[0] != ABLATION_STREAMING)
 
 
 def _best(values: np.ndarray, kept: np.ndarray, count: int,

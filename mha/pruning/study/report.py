@@ -789,7 +789,6 @@ def _kv_cache_section(results: Mapping[str, Any]) -> list[str]:
   counts = np.asarray(first["counts"])
   n = int(counts.max())
   memory = np.asarray(first["kv_memory"], np.float64)
-  context = results.get("splits", {}).get("test", {}).get("length")
   per_head = (memory[0] - memory[-1]) / max(n, 1)  # KV share of one head
   metric = "token_accuracy"
   key = f"prunable_heads_{metric}"
@@ -830,7 +829,7 @@ def _kv_cache_section(results: Mapping[str, Any]) -> list[str]:
       "## KV cache: which heads need their whole context", "",
       f"Each curve gives heads, in its order, a streaming cache ({sinks} "
       f"sink positions and a window of {window}) instead of the whole "
-      f"context{'' if context is None else f' of {context} tokens'}; the "
+      "context; the "
       f"KV memory kept is `(k T + (N - k)(S + W)) / (N T)` for `k` full "
       f"heads of `N = {n}`. Full heads at the level: the fewest heads that "
       f"keep test {metric.replace('_', ' ')} within {tol:g} of the full "
