@@ -162,8 +162,9 @@ def _write_outputs(ckpt, split, workdir: str, out_dir: str,
   result = {"step": ckpt.step, "split": _SPLIT.value, **metrics,
             "head_roles": head_roles.to_json(roles)}
   if split.distances is not None:  # A recall task: is the recall local?
-    by_distance = evaluate.recall_by_distance(ckpt.model, ckpt.params, split,
-                                              config.eval_batch_size)
+    correct = evaluate.predictions(ckpt.model, ckpt.params, split,
+                                   config.eval_batch_size) == split.targets
+    by_distance = evaluate.accuracy_by_distance(correct, split.distances)
     result["accuracy_by_distance"] = [
         {"distances": [int(lo), int(hi)], "accuracy": float(acc),
          "answers": int(n)} for lo, hi, acc, n in zip(*by_distance) if n]
@@ -171,6 +172,16 @@ def _write_outputs(ckpt, split, workdir: str, out_dir: str,
       print(f"answers planted {row['distances'][0]}-{row['distances'][1]} "
             f"back: accuracy {row['accuracy']:.4f} ({row['answers']:,})",
             file=sys.stderr)
+    # Is the recall an induction head's? Ambiguous where the token read
+    # occurs twice or more earlier (a passkey repeating a digit).
+    result["accuracy_by_earlier_occurrences"] = (
+        evaluate.accuracy_by_earlier_occurrences(
+            correct, split.inputs, split.distances > 0))
+    for name, row in result["accuracy_by_earlier_occurrences"].items():
+      if row["answers"]:
+        print(f"answers whose input token occurs {name} times earlier: "
+              f"accuracy {row['accuracy']:.4f} ({row['answers']:,})",
+              file=sys.stderr)
   if _HTML.value:
     _write_explorer(ckpt, split, workdir, roles, result, study)
   with open(os.path.join(out_dir, f"metrics_{_SPLIT.value}_step{ckpt.step}"

@@ -322,6 +322,52 @@ def accuracy_by_distance(correct: Any, distances: Any,
                           count=count)
 
 
+def accuracy_by_earlier_occurrences(correct: Any, inputs: Any,
+                                    answers: Any) -> dict[str, dict[str, Any]]:
+  """Accuracy of a recall task's answers by how often the input token at
+  the answer's position (the token the model reads there: passkey's previous
+  digit, mqar's queried key) occurs earlier in the same sequence.
+
+  An induction head predicts the token that followed an earlier occurrence
+  of the current one; with two or more earlier occurrences (a passkey whose
+  digit repeats) that rule is ambiguous, with none (passkey's first digit,
+  after the query marker) it does not apply. A model that recalls by
+  induction alone can be right wherever there is one occurrence and must
+  guess between followers where there are two.
+
+  Args:
+    correct: bool ``[N, L]``, per position.
+    inputs: int ``[N, L]``, the sequences the model read.
+    answers: bool ``[N, L]``, the answer positions (e.g. ``Split.distances
+      > 0``); the others count nowhere.
+
+  Returns:
+    ``{"0": ..., "1": ..., "2+": ...}``, each ``{"accuracy", "answers"}``
+    (accuracy None where a group holds no answer).
+
+  Raises:
+    ValueError: shapes that differ or are not ``[N, L]``.
+  """
+  correct = np.asarray(correct, bool)
+  inputs = np.asarray(inputs)
+  answers = np.asarray(answers, bool)
+  if not correct.shape == inputs.shape == answers.shape or correct.ndim != 2:
+    raise ValueError(f"correct {correct.shape}, inputs {inputs.shape} and "
+                     f"answers {answers.shape} must be one [N, L] shape")
+  rows, cols = np.nonzero(answers)
+  same = inputs[rows] == inputs[rows, cols][:, None]  # [M, L]
+  before = np.arange(inputs.shape[1])[None, :] < cols[:, None]
+  earlier = np.sum(same & before, axis=1)
+  right = correct[rows, cols]
+  out = {}
+  for name, group in (("0", earlier == 0), ("1", earlier == 1),
+                      ("2+", earlier >= 2)):
+    n = int(group.sum())
+    out[name] = {"accuracy": float(right[group].mean()) if n else None,
+                 "answers": n}
+  return out
+
+
 @functools.partial(jax.jit, static_argnames="model")
 def _predictions(model: Transformer, params: Params, inputs: Array) -> Array:
   logits, _ = model.apply({"params": params}, inputs, return_weights=False)
@@ -336,7 +382,14 @@ def recall_by_distance(model: Transformer, params: Params, split: data.Split,
   if split.distances is None:
     raise ValueError(f"split of task {split.task!r} has no distances: only "
                      f"a recall task's ({', '.join(data.RECALL_TASKS)}) has")
-  predicted = np.concatenate([
+  predicted = predictions(model, params, split, batch_size)
+  return accuracy_by_distance(predicted == split.targets, split.distances)
+
+
+def predictions(model: Transformer, params: Params, split: data.Split,
+                batch_size: int) -> np.ndarray:
+  """``[N, L]`` int: ``model``'s most likely token at each position of
+  ``split``'s inputs, in batches of ``batch_size``."""
+  return np.concatenate([
       np.asarray(_predictions(model, params, batch["inputs"]))
       for batch in data.eval_batches(split, batch_size)])[:len(split)]
-  return accuracy_by_distance(predicted == split.targets, split.distances)

@@ -267,3 +267,22 @@ def test_accuracy_by_distance():
     evaluate.accuracy_by_distance(correct[0], distances)
   with pytest.raises(ValueError, match="increase"):
     evaluate.accuracy_by_distance(correct, distances, edges=[4, 2])
+
+
+def test_accuracy_by_earlier_occurrences_separates_ambiguous_recalls():
+  # A passkey-like row: marker 1, key 5 7 5, query 2, recall 5 7 5. At the
+  # recall's answers the model reads 2 (0 earlier), 5 (twice earlier: the
+  # key repeats it) and 7 (once earlier).
+  inputs = np.array([[9, 1, 5, 7, 5, 9, 2, 5, 7]])
+  answers = np.zeros_like(inputs, bool)
+  answers[0, 6:] = True
+  correct = np.array([[0, 0, 0, 0, 0, 0, 1, 0, 1]], bool)
+  got = evaluate.accuracy_by_earlier_occurrences(correct, inputs, answers)
+  assert got == {"0": {"accuracy": 1.0, "answers": 1},
+                 "1": {"accuracy": 1.0, "answers": 1},
+                 "2+": {"accuracy": 0.0, "answers": 1}}
+  got = evaluate.accuracy_by_earlier_occurrences(correct, inputs,
+                                                 np.zeros_like(answers))
+  assert got["1"] == {"accuracy": None, "answers": 0}
+  with pytest.raises(ValueError, match="shape"):
+    evaluate.accuracy_by_earlier_occurrences(correct[0], inputs, answers)

@@ -48,3 +48,38 @@ def test_recall_by_distance_buckets_the_models_answers():
   with np.testing.assert_raises(ValueError):
     evaluate.recall_by_distance(model, params, data.Split(
         inputs=inputs, targets=targets, task="reverse"), 2)
+
+
+@pytest.mark.slow  # trains a tiny recall model and runs eval.py
+def test_eval_script_on_a_recall_task_splits_its_answers_two_ways(
+    tmp_path, data_dir, subprocess_env):
+  """eval.py on mqar: the answers by distance and by how often the token
+  read occurs earlier each count every answer once, and their weighted
+  accuracies are the run's token accuracy on the answers."""
+  import glob  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from conftest import ROOT, run, tiny_config  # pylint: disable=import-outside-toplevel
+  from mha import train  # pylint: disable=import-outside-toplevel
+  workdir = str(tmp_path / "mqar")
+  train.train_and_evaluate(tiny_config(
+      data_dir, "mqar", "num_train_steps=3", "data.context_length=24",
+      "data.num_pairs=2", "data.num_train_examples=64",
+      "data.num_eval_examples=16", "eval_batch_size=16", "batch_size=8"),
+      workdir)
+  result = run([sys.executable, os.path.join(ROOT, "eval.py"),
+                f"--workdir={workdir}", "--split=test"], env=subprocess_env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "answers whose input token occurs 1 times earlier" in result.stderr
+  [path] = glob.glob(os.path.join(workdir, "eval", "metrics_test_step3.json"))
+  with open(path, encoding="utf-8") as f:
+    got = json.load(f)
+  by_distance = got["accuracy_by_distance"]
+  by_earlier = got["accuracy_by_earlier_occurrences"]
+  answers = sum(r["answers"] for r in by_distance)
+  assert answers == 16 * 2  # two queries an example
+  assert sum(r["answers"] for r in by_earlier.values()) == answers
+  for rows in (by_distance, list(by_earlier.values())):
+    right = sum(r["accuracy"] * r["answers"] for r in rows if r["answers"])
+    assert right / answers == pytest.approx(got["token_accuracy"], abs=1e-9)
