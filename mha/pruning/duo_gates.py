@@ -48,7 +48,6 @@ from mha.model import Transformer
 from mha.pruning import gates as gates_lib
 from mha.pruning.ablation import Ablation, ablated_logits
 from mha.run import arguments
-from mha.run import sharding as sharding_lib
 
 #: DuoAttention's defaults where they carry over: the L1 strength and the
 #: learning rate (their Adam, 0.02); steps and batch are ours (a toy model).
@@ -133,11 +132,8 @@ def train(model: Transformer, params: Params, train_split: data.Split,
   # One optimizer object per rate, shared with the head gates: a static
   # argument of the jitted step, so later calls hit its compile cache.
   optimizer = gates_lib._adam(float(learning_rate))  # pylint: disable=protected-access
-  # Laid out as the step's outputs will be (replicated), so that the second
-  # step does not compile again for committed inputs (as the head gates).
-  replicated = sharding_lib.replicated(sharding_lib.make_mesh())
-  alpha = jax.device_put(jnp.asarray(exists, jnp.float32), replicated)
-  opt_state = jax.device_put(optimizer.init(alpha), replicated)
+  alpha, opt_state = gates_lib.replicated_start(
+      jnp.asarray(exists, jnp.float32), optimizer)
   start = time.perf_counter()
   distill = jnp.zeros(())
   for step in range(steps):

@@ -174,6 +174,16 @@ def _step(model, optimizer, params, log_alpha, opt_state, inputs, targets,
   return optax.apply_updates(log_alpha, updates), opt_state, expected
 
 
+def replicated_start(variables: Any, optimizer: optax.GradientTransformation
+                     ) -> tuple[Any, Any]:
+  """``variables`` and ``optimizer.init(variables)``, laid out as a jitted
+  step's outputs will be (replicated over the devices' mesh), so that the
+  second step does not compile again for committed inputs."""
+  replicated = sharding_lib.replicated(sharding_lib.make_mesh())
+  variables = jax.device_put(variables, replicated)
+  return variables, jax.device_put(optimizer.init(variables), replicated)
+
+
 def _train(step_fn: Callable, model: Transformer, params: Params,
            variables: Any, optimizer: optax.GradientTransformation,
            per_vector: Array, train: data.Split, *, steps: int,
@@ -186,11 +196,7 @@ def _train(step_fn: Callable, model: Transformer, params: Params,
   ``data.train_batch(train, seed=seed, step=s)``, logged four times
   (``name``, the step and ``describe(aux)``). Returns the trained variables
   (on the host) and the last step's auxiliary output ``[V]``."""
-  # Laid out as the step's outputs will be (replicated), so that the second
-  # step does not compile again for committed inputs.
-  replicated = sharding_lib.replicated(sharding_lib.make_mesh())
-  variables = jax.device_put(variables, replicated)
-  opt_state = jax.device_put(optimizer.init(variables), replicated)
+  variables, opt_state = replicated_start(variables, optimizer)
   rng = jax.random.key(seed)
   aux = jnp.zeros(len(per_vector))
   for step in range(steps):
@@ -434,4 +440,4 @@ __all__ = ["BETA", "GAMMA", "ZETA", "INIT_LOG_ALPHA", "sample",
            "probability_open", "deterministic", "gate_loss",
            "lagrangian_loss", "relaxed_top_k", "top_k_sample", "top_k_loss",
            "train_gates", "EXACT_K_METHODS", "check_targets", "train_exact_k",
-           "kept_mask", "removal_of_size"]
+           "kept_mask", "removal_of_size", "replicated_start"]
