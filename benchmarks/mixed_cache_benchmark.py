@@ -55,6 +55,10 @@ _SINKS = flags.DEFINE_integer("sinks", 4, "Sink positions of a streaming "
                               "head.", lower_bound=0)
 _WINDOW = flags.DEFINE_integer("window", 16, "Recent positions of a "
                                "streaming head.", lower_bound=0)
+_KV_HEADS = flags.DEFINE_integer(
+    "num_kv_heads", None, "Key/value groups per layer (grouped-query "
+    "attention; a group keeps every position when any of its query heads is "
+    "full): 1, 2 or 4. Unset: one per head.", lower_bound=1)
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences at once.", lower_bound=1)
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Interleaved timed rounds.",
                                 lower_bound=1)
@@ -79,11 +83,13 @@ def _full_mask(config: TransformerConfig, text: str) -> np.ndarray:
 
 
 def measure_speed(context: int, full_text: str, batch: int, sinks: int,
-                  window: int, repeats: int) -> dict:
+                  window: int, repeats: int,
+                  num_kv_heads: int | None = None) -> dict:
   """Memory and tokens per second at one context."""
   config = TransformerConfig(vocab_size=64, num_layers=2, num_heads=4,
                              d_model=64, mlp_dim=256, max_len=context,
-                             causal=True, positional="sinusoidal")
+                             causal=True, positional="sinusoidal",
+                             num_kv_heads=num_kv_heads)
   model = Transformer(config)
   params = model.init(jax.random.key(0),
                       jnp.ones((1, context), jnp.int32))["params"]
@@ -99,9 +105,11 @@ def measure_speed(context: int, full_text: str, batch: int, sinks: int,
   }
   times = benchmarking.time_interleaved(ways, repeats)
   ms = {k: benchmarking.median_ms(v) for k, v in times.items()}
-  sizes = [mixed_cache.cache_bytes(mixed_cache.init_cache(
-      config, f, batch_size=batch, length=context, sinks=sinks,
-      window=window)) for f in (full, every)]
+  caches = [mixed_cache.init_cache(config, f, batch_size=batch,
+                                   length=context, sinks=sinks, window=window)
+            for f in (full, every)]
+  sizes = [mixed_cache.cache_bytes(c) for c in caches]
+  cache, groups = caches[0], sum(map(len, caches[1].full_groups))
   return {
       "context": context, "seconds": times,
       "tokens_per_second": {k: batch * context / (v / 1e3)
@@ -109,7 +117,8 @@ def measure_speed(context: int, full_text: str, batch: int, sinks: int,
       "kv_bytes": {"mixed": sizes[0], "full": sizes[1]},
       "kv_memory": sizes[0] / sizes[1],
       "kv_memory_formula": float(ablation_lib.kv_memory(
-          full.sum(), full.size, context, sinks, window)),
+          sum(map(len, cache.full_groups)), groups, context, sinks,
+          window)),
   }
 
 
@@ -146,7 +155,9 @@ def format_table(results) -> str:
       results, rounds=f"Medians of {results['repeats']} interleaved rounds; "
       "tokens per second = batch x context / seconds of the whole scan.")
   lines += [
-      f"Model: 2 layers x 4 heads, d_model 64, mlp 256, random weights; "
+      f"Model: 2 layers x 4 heads, "
+      f"{results.get('num_kv_heads') or 4} key/value heads per layer, "
+      f"d_model 64, mlp 256, random weights; "
       f"batch {results['batch']}; full heads {results['full_heads']}, the "
       f"others {results['sinks']} sinks + {results['window']} recent "
       "positions.", "",
@@ -177,6 +188,9 @@ def main(argv: list[str]) -> None:
     cli.fail(_PROG, f"--contexts must be integers, got {_CONTEXTS.value}")
   if any(c <= _SINKS.value + _WINDOW.value for c in contexts):
     cli.fail(_PROG, "every context must exceed --sinks + --window")
+  if _KV_HEADS.value is not None and 4 % _KV_HEADS.value:
+    cli.fail(_PROG, f"--num_kv_heads must divide the 4 heads, got "
+             f"{_KV_HEADS.value}")
   try:
     head_masks.parse_heads(_FULL.value)
   except ValueError as e:
@@ -186,13 +200,14 @@ def main(argv: list[str]) -> None:
   log = lambda message: print(message, file=sys.stderr, flush=True)
   results = benchmarking.record(
       "mixed_cache", full_heads=_FULL.value, sinks=_SINKS.value,
-      window=_WINDOW.value, batch=_BATCH.value, repeats=_REPEATS.value)
+      window=_WINDOW.value, batch=_BATCH.value, repeats=_REPEATS.value,
+      num_kv_heads=_KV_HEADS.value)
   results["speed"] = []
   for context in contexts:
     log(f"context {context} ...")
     results["speed"].append(measure_speed(
         context, _FULL.value, _BATCH.value, _SINKS.value, _WINDOW.value,
-        _REPEATS.value))
+        _REPEATS.value, _KV_HEADS.value))
   if _WORKDIR.value:
     results["accuracy"] = measure_accuracy(
         _WORKDIR.value, _FULL.value, _SINKS.value, _WINDOW.value,

@@ -464,3 +464,9 @@ def test_mixed_cache_benchmark_measures_memory_against_the_formula(
   assert result.returncode == 2
   assert result.stderr.strip() == ("mixed_cache_benchmark.py: error: every "
                                    "context must exceed --sinks + --window")
+  result = run([sys.executable, script, "--num_kv_heads=3"], cwd=tmp_path,
+               env=subprocess_env, timeout=120)
+  assert result.returncode == 2
+  assert result.stderr.strip() == ("mixed_cache_benchmark.py: error: "
+                                   "--num_kv_heads must divide the 4 heads, "
+                                   "got 3")

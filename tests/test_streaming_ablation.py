@@ -238,3 +238,33 @@ def test_mixed_cache_decodes_as_the_streaming_ablation():
   np.testing.assert_allclose(
       mixed_cache.cache_bytes(cache) / mixed_cache.cache_bytes(whole),
       ablation_lib.kv_memory(3, 8, 12, 2, 3))
+
+
+@pytest.mark.slow  # two scans compiled
+def test_mixed_cache_under_grouped_keys_keeps_a_group_for_any_full_head():
+  """Under GQA (4 query heads on 2 key/value groups) a group keeps every
+  position when any of its query heads is full; its streaming query heads
+  read that cache through the window. Decoding equals the streaming
+  ablation of the same query heads, and the memory is that of the groups:
+  layer 0 keeps group 0 (head 1 full, head 0 streaming in it), layer 1
+  keeps no group, so 1 of 4 groups is full."""
+  model, params, split = _decoder(2, 4, length=12, n=3, seed=7,
+                                  num_kv_heads=2)
+  tokens = np.where(split.inputs == 0, 1, split.inputs)
+  full = np.array([[0, 1, 0, 0], [0, 0, 0, 0]], bool)
+  abl = ablation_lib.Ablation("streaming", sinks=1, window=3)
+  want = ablation_lib.ablated_logits(model, params, tokens,
+                                     full.astype(np.float32), abl)
+  got = mixed_cache.cached_logits(model, params, tokens, full, sinks=1,
+                                  window=3)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  cache = mixed_cache.init_cache(model.config, full, batch_size=3, length=12,
+                                 sinks=1, window=3)
+  assert cache.full_groups == ((0,), ())
+  assert cache.layers[0].full_key.shape == (3, 12, 1, 4)
+  assert cache.layers[1].ring_key.shape == (3, 4, 2, 4)
+  whole = mixed_cache.init_cache(model.config, np.ones((2, 4), bool),
+                                 batch_size=3, length=12, sinks=1, window=3)
+  np.testing.assert_allclose(
+      mixed_cache.cache_bytes(cache) / mixed_cache.cache_bytes(whole),
+      ablation_lib.kv_memory(1, 4, 12, 1, 3))

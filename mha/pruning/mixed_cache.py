@@ -22,8 +22,15 @@ the cache, the two contexts put back in head order, the layer's output
 projection. Decoding with a head mask of the removed heads
 equals the streaming ablation's forward pass
 (:func:`mha.pruning.ablation.ablated_logits`), and with every head full the
-model's own (tested). Multi-head attention only (``num_kv_heads`` unset):
-with grouped keys and values a group's cache is shared by its query heads.
+model's own (tested).
+
+Under grouped keys and values (``num_kv_heads``, GQA) a layer's cache
+holds key/value *groups*, shared by their query heads: a group keeps every
+position when any of its query heads is full, else a ring; ``F`` and ``H``
+above count groups. A streaming query head of a full group reads the
+group's whole cache through the window mask, so decoding still equals the
+streaming ablation with those query heads removed; memory is saved only
+by groups whose query heads all stream.
 
     cache = mixed_cache.init_cache(config, full, batch_size=8, length=2048,
                                    sinks=4, window=16)
@@ -61,11 +68,14 @@ class LayerCache:
 @struct.dataclass
 class MixedCache:
   """Every layer's :class:`LayerCache`, the next position ``index``, and
-  (static) each layer's full heads and the ring's shape."""
+  (static) each layer's full query heads, its key/value groups that keep
+  every position (the heads themselves without GQA), and the ring's
+  shape."""
 
   layers: tuple[LayerCache, ...]
   index: Array
   full: tuple[tuple[int, ...], ...] = struct.field(pytree_node=False)
+  full_groups: tuple[tuple[int, ...], ...] = struct.field(pytree_node=False)
   sinks: int = struct.field(pytree_node=False)
   window: int = struct.field(pytree_node=False)
 
@@ -73,16 +83,18 @@ class MixedCache:
 def _check(config: TransformerConfig) -> None:
   if not config.causal:
     raise ValueError("a KV cache is a decoder's: this model is an encoder")
-  if config.num_kv_heads is not None and config.num_kv_heads != max(
-      config.heads_per_layer):
-    raise ValueError("the mixed cache is per head: grouped keys and values "
-                     f"(num_kv_heads={config.num_kv_heads}) are not built")
+
+
+def _group_size(config: TransformerConfig, heads: int) -> int:
+  """Query heads per key/value group in a layer of ``heads`` heads."""
+  return heads // (config.num_kv_heads or heads)
 
 
 def init_cache(config: TransformerConfig, full: Any, *, batch_size: int,
                length: int, sinks: int, window: int) -> MixedCache:
   """An empty mixed cache for ``batch_size`` sequences of up to ``length``
-  positions; ``full`` ``[L, H]`` (true: the head keeps every position)."""
+  positions; ``full`` ``[L, H]`` (true: the query head keeps every
+  position; under GQA its group then does too)."""
   _check(config)
   if not 1 <= length <= config.max_len:
     raise ValueError(f"a cache of {length} positions: the model has 1 to "
@@ -93,18 +105,20 @@ def init_cache(config: TransformerConfig, full: Any, *, batch_size: int,
   full = np.asarray(full, bool)
   dtype = jnp.dtype(config.dtype)
   head_dim = config.head_dim or config.d_model // max(config.heads_per_layer)
-  layers, heads = [], []
+  layers, heads, groups = [], [], []
   for layer, count in enumerate(config.heads_per_layer):
-    kept = tuple(int(h) for h in np.flatnonzero(full[layer, :count]))
-    heads.append(kept)
-    zeros = lambda n, h: jnp.zeros((batch_size, n, h, head_dim), dtype)
+    heads.append(tuple(int(h) for h in np.flatnonzero(full[layer, :count])))
+    size = _group_size(config, count) if count else 1
+    kept = tuple(sorted({h // size for h in heads[-1]}))
+    groups.append(kept)
+    zeros = lambda n, g: jnp.zeros((batch_size, n, g, head_dim), dtype)
+    ring = count // size - len(kept)
     layers.append(LayerCache(
         zeros(length, len(kept)), zeros(length, len(kept)),
-        zeros(sinks + window, count - len(kept)),
-        zeros(sinks + window, count - len(kept)),
+        zeros(sinks + window, ring), zeros(sinks + window, ring),
         jnp.full((sinks + window,), -1, jnp.int32)))
   return MixedCache(tuple(layers), jnp.zeros((), jnp.int32), tuple(heads),
-                    sinks, window)
+                    tuple(groups), sinks, window)
 
 
 def cache_bytes(cache: MixedCache) -> int:
@@ -134,35 +148,51 @@ def _project(params: Params, name: str, x: Array) -> Array:
   return y + p["bias"].astype(x.dtype)[None, None]
 
 
-def _attention(layer: LayerCache, full: tuple[int, ...], sinks: int,
-               window: int, index: Array, params: Params, x: Array
+def _in_window(position: Array, index: Array, sinks: int,
+               window: int) -> Array:
+  """Whether the key at ``position`` is a sink or among the last
+  ``window`` positions up to ``index`` (:func:`ablation.window_mask`)."""
+  return (position < sinks) | (index - position < window)
+
+
+def _attention(layer: LayerCache, full: tuple[int, ...],
+               full_groups: tuple[int, ...], sinks: int, window: int,
+               index: Array, params: Params, x: Array
                ) -> tuple[Array, LayerCache]:
   """One position's attention output ``[B, 1, D]`` through the mixed
   cache, and the cache with the position written."""
   query, key, value = (_project(params, n, x) for n in ("query", "key",
                                                         "value"))
   count = query.shape[-2]
-  streaming = tuple(h for h in range(count) if h not in full)
+  size = count // max(key.shape[-2], 1)
+  ring_groups = tuple(g for g in range(key.shape[-2])
+                      if g not in full_groups)
   write = lambda cache, new, at: jax.lax.dynamic_update_slice_in_dim(
       cache, new.astype(cache.dtype), at, axis=1)
+  # The query heads reading each part, group by group (the layer's own
+  # convention: query head h reads group h // size).
+  of = lambda groups: [g * size + i for g in groups for i in range(size)]
   contexts = []
-  if full:
-    heads = jnp.asarray(full)
-    full_key = write(layer.full_key, key[:, :, heads], index)
-    full_value = write(layer.full_value, value[:, :, heads], index)
-    seen = jnp.arange(full_key.shape[1]) <= index  # [T]
+  if full_groups:
+    groups, heads = jnp.asarray(full_groups), of(full_groups)
+    full_key = write(layer.full_key, key[:, :, groups], index)
+    full_value = write(layer.full_value, value[:, :, groups], index)
+    position = jnp.arange(full_key.shape[1])  # [T]
+    window_only = jnp.asarray([h not in full for h in heads])  # [Q]
+    seen = (position[None] <= index) & (~window_only[:, None] | _in_window(
+        position, index, sinks, window)[None])  # [Q, T]
     context, _ = dot_product_attention(
-        query[:, :, heads], full_key, full_value, mask=seen[None, None, None])
-    contexts.append((heads, context))
+        query[:, :, jnp.asarray(heads)], full_key, full_value,
+        mask=seen[None, :, None])
+    contexts.append((jnp.asarray(heads), context))
     layer = layer.replace(full_key=full_key, full_value=full_value)
-  if streaming:
-    heads = jnp.asarray(streaming)
+  if ring_groups:
+    groups, heads = jnp.asarray(ring_groups), jnp.asarray(of(ring_groups))
     slot = _slot(index, sinks, window)
-    ring_key = write(layer.ring_key, key[:, :, heads], slot)
-    ring_value = write(layer.ring_value, value[:, :, heads], slot)
+    ring_key = write(layer.ring_key, key[:, :, groups], slot)
+    ring_value = write(layer.ring_value, value[:, :, groups], slot)
     position = layer.ring_position.at[slot].set(index)
-    seen = (position >= 0) & ((position < sinks) | (index - position
-                                                    < window))
+    seen = (position >= 0) & _in_window(position, index, sinks, window)
     context, _ = dot_product_attention(
         query[:, :, heads], ring_key, ring_value, mask=seen[None, None, None])
     contexts.append((heads, context))
@@ -200,8 +230,9 @@ def decode_step(model: Transformer, params: Params, cache: MixedCache,
       raise ValueError("the mixed cache does not normalise queries and keys")
     layer = int(module.path[-2].split("_")[-1])
     out, layers[layer] = _attention(
-        layers[layer], cache.full[layer], cache.sinks, cache.window, index,
-        module.variables["params"], args[0])
+        layers[layer], cache.full[layer], cache.full_groups[layer],
+        cache.sinks, cache.window, index, module.variables["params"],
+        args[0])
     return out, None
 
   with nn.intercept_methods(intercept):
