@@ -205,6 +205,36 @@ def test_real_valued_masks_are_evaluated_not_rounded_to_a_subset():
 
 
 @pytest.mark.slow
+def test_enough_masks_are_looked_up_in_the_table_of_every_subset(
+    monkeypatch):
+  """With at least ``SUBSET_COST`` of the ``2**N`` subsets as masks the
+  study evaluates every subset once (the cheaper) and looks the masks up;
+  with fewer it evaluates the masks. Both give the masks' own sums."""
+  from mha.pruning import oracle  # pylint: disable=import-outside-toplevel
+  from mha.pruning.study import analysis  # pylint: disable=import-outside-toplevel
+  model, params = _init()
+  rng = np.random.default_rng(4)
+  inputs = _tokens(rng, 10)
+  split = data.Split(inputs, (inputs * 5) % CONFIG.vocab_size)
+  options = study.StudyOptions(num_seeds=1, batch_size=16)
+  subsets = oracle.subset_masks(CONFIG)  # 64
+  tables = []
+  evaluate = oracle.evaluate_subsets
+  monkeypatch.setattr(oracle, "evaluate_subsets", lambda *a, **k: (
+      tables.append(1), evaluate(*a, **k))[1])
+  many = subsets[rng.choice(64, int(np.ceil(oracle.SUBSET_COST * 64)),
+                            replace=False)]
+  for masks, looked_up in ((many, True), (many[:3], False)):
+    tables.clear()
+    got = analysis._per_example(model, params, split, masks, None, options)  # pylint: disable=protected-access
+    assert bool(tables) == looked_up
+    want = core.evaluate_masks(model, params, split, masks, batch_size=16,
+                               per_example=True)
+    for key in want:
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_attention_statistics_of_uniform_heads():
   model, params = _init()
   params = jax.tree.map(np.array, params)

@@ -409,7 +409,11 @@ def test_the_study_runs_on_a_grouped_decoder_scoring_its_answers(
   groups = seed["kv_groups"]  # 2 layers x 2 groups of 2 query heads
   assert groups["num_groups"] == 4 and groups["heads_per_group"] == [2, 2]
   assert [e["k"] for e in groups["oracle"]] == list(range(5))
-  assert groups["oracle"][0]["validation"] == seed["oracle"][0]["validation"]
+  # The unpruned model at both levels (one of them may come from the table
+  # of every subset, the other from its mask: float32 rounding apart).
+  for key, value in seed["oracle"][0]["validation"].items():
+    np.testing.assert_allclose(groups["oracle"][0]["validation"][key], value,
+                               rtol=1e-6)
   # Removing every group is removing every head.
   for split in ("validation", "test"):
     np.testing.assert_allclose(groups["oracle"][4][split]["token_accuracy"],

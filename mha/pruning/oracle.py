@@ -895,12 +895,16 @@ def shapley_values(values: np.ndarray, config: TransformerConfig) -> np.ndarray:
 #: chooses the oracle again (the best ones on the full validation split), so
 #: that the oracle's intervals include the variability of its choice.
 ORACLE_CANDIDATES = 5
-#: The cost of one subset in :func:`evaluate_subsets` relative to one mask
-#: of ``core.evaluate_masks`` (0.85 measured on 2 CPU cores when the study
-#: was written; ``benchmarks/benchmark.py`` measures it again:
-#: ``pruning_masks``, ``subsets.speedup`` is its inverse). Every subset is
-#: evaluated instead of ``M`` masks when ``M >= SUBSET_COST * 2**N``.
-SUBSET_COST = 0.85
+#: The cost of one subset in the per-example table
+#: (:func:`evaluate_subsets` with ``per_example``) relative to one mask of
+#: ``core.evaluate_masks`` with ``per_example``: 0.30 on ``deep64`` (1,000
+#: examples of 16 tokens, zero ablation), 0.08 on the ``passkey`` decoder
+#: (128 windows of 256 tokens, ``streaming:4,16``): the table runs the layers
+#: below the last once per mask of those layers, a mask runs them all
+#: (2026-11-29, 2 CPU cores, medians of 2 interleaved rounds). Every subset is
+#: evaluated instead of ``M`` masks when ``M >= SUBSET_COST * 2**N``: the
+#: larger figure, so the table is chosen only where it is the cheaper.
+SUBSET_COST = 0.3
 #: Largest per-example table of every subset (:func:`table_bytes`) kept in
 #: memory where one is handy (mean ablation's curves look their masks up in
 #: it); larger ones are streamed (:func:`subset_totals`).

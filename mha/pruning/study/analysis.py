@@ -207,12 +207,14 @@ def _per_example(model: Transformer, params: Params, split: data.Split,
                  ) -> dict[str, np.ndarray]:
   """Per-example sums ``[M, n]`` of ``masks``: looked up in ``table`` (every
   subset) when given; else every subset is evaluated when that is cheaper
-  (the masks are at least :data:`SUBSET_COST` of the subsets), else just
+  (the masks are at least :data:`oracle.SUBSET_COST` of the subsets) and
+  its table fits in :data:`oracle.PER_EXAMPLE_BYTES`, else just
   ``masks``."""
   config = model.config
   if table is None and oracle.oracle_applies(
       config, options.oracle_max_heads) and (
-      len(masks) >= oracle.SUBSET_COST * 2 ** oracle.num_heads(config)):
+      len(masks) >= oracle.SUBSET_COST * 2 ** oracle.num_heads(config)) and (
+      oracle.table_bytes(config, len(split)) <= oracle.PER_EXAMPLE_BYTES):
     table = oracle.evaluate_subsets(model, params, split, per_example=True,
                                     batch_size=options.batch_size,
                                     ablation=ablation)
