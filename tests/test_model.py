@@ -86,6 +86,7 @@ def test_head_mask_array_and_sequence_agree_and_vmap():
   np.testing.assert_allclose(mapped[0], a, **TOL)
 
 
+@pytest.mark.slow  # 3.2 s on 2 cores: the fused path run eagerly, op by op
 def test_return_weights_false_gives_same_logits():
   params = _init()
   model = Transformer(CFG)
