@@ -83,6 +83,31 @@ def test_subsets_equal_masked_models(kwargs):
 
 
 @pytest.mark.slow  # seconds of compiling: the full suite only
+def test_long_sequences_split_the_table_into_more_calls(monkeypatch):
+  """The per-example table bounds a call's positions (subsets x examples x
+  length), not only its rows: at 64 tokens a cap of 40 examples' worth
+  splits 100 examples into 3 calls (the last padded), and the table still
+  equals each subset's mask evaluated through the whole model."""
+  config = TransformerConfig(vocab_size=7, num_layers=2, num_heads=2,
+                             d_model=12, mlp_dim=16, max_len=64)
+  model, params, split = _random_model(config, seed=2, n=100)
+  subsets = 2 ** oracle.num_heads(config)
+  monkeypatch.setattr(oracle, "TABLE_POSITIONS_PER_CALL",
+                      40 * subsets * config.max_len)
+  calls = []
+  sums = oracle._subset_sums  # pylint: disable=protected-access
+  monkeypatch.setattr(oracle, "_subset_sums", lambda model, params, inputs,
+                      *a, **k: (calls.append(len(inputs)),
+                                sums(model, params, inputs, *a, **k))[1])
+  table = oracle.evaluate_subsets(model, params, split, per_example=True)
+  assert calls == [40, 40, 40]
+  want = core.evaluate_masks(model, params, split,
+                             oracle.subset_masks(config), per_example=True)
+  for key in want:
+    np.testing.assert_allclose(table[key], want[key], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # seconds of compiling: the full suite only
 def test_a_decoders_subsets_score_the_positions_its_weights_choose():
   """On a causal decoder whose task scores some positions (a recall task's
   answers), the oracle on the split with its weights folded into its targets

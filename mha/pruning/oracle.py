@@ -76,6 +76,12 @@ DISPATCH_THREADS = 2
 #: Rows of one call of the per-example table (:func:`evaluate_subsets` with
 #: ``per_example``), the shapes it has always had.
 TABLE_ROWS_PER_CALL = 1 << 13
+#: Positions (rows x sequence length) of one such call: a call's attention
+#: grows with the square of the length, so long sequences get fewer
+#: examples a call. Sequences of up to 16 tokens keep the shapes above; the
+#: passkey decoder (256 subsets, 256 tokens) took 7.6 GiB at 32 examples a
+#: call, about 1 GiB at 2 (2026-11-29).
+TABLE_POSITIONS_PER_CALL = TABLE_ROWS_PER_CALL * 16
 #: Masks of the last layer evaluated together within a call of
 #: :func:`subset_totals` (:func:`_last_layer_sums`): the call goes through
 #: its prefixes one at a time and their masks in groups of this many, so
@@ -538,7 +544,8 @@ def evaluate_subsets(model: Transformer, params: Params, split: data.Split, *,
     split: the examples (select on validation, report on test).
     batch_size: at most this many examples per jitted call (fewer when
       ``2**N`` subsets x examples would exceed :data:`ROWS_PER_CALL`, or
-      :data:`TABLE_ROWS_PER_CALL` with ``per_example``).
+      :data:`TABLE_ROWS_PER_CALL` and :data:`TABLE_POSITIONS_PER_CALL`
+      with ``per_example``).
     per_example: return per-example sums instead of metrics.
     bias_shifts: ``[L, H, D]``, mean ablation
       (:func:`mha.pruning.mean_ablation.bias_shifts`) instead of zero
@@ -561,7 +568,9 @@ def evaluate_subsets(model: Transformer, params: Params, split: data.Split, *,
         model, params, split, batch_size=batch_size, bias_shifts=bias_shifts,
         ablation=ablation))
   subsets = 2 ** num_heads(model.config)
-  examples = max(1, min(batch_size, TABLE_ROWS_PER_CALL // subsets))
+  length = max(int(np.shape(split.inputs)[-1]), 1)
+  examples = max(1, min(batch_size, TABLE_ROWS_PER_CALL // subsets,
+                        TABLE_POSITIONS_PER_CALL // (subsets * length)))
   parts: dict[str, list[np.ndarray]] = {}
   for inputs, targets, abl in ablation_lib.batched(split, examples,
                                                    ablation):
@@ -1049,7 +1058,8 @@ __all__ = ["subset_masks", "subset_index", "kept_counts", "num_heads",
            "subset_metric_sums", "evaluate_subsets", "call_shape",
            "subset_totals", "oracle_bytes", "best_removals",
            "ranked_removals", "shapley_values", "ORACLE_CANDIDATES",
-           "SUBSET_COST", "PER_EXAMPLE_BYTES", "TABLE_ROWS_PER_CALL", "VARIANTS", "table_bytes", "machine_memory_bytes",
+           "SUBSET_COST", "PER_EXAMPLE_BYTES", "TABLE_ROWS_PER_CALL",
+           "TABLE_POSITIONS_PER_CALL", "VARIANTS", "table_bytes", "machine_memory_bytes",
            "oracle_applies", "subset_values", "tokens",
            "removals_by_variant", "oracle_removals", "evaluate_oracle",
            "embed_tokens", "run_block", "attention_outputs",
