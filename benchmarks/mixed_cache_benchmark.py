@@ -109,7 +109,8 @@ def measure_speed(context: int, full_text: str, batch: int, sinks: int,
                                    length=context, sinks=sinks, window=window)
             for f in (full, every)]
   sizes = [mixed_cache.cache_bytes(c) for c in caches]
-  cache, groups = caches[0], sum(map(len, caches[1].full_groups))
+  # Key/value groups kept whole and in all (heads without GQA).
+  kept, groups = (sum(map(len, c.full_groups)) for c in caches)
   return {
       "context": context, "seconds": times,
       "tokens_per_second": {k: batch * context / (v / 1e3)
@@ -117,8 +118,7 @@ def measure_speed(context: int, full_text: str, batch: int, sinks: int,
       "kv_bytes": {"mixed": sizes[0], "full": sizes[1]},
       "kv_memory": sizes[0] / sizes[1],
       "kv_memory_formula": float(ablation_lib.kv_memory(
-          sum(map(len, cache.full_groups)), groups, context, sinks,
-          window)),
+          kept, groups, context, sinks, window)),
   }
 
 

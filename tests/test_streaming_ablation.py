@@ -212,6 +212,26 @@ def test_duo_gates_close_a_head_whose_window_changes_nothing():
                     steps=1)
 
 
+def _assert_decodes_as_the_ablation(model, params, tokens, full, sinks,
+                                    window):
+  """The mixed cache's logits equal the streaming ablation's forward pass
+  with the heads not in ``full`` removed."""
+  abl = ablation_lib.Ablation("streaming", sinks=sinks, window=window)
+  want = ablation_lib.ablated_logits(model, params, tokens,
+                                     full.astype(np.float32), abl)
+  got = mixed_cache.cached_logits(model, params, tokens, full, sinks=sinks,
+                                  window=window)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _byte_share(config, full, sinks, window):
+  """The mixed cache's bytes over the full cache's (3 sequences of 12)."""
+  sizes = [mixed_cache.cache_bytes(mixed_cache.init_cache(
+      config, f, batch_size=3, length=12, sinks=sinks, window=window))
+           for f in (full, np.ones_like(full))]
+  return sizes[0] / sizes[1]
+
+
 @pytest.mark.slow  # three scans compiled
 def test_mixed_cache_decodes_as_the_streaming_ablation():
   """Decoding through the mixed cache (full heads keep every position, the
@@ -222,23 +242,13 @@ def test_mixed_cache_decodes_as_the_streaming_ablation():
   model, params, split = _decoder(2, 4, length=12, n=3, seed=5)
   tokens = np.where(split.inputs == 0, 1, split.inputs)  # no padding
   full = np.array([[1, 0, 0, 1], [0, 1, 0, 0]], bool)
-  abl = ablation_lib.Ablation("streaming", sinks=2, window=3)
-  want = ablation_lib.ablated_logits(model, params, tokens,
-                                     full.astype(np.float32), abl)
-  got = mixed_cache.cached_logits(model, params, tokens, full, sinks=2,
-                                  window=3)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  _assert_decodes_as_the_ablation(model, params, tokens, full, 2, 3)
   plain, _ = model.apply({"params": params}, tokens)
   every = mixed_cache.cached_logits(model, params, tokens,
                                     np.ones((2, 4), bool), sinks=2, window=3)
   np.testing.assert_allclose(every, plain, rtol=1e-5, atol=1e-5)
-  cache = mixed_cache.init_cache(model.config, full, batch_size=3, length=12,
-                                 sinks=2, window=3)
-  whole = mixed_cache.init_cache(model.config, np.ones((2, 4), bool),
-                                 batch_size=3, length=12, sinks=2, window=3)
-  np.testing.assert_allclose(
-      mixed_cache.cache_bytes(cache) / mixed_cache.cache_bytes(whole),
-      ablation_lib.kv_memory(3, 8, 12, 2, 3))
+  np.testing.assert_allclose(_byte_share(model.config, full, 2, 3),
+                             ablation_lib.kv_memory(3, 8, 12, 2, 3))
 
 
 @pytest.mark.slow  # two scans compiled
@@ -253,19 +263,11 @@ def test_mixed_cache_under_grouped_keys_keeps_a_group_for_any_full_head():
                                   num_kv_heads=2)
   tokens = np.where(split.inputs == 0, 1, split.inputs)
   full = np.array([[0, 1, 0, 0], [0, 0, 0, 0]], bool)
-  abl = ablation_lib.Ablation("streaming", sinks=1, window=3)
-  want = ablation_lib.ablated_logits(model, params, tokens,
-                                     full.astype(np.float32), abl)
-  got = mixed_cache.cached_logits(model, params, tokens, full, sinks=1,
-                                  window=3)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  _assert_decodes_as_the_ablation(model, params, tokens, full, 1, 3)
   cache = mixed_cache.init_cache(model.config, full, batch_size=3, length=12,
                                  sinks=1, window=3)
   assert cache.full_groups == ((0,), ())
   assert cache.layers[0].full_key.shape == (3, 12, 1, 4)
   assert cache.layers[1].ring_key.shape == (3, 4, 2, 4)
-  whole = mixed_cache.init_cache(model.config, np.ones((2, 4), bool),
-                                 batch_size=3, length=12, sinks=1, window=3)
-  np.testing.assert_allclose(
-      mixed_cache.cache_bytes(cache) / mixed_cache.cache_bytes(whole),
-      ablation_lib.kv_memory(1, 4, 12, 1, 3))
+  np.testing.assert_allclose(_byte_share(model.config, full, 1, 3),
+                             ablation_lib.kv_memory(1, 4, 12, 1, 3))
