@@ -432,11 +432,25 @@ def test_the_study_runs_on_a_grouped_decoder_scoring_its_answers(
   assert result.returncode == 0, result.stderr[-3000:]
   results = json.loads((kv_out / "results.json").read_text())
   streamed = results["seeds"][0]
-  assert results["ablation"] == "streaming:2,4" and "kv_groups" not in streamed
+  assert results["ablation"] == "streaming:2,4"
   np.testing.assert_allclose(  # k full heads of 8 at 24 tokens, 6 kept
       streamed["kv_memory"], [(k * 24 + (8 - k) * 6) / (8 * 24)
                               for k in range(8, -1, -1)])
   assert streamed["curves"]["oracle"]["kv_memory"] == streamed["kv_memory"]
+  # The groups stream too: the KV memory counts groups (4 of them), and a
+  # group streaming is its query heads streaming, so none streaming and all
+  # streaming are the head level's (float32 rounding apart).
+  groups = streamed["kv_groups"]
+  assert groups["ablation"] == "streaming:2,4"
+  np.testing.assert_allclose(groups["kv_memory"], [
+      (k * 24 + (4 - k) * 6) / (4 * 24) for k in range(4, -1, -1)])
+  assert groups["curves"]["oracle"]["kv_memory"] == groups["kv_memory"]
+  for g, h in ((0, 0), (4, 8)):
+    for split in ("validation", "test"):
+      for key, value in streamed["oracle"][h][split].items():
+        np.testing.assert_allclose(groups["oracle"][g][split][key], value,
+                                   rtol=1e-5, atol=1e-7)
+  assert "KV memory kept there" in (kv_out / "report.md").read_text()
   for name in ("retrieval_score", "echo", "induction", "headkv",
                "attention_distance", "duo_gates"):
     assert name in streamed["importance"] and name in streamed["orders"]

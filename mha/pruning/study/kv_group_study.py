@@ -8,8 +8,18 @@ removed together), under the same keys as the head-level study
 (``curve_summary``, ``oracle``, ``oracle_by_loss``, ``importance``,
 ``orders``, ``counts``, ``fractions``), so both granularities sit side by
 side. The statistics use the head-level study's resamples of the same
-examples, so the two are paired. Removed groups output zero (zero
-ablation), whatever ``--ablation`` the head level uses.
+examples, so the two are paired.
+
+A removed group outputs zero (zero ablation) under ``--ablation`` zero,
+mean or resample. Under ``--ablation streaming:SINKS,WINDOW`` a removed
+group keeps a streaming cache instead: every query head of the group sees
+only the sinks and the window of its shared keys and values, which is what
+:func:`mha.pruning.mixed_cache.mixed_cache` decodes with the group's ring
+buffer. The result then gains ``kv_memory``: the share of the KV cache kept
+for each number of groups streaming, ``(k T + (U - k)(SINKS + WINDOW)) /
+(U T)`` for ``k`` of ``U`` groups full (every group is one key/value head
+of one layer, so they hold equal bytes). That is the memory a grouped
+model saves for real; the head-level ``kv_memory`` counts query heads.
 
 The orderings at group level: the group gradient (Michel et al.'s mean
 absolute per-example gradient of the group's mask), Fisher (its mean
@@ -27,6 +37,7 @@ import numpy as np
 
 from mha import data
 from mha.aliases import Params
+from mha.pruning import ablation as ablation_lib
 from mha.model import Transformer
 from mha.pruning import core
 from mha.pruning import kv_groups
@@ -47,13 +58,16 @@ RANDOM_SEED = 0
 
 def applies(model: Transformer, options: StudyOptions) -> bool:
   """Whether the study runs at group granularity too: a grouped model
-  whose ``2**U`` group subsets are within ``--oracle_max_heads``, unless
-  the heads keep a streaming cache (``--ablation streaming``: the groups'
-  removal is zero ablation)."""
+  whose ``2**U`` group subsets are within ``--oracle_max_heads``."""
   config = model.config
   return (kv_groups.is_grouped(config)
-          and kv_groups.num_groups(config) <= options.oracle_max_heads
-          and parse_ablation(options.ablation)[0] != ABLATION_STREAMING)
+          and kv_groups.num_groups(config) <= options.oracle_max_heads)
+
+
+def streams(options: StudyOptions) -> bool:
+  """Whether removed groups keep a streaming cache (``--ablation
+  streaming``) rather than output zero."""
+  return parse_ablation(options.ablation)[0] == ABLATION_STREAMING
 
 
 def _best(values: np.ndarray, kept: np.ndarray, count: int,
@@ -87,25 +101,37 @@ def _entries(config, ids: np.ndarray, val: Mapping[str, np.ndarray],
 def analyze(model: Transformer, params: Params,
             splits: Mapping[str, data.Split], options: StudyOptions,
             val_weights: np.ndarray, test_weights: np.ndarray,
-            log: Callable[[str], None]
+            log: Callable[[str], None],
+            ablations: Mapping[str, ablation_lib.Ablation] | None = None
             ) -> tuple[dict[str, Any], dict[summary.Key, np.ndarray]]:
   """The seed's ``kv_groups`` result and its bootstrap statistics (keys
   ``("kv_groups", curve, statistic)``, for
-  :func:`mha.pruning.study.summary.aggregate_statistics`)."""
+  :func:`mha.pruning.study.summary.aggregate_statistics`).
+
+  ``ablations``: the study's ``--ablation`` built for ``validation`` and
+  ``test``; used where it is ``streaming`` (:func:`streams`), else removed
+  groups output zero.
+  """
   start = time.perf_counter()
   config = model.config
   units = kv_groups.num_groups(config)
+  streaming = streams(options)
+  if streaming and ablations is None:
+    raise ValueError(f"--ablation={options.ablation}: the groups' streaming "
+                     "ablation must be given (ablations)")
+  abl = ablations if streaming else {"validation": None, "test": None}
   masks = kv_groups.head_mask(config, kv_groups.subset_masks(config))
   sums = {name: core.evaluate_masks(model, params, splits[name], masks,
                                     batch_size=options.batch_size,
-                                    per_example=True)
+                                    per_example=True, ablation=abl[name])
           for name in ("validation", "test")}
   val = core.summarize_examples(sums["validation"])
   test = core.summarize_examples(sums["test"])
   kept = kv_groups.kept_counts(config)
   full = 2 ** units - 1
   gradients = kv_groups.group_gradients(model, params, splits["validation"],
-                                        batch_size=options.batch_size)
+                                        batch_size=options.batch_size,
+                                        ablation=abl["validation"])
   importance = kv_groups.group_importance(gradients)
   alone = np.array([full & ~(1 << u) for u in range(units)])
   importance["leave_one_out"] = val["loss"][alone] - val["loss"][full]
@@ -140,11 +166,20 @@ def analyze(model: Transformer, params: Params,
       "oracle": _entries(config, curves["oracle"][0], val, test),
       "oracle_by_loss": _entries(config, curves["oracle_by_loss"][0], val,
                                  test),
+      "ablation": options.ablation if streaming else "zero",
       "seconds": time.perf_counter() - start,
   }
+  if streaming:  # The share of the KV cache kept, groups as the units.
+    _, sinks, window = ablation_lib.parse(options.ablation)
+    memory = ablation_lib.kv_memory(units - counts, units,
+                                    splits["test"].inputs.shape[1], sinks,
+                                    window)
+    result["kv_memory"] = memory
+    for curve in result.get("curves", {}).values():
+      curve["kv_memory"] = memory
   log(f"  KV groups: {units} groups, {len(masks)} subsets on validation and "
       f"test: {result['seconds']:.2f} s")
   return result, statistics
 
 
-__all__ = ["VARIANT", "ORDERINGS", "applies", "analyze"]
+__all__ = ["VARIANT", "ORDERINGS", "applies", "streams", "analyze"]

@@ -150,7 +150,7 @@ class StudyOptions:
       "up to the query; e.g. streaming:4,16). The oracle, every curve, the "
       "searches, leave-one-out and Shapley values are computed under it "
       "(under streaming, gradient and Fisher too, and the curves gain "
-      "kv_memory).")
+      "kv_memory; on a GQA model whole key/value groups stream too).")
   gates: bool = _option(
       False, "Learn exact-K head gates, one per number of heads removed "
       "(--gate_targets, --gate_method; the gates' main result), and "

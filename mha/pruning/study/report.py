@@ -929,19 +929,45 @@ def _kv_groups_section(results: Mapping[str, Any]) -> list[str]:
            md.ci(summary[k], "test_token_accuracy_at_prunable"),
            md.ci(summary[k], "prunable_heads_loss", 1)]
           for k, label in KV_GROUP_CURVES.items() if k in summary]
+  header = ["curve", "AUC token acc.", "Δ vs oracle", "prunable groups "
+            "(val.)", "test token acc. there", "prunable groups by loss"]
+  if "kv_memory" in first:  # --ablation streaming: groups keep a window
+    # kv_memory is linear in the groups streaming: 1 - p (1 - m_U) / U.
+    memory = np.asarray(first["kv_memory"], np.float64)
+    per_group = (1.0 - memory[-1]) / first["num_groups"]
+    header.append("KV memory kept there")
+    for row, k in zip(rows, [k for k in KV_GROUP_CURVES if k in summary]):
+      entry = summary[k]
+      value = entry.get("prunable_heads_token_accuracy")
+      interval = entry.get("prunable_heads_token_accuracy_ci")
+      text = "n/a" if not md.finite(value) else f"{1 - value * per_group:.1%}"
+      if text != "n/a" and interval is not None and all(
+          md.finite(c) for c in interval):
+        text += (f" [{1 - interval[1] * per_group:.1%}, "
+                 f"{1 - interval[0] * per_group:.1%}]")
+      row.append(text)
+    what = (
+        f"Under `--ablation={first['ablation']}` a removed group keeps a "
+        "streaming cache: all its query heads see only the sinks and the "
+        "window of their shared keys and values, so the group's cache "
+        "shrinks for real (the mixed cache decodes it so). Here prunable "
+        "groups are groups that can stream, and the KV memory kept there "
+        "counts groups, which hold equal bytes. The head-level KV memory "
+        "(the KV cache section) counts query heads: the saving of a "
+        "per-head cache, not of this grouped one.")
+  else:
+    what = ("Removing a whole group removes its key and value projections, "
+            "all its query heads and its share of the KV cache.")
   return [
       "## KV groups", "",
       f"The model's query heads share key/value heads ({first['num_groups']} "
-      f"groups of {size} query heads). Removing a whole group removes its "
-      "key and value projections, all its query heads and its share of the "
-      "KV cache. The same statistics with groups as the units (every "
-      f"subset of the {first['num_groups']} groups evaluated): prunable "
-      "counts are groups. Head level, for comparison: the oracle removes "
+      f"groups of {size} query heads). {what} The same statistics with "
+      f"groups as the units (every subset of the {first['num_groups']} "
+      "groups evaluated): prunable counts are groups. Head level, for "
+      "comparison: the oracle removes "
       f"{md.ci(heads, 'prunable_heads_token_accuracy', 1)} heads within "
       "the tolerance (any heads, not whole groups).", ""
-  ] + md.table(["curve", "AUC token acc.", "Δ vs oracle", "prunable groups "
-                "(val.)", "test token acc. there",
-                "prunable groups by loss"], rows)
+  ] + md.table(header, rows)
 
 
 #: The orderings that rank heads by the loss (the gradient family and the
