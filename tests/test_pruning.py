@@ -662,7 +662,9 @@ def test_a_study_under_resample_ablation(tiny_run, tmp_path):
   options = study.StudyOptions(num_seeds=1, speed=False, num_bootstrap=20,
                                num_random_orders=1, reestimate=False,
                                batch_size=64, searches=False,
-                               plots=False, ablation="resample")
+                               plots=False, ablation="resample",
+                               over_training=False,
+                               bootstrap_importance=False)
   out = str(tmp_path / "out")
   results = study.run(tiny_run.workdir, out, options, log=lambda _: None)
   assert results["ablation"] == "resample"
@@ -747,7 +749,9 @@ def test_oracle_skipped_above_oracle_max_heads(tiny_run, tmp_path):
   options = study.StudyOptions(num_seeds=1, speed=False, oracle_max_heads=3,
                                num_bootstrap=20, num_random_orders=1,
                                reestimate=False, batch_size=64,
-                               attribution=False)
+                               attribution=False, kwon=False,
+                               over_training=False,
+                               bootstrap_importance=False)
   results = study.run(tiny_run.workdir, str(tmp_path / "out"), options,
                       log=lambda _: None)
   seed = results["seeds"][0]
