@@ -57,3 +57,26 @@ def test_a_groups_gradient_is_its_mask_derivative_per_example():
   importance = kv_groups.group_importance(got)
   np.testing.assert_allclose(importance["gradient"], np.abs(got).mean(0))
   np.testing.assert_allclose(importance["fisher"], np.square(got).mean(0))
+
+
+def test_a_head_order_removes_a_group_with_its_last_query_head():
+  # 2 layers x 4 query heads in 2 groups of 2: head (l, h) is flat 4 l + h,
+  # group (l, h // 2) is unit 2 l + h // 2.
+  order = np.array([0, 5, 4, 2, 6, 1, 3, 7])
+  # Head 4 completes group (1, 0) = unit 2; head 1 group (0, 0) = unit 0;
+  # head 3 group (0, 1) = unit 1; head 7 group (1, 1) = unit 3.
+  np.testing.assert_array_equal(kv_groups.induced_order(CONFIG, order),
+                                [2, 0, 1, 3])
+  # Brute force: a group goes at the position of its latest query head.
+  rng = np.random.default_rng(0)
+  orders = np.stack([rng.permutation(8) for _ in range(20)])
+  got = kv_groups.induced_order(CONFIG, orders)
+  assert got.shape == (20, 4)
+  for order, groups in zip(orders, got):
+    last = [max(np.flatnonzero(np.isin(order, [4 * (u // 2) + 2 * (u % 2),
+                                                4 * (u // 2) + 2 * (u % 2)
+                                                + 1])))
+            for u in range(4)]
+    np.testing.assert_array_equal(groups, np.argsort(last))
+  with pytest.raises(ValueError, match="removes 3 of the 4 groups"):
+    kv_groups.induced_order(CONFIG, order[:-1])

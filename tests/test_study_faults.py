@@ -450,7 +450,19 @@ def test_the_study_runs_on_a_grouped_decoder_scoring_its_answers(
       for key, value in streamed["oracle"][h][split].items():
         np.testing.assert_allclose(groups["oracle"][g][split][key], value,
                                    rtol=1e-5, atol=1e-7)
-  assert "KV memory kept there" in (kv_out / "report.md").read_text()
+  # The published KV scores order the groups too, each group by its heads.
+  from mha import checkpoint  # pylint: disable=import-outside-toplevel
+  from mha.pruning import kv_groups  # pylint: disable=import-outside-toplevel
+  config = checkpoint.load_checkpoint(workdir).model_config
+  for name in ("retrieval_score", "echo", "induction", "headkv",
+               "attention_distance", "duo_gates"):
+    np.testing.assert_array_equal(
+        groups["orders"][name],
+        kv_groups.induced_order(config, streamed["orders"][name]))
+    assert "prunable_heads_token_accuracy" in groups["curve_summary"][name]
+  report = (kv_out / "report.md").read_text()
+  assert "KV memory kept there" in report
+  assert "DuoAttention gates, by group" in report
   for name in ("retrieval_score", "echo", "induction", "headkv",
                "attention_distance", "duo_gates"):
     assert name in streamed["importance"] and name in streamed["orders"]

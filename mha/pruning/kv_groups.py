@@ -122,6 +122,37 @@ def order_from_importance(importance: np.ndarray) -> np.ndarray:
   return np.argsort(np.asarray(importance, np.float64), kind="stable")
 
 
+def induced_order(config: TransformerConfig,
+                  head_order: np.ndarray) -> np.ndarray:
+  """The group order a head order induces: walking ``head_order`` (flat head
+  indices ``layer * max_heads + head``, least important first), a group
+  is removed when the last of its query heads is, since a group's cache can
+  go only once none of its query heads reads it (a group's score is its
+  most important head's). ``[..., N]`` orders give ``[..., U]``."""
+  head_order = np.asarray(head_order, np.int64)
+  if head_order.ndim > 1:
+    return np.stack([induced_order(config, o) for o in head_order])
+  unit = {group: u for u, group in enumerate(_flat_groups(config))}
+  left = {group: _group_size(config, group[0]) for group in unit}
+  out = []
+  for flat in head_order:
+    layer, head = divmod(int(flat), config.max_heads)
+    group = (layer, head // _group_size(config, layer))
+    left[group] -= 1
+    if left[group] == 0:
+      out.append(unit[group])
+  if len(out) != len(unit):
+    raise ValueError(f"a head order of {len(head_order)} heads removes "
+                     f"{len(out)} of the {len(unit)} groups: every query "
+                     "head must appear once")
+  return np.asarray(out, np.int64)
+
+
+def _group_size(config: TransformerConfig, layer: int) -> int:
+  """The query heads of each group of ``layer``."""
+  return config.heads_per_layer[layer] // config.num_kv_heads
+
+
 _head_mask_gradients = jax.jit(core.head_mask_gradients,
                                static_argnames="model")
 
@@ -161,4 +192,5 @@ def group_importance(gradients: np.ndarray) -> dict[str, np.ndarray]:
 
 __all__ = ["is_grouped", "groups_per_layer", "num_groups", "head_mask",
            "subset_masks", "kept_counts", "removed_groups", "chain_subsets",
-           "order_from_importance", "group_gradients", "group_importance"]
+           "order_from_importance", "induced_order", "group_gradients",
+           "group_importance"]

@@ -953,7 +953,7 @@ def analyze_seed(model: Transformer, params: Params,
   if kv_group_study.applies(model, options):  # GQA: whole groups too
     out[kv_group_study.VARIANT], group_statistics = kv_group_study.analyze(
         model, params, splits, options, resamples.validation, resamples.test,
-        log, ablations=m["ablations"])
+        log, ablations=m["ablations"], head_orders=m["orders"])
     statistics.update(group_statistics)
   for name, ids in plan.chains.items():  # best_ordering, oracle_by_loss
     out[name] = _oracle_entries(config, plan, "all", val, test, ids)

@@ -25,7 +25,9 @@ The orderings at group level: the group gradient (Michel et al.'s mean
 absolute per-example gradient of the group's mask), Fisher (its mean
 square, Kwon et al.), leave-one-out (the validation loss a group's removal
 alone adds), random orders, and the best subsets: the oracle by token
-accuracy and by loss (every subset of the ``U`` groups evaluated).
+accuracy and by loss (every subset of the ``U`` groups evaluated). Under
+streaming the published KV-cache scores order groups too, each group by its
+most important query head (:func:`mha.pruning.kv_groups.induced_order`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from mha.model import Transformer
 from mha.pruning import core
 from mha.pruning import kv_groups
 from mha.pruning import oracle
-from mha.pruning.constants import ABLATION_STREAMING, parse_ablation
+from mha.pruning.constants import (ABLATION_STREAMING, KV_SCORES,
+                                   parse_ablation)
 from mha.pruning.study import summary
 from mha.pruning.study.options import StudyOptions
 
@@ -102,7 +105,8 @@ def analyze(model: Transformer, params: Params,
             splits: Mapping[str, data.Split], options: StudyOptions,
             val_weights: np.ndarray, test_weights: np.ndarray,
             log: Callable[[str], None],
-            ablations: Mapping[str, ablation_lib.Ablation] | None = None
+            ablations: Mapping[str, ablation_lib.Ablation] | None = None,
+            head_orders: Mapping[str, np.ndarray] | None = None
             ) -> tuple[dict[str, Any], dict[summary.Key, np.ndarray]]:
   """The seed's ``kv_groups`` result and its bootstrap statistics (keys
   ``("kv_groups", curve, statistic)``, for
@@ -110,7 +114,10 @@ def analyze(model: Transformer, params: Params,
 
   ``ablations``: the study's ``--ablation`` built for ``validation`` and
   ``test``; used where it is ``streaming`` (:func:`streams`), else removed
-  groups output zero.
+  groups output zero. ``head_orders``: the head level's orders; under
+  streaming those of the KV-cache scores (:data:`KV_SCORES`) are also
+  ordered by group (:func:`mha.pruning.kv_groups.induced_order`: a group
+  streams once all its query heads do), under the same names.
   """
   start = time.perf_counter()
   config = model.config
@@ -137,6 +144,9 @@ def analyze(model: Transformer, params: Params,
   importance["leave_one_out"] = val["loss"][alone] - val["loss"][full]
   orders = {name: kv_groups.order_from_importance(importance[name])
             for name in ORDERINGS}
+  if streaming:  # The published KV scores, a group by its heads.
+    orders.update({name: kv_groups.induced_order(config, head_orders[name])
+                   for name in KV_SCORES if name in (head_orders or {})})
   rng = np.random.default_rng(RANDOM_SEED)
   random = [rng.permutation(units) for _ in range(options.num_random_orders)]
   candidates = oracle.ORACLE_CANDIDATES

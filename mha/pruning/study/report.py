@@ -33,7 +33,8 @@ import numpy as np
 
 from mha import head_roles
 from mha.pruning import stats
-from mha.pruning.constants import ABLATION_STREAMING, parse_ablation
+from mha.pruning.constants import (ABLATION_STREAMING, KV_SCORES, ORDERINGS,
+                                   parse_ablation)
 from mha.pruning.study import markdown as md
 from mha.pruning.study import plots as pruning_plots
 from mha.pruning.study import report_extensions
@@ -910,6 +911,8 @@ KV_GROUP_CURVES = {"oracle": "oracle (best subset of groups)",
                    "gradient": "gradient (group mask)",
                    "fisher": "Fisher (group mask)",
                    "leave_one_out": "leave-one-group-out",
+                   **{name: f"{ORDERINGS[name]}, by group"
+                      for name in KV_CACHE_CURVES if name in KV_SCORES},
                    "random": "random"}
 
 
