@@ -212,6 +212,51 @@ def test_duo_gates_close_a_head_whose_window_changes_nothing():
                     steps=1)
 
 
+@pytest.mark.slow  # seconds of tracing: the full suite only
+def test_duo_gates_loss_and_schedule_as_their_code_writes_them():
+  """DuoAttention's objective as duo_attn/train.py and loss.py write it:
+  the squared difference of the hidden states averaged over features and
+  scored positions, the L1 penalty averaged over gates; their learning
+  rate warmed up and cooled down over a fifth of the steps each."""
+  model, params, split = _decoder(2, 4, length=12, n=6, seed=5)
+  abl = ablation_lib.build(model, params, "streaming:1,2", split, split)
+  alpha = jnp.asarray([[1.0, 0.25, 0.0, 0.5], [0.75, 1.0, 1.0, 0.0]])
+  loss, distill = duo_gates.distillation_loss(
+      alpha, model, params, split.inputs, split.targets, abl, 0.05)
+  exists = np.ones((2, 4), np.float32)
+  full = duo_gates.hidden_states(model, params, split.inputs, exists, abl)
+  mixed = duo_gates.hidden_states(model, params, split.inputs, alpha, abl)
+  scored = np.asarray(data.scored(split.inputs, split.targets))
+  want = np.square(np.asarray(mixed) - np.asarray(full)).mean(-1)[scored]
+  np.testing.assert_allclose(distill, want.mean(), rtol=1e-5)
+  np.testing.assert_allclose(loss - distill, 0.05 * 4.5 / 8, rtol=1e-5)
+  schedule = duo_gates.learning_rate_schedule(0.02, 200)
+  np.testing.assert_allclose(
+      [schedule(s) for s in (0, 19, 39, 100, 160, 180, 199)],
+      [0.002, 0.01, 0.02, 0.02, 0.02, 0.01, 0.002], rtol=1e-6)
+
+
+@pytest.mark.slow  # seconds of compiling: the full suite only
+def test_duo_gates_under_grouped_keys_are_one_per_group():
+  """Under grouped keys and values a gate serves its group's query heads
+  (their cache is kept or windowed whole): 2 gates a layer for 4 heads,
+  each query head reporting its group's."""
+  model, params, split = _decoder(2, 4, length=12, n=16, seed=3,
+                                  num_kv_heads=2)
+  config = model.config
+  assert duo_gates.gate_heads(config) == 2
+  np.testing.assert_array_equal(
+      duo_gates.head_gates(config, jnp.asarray([[0.1, 0.9], [0.3, 0.7]])),
+      np.asarray([[0.1, 0.1, 0.9, 0.9], [0.3, 0.3, 0.7, 0.7]], np.float32))
+  abl = ablation_lib.build(model, params, "streaming:1,2", split, split)
+  alpha = duo_gates.train(model, params, split, abl, steps=4,
+                          batch_size=8)["alpha"]
+  assert alpha.shape == (2, 4)
+  np.testing.assert_array_equal(alpha[:, 0], alpha[:, 1])
+  np.testing.assert_array_equal(alpha[:, 2], alpha[:, 3])
+  assert np.all((0 <= alpha) & (alpha <= 1))
+
+
 def _assert_decodes_as_the_ablation(model, params, tokens, full, sinks,
                                     window):
   """The mixed cache's logits equal the streaming ablation's forward pass
