@@ -54,6 +54,7 @@ from mha import head_masks
 from mha.aliases import Array, Params
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import gates as gates_lib
+from mha.pruning import kv_groups
 from mha.pruning.ablation import Ablation, ablated_logits
 from mha.run import arguments
 
@@ -90,15 +91,9 @@ def gate_heads(config: TransformerConfig) -> int:
 def head_gates(config: TransformerConfig, alpha: Array) -> Array:
   """``[L, H]`` head masks of gates ``[L, G]`` (:func:`gate_heads`): each
   query head takes its group's gate, absent heads 0."""
-  exists = head_masks.existing_heads(config)
-  if gate_heads(config) == config.max_heads:
-    return alpha * jnp.asarray(exists, jnp.float32)
-  group = np.zeros(exists.shape, np.int32)  # each query head's gate
-  for layer, heads in enumerate(config.heads_per_layer):
-    if heads:
-      group[layer, :heads] = np.arange(heads) // (heads // config.num_kv_heads)
-  return (jnp.take_along_axis(alpha, jnp.asarray(group), axis=-1)
-          * jnp.asarray(exists, jnp.float32))
+  exists = jnp.asarray(head_masks.existing_heads(config), jnp.float32)
+  gate = jnp.asarray(kv_groups.query_groups(config))  # each head's gate
+  return jnp.take_along_axis(alpha, gate, axis=-1) * exists
 
 
 def existing_gates(config: TransformerConfig) -> np.ndarray:

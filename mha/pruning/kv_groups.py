@@ -64,19 +64,27 @@ def _flat_groups(config: TransformerConfig) -> list[tuple[int, int]]:
           for g in range(count)]
 
 
+def query_groups(config: TransformerConfig) -> np.ndarray:
+  """``[L, H]`` int: the key/value group, within its layer, that each query
+  head reads (``h // (heads / num_kv_heads)``; a head's own index without
+  groups; 0 where no head)."""
+  out = np.zeros((config.num_layers, config.max_heads), np.int32)
+  for layer, heads in enumerate(config.heads_per_layer):
+    if heads:
+      size = heads // config.num_kv_heads if config.num_kv_heads else 1
+      out[layer, :heads] = np.arange(heads) // size
+  return out
+
+
 def head_mask(config: TransformerConfig, group_mask: np.ndarray) -> np.ndarray:
   """Head masks ``[..., L, H]`` (``H`` = ``config.max_heads``) of group
   masks ``[..., L, G]``: each query head takes its group's value; absent
   heads 0."""
   group_mask = np.asarray(group_mask, np.float32)
-  out = np.zeros(group_mask.shape[:-2] + (config.num_layers,
-                                          config.max_heads), np.float32)
-  for layer, heads in enumerate(config.heads_per_layer):
-    if heads:
-      size = heads // config.num_kv_heads
-      out[..., layer, :heads] = np.repeat(
-          group_mask[..., layer, :config.num_kv_heads], size, axis=-1)
-  return out
+  layers = np.arange(config.num_layers)[:, None]
+  exists = np.arange(config.max_heads) < np.asarray(
+      config.heads_per_layer)[:, None]
+  return group_mask[..., layers, query_groups(config)] * exists
 
 
 def subset_masks(config: TransformerConfig) -> np.ndarray:
@@ -133,11 +141,13 @@ def induced_order(config: TransformerConfig,
   if head_order.ndim > 1:
     return np.stack([induced_order(config, o) for o in head_order])
   unit = {group: u for u, group in enumerate(_flat_groups(config))}
-  left = {group: _group_size(config, group[0]) for group in unit}
+  left = {(layer, g): config.heads_per_layer[layer] // config.num_kv_heads
+          for layer, g in unit}
+  groups = query_groups(config)
   out = []
   for flat in head_order:
     layer, head = divmod(int(flat), config.max_heads)
-    group = (layer, head // _group_size(config, layer))
+    group = (layer, int(groups[layer, head]))
     left[group] -= 1
     if left[group] == 0:
       out.append(unit[group])
@@ -146,11 +156,6 @@ def induced_order(config: TransformerConfig,
                      f"{len(out)} of the {len(unit)} groups: every query "
                      "head must appear once")
   return np.asarray(out, np.int64)
-
-
-def _group_size(config: TransformerConfig, layer: int) -> int:
-  """The query heads of each group of ``layer``."""
-  return config.heads_per_layer[layer] // config.num_kv_heads
 
 
 _head_mask_gradients = jax.jit(core.head_mask_gradients,
@@ -190,7 +195,8 @@ def group_importance(gradients: np.ndarray) -> dict[str, np.ndarray]:
           "fisher": np.square(g).mean(axis=0)}
 
 
-__all__ = ["is_grouped", "groups_per_layer", "num_groups", "head_mask",
+__all__ = ["is_grouped", "groups_per_layer", "num_groups", "query_groups",
+           "head_mask",
            "subset_masks", "kept_counts", "removed_groups", "chain_subsets",
            "order_from_importance", "induced_order", "group_gradients",
            "group_importance"]

@@ -940,15 +940,12 @@ def _kv_groups_section(results: Mapping[str, Any]) -> list[str]:
     per_group = (1.0 - memory[-1]) / first["num_groups"]
     header.append("KV memory kept there")
     for row, k in zip(rows, [k for k in KV_GROUP_CURVES if k in summary]):
-      entry = summary[k]
-      value = entry.get("prunable_heads_token_accuracy")
-      interval = entry.get("prunable_heads_token_accuracy_ci")
-      text = "n/a" if not md.finite(value) else f"{1 - value * per_group:.1%}"
-      if text != "n/a" and interval is not None and all(
-          md.finite(c) for c in interval):
-        text += (f" [{1 - interval[1] * per_group:.1%}, "
-                 f"{1 - interval[0] * per_group:.1%}]")
-      row.append(text)
+      value = summary[k].get("prunable_heads_token_accuracy")
+      interval = summary[k].get("prunable_heads_token_accuracy_ci")
+      row.append("n/a" if not md.finite(value) else _kv_text(
+          1 - value * per_group,
+          None if interval is None or not all(map(md.finite, interval))
+          else [1 - c * per_group for c in interval]))
     what = (
         f"Under `--ablation={first['ablation']}` a removed group keeps a "
         "streaming cache: all its query heads see only the sinks and the "
