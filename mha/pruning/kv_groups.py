@@ -29,11 +29,14 @@ NumPy on the host for the masks and orders; the gradients are
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mha import data
+from mha import head_masks
 from mha.aliases import Params
 from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
@@ -82,9 +85,8 @@ def head_mask(config: TransformerConfig, group_mask: np.ndarray) -> np.ndarray:
   heads 0."""
   group_mask = np.asarray(group_mask, np.float32)
   layers = np.arange(config.num_layers)[:, None]
-  exists = np.arange(config.max_heads) < np.asarray(
-      config.heads_per_layer)[:, None]
-  return group_mask[..., layers, query_groups(config)] * exists
+  return (group_mask[..., layers, query_groups(config)]
+          * head_masks.existing_heads(config))
 
 
 def subset_masks(config: TransformerConfig) -> np.ndarray:
@@ -141,9 +143,11 @@ def induced_order(config: TransformerConfig,
   if head_order.ndim > 1:
     return np.stack([induced_order(config, o) for o in head_order])
   unit = {group: u for u, group in enumerate(_flat_groups(config))}
-  left = {(layer, g): config.heads_per_layer[layer] // config.num_kv_heads
-          for layer, g in unit}
   groups = query_groups(config)
+  # The query heads each group has left to stream: the heads that read it.
+  left = collections.Counter(
+      (layer, int(groups[layer, head]))
+      for layer, head in zip(*np.nonzero(head_masks.existing_heads(config))))
   out = []
   for flat in head_order:
     layer, head = divmod(int(flat), config.max_heads)
