@@ -19,8 +19,8 @@ and over stacked parameters).
 :class:`MultiHeadAttention` is a drop-in for
 ``flax.linen.MultiHeadDotProductAttention`` (every field and call argument,
 the same parameters, cache and sown weights) that also returns the weights;
-its docstring lists where it differs on purpose. Off CPU, the fused path picks
-cuDNN flash attention or XLA (:mod:`mha.attention_kernels`).
+its docstring lists where it differs on purpose. On an NVIDIA GPU, in 16-bit
+floats, the fused path runs cuDNN flash attention (:mod:`mha.attention_kernels`).
 """
 
 from __future__ import annotations
@@ -422,11 +422,13 @@ def _lengths_or_mask(mask: Array | None, kv_lengths: Array | None,
 def _fused(query: Array, key: Array, value: Array, mask: Array | None,
            kv_lengths: Array | None, *,
            return_weights: bool) -> tuple[Array, Array | None]:
-  """``(context, float32 weights or None)`` of the fused path: on CPU the
-  math of :func:`dot_product_attention` (XLA:CPU fuses it into one kernel);
-  elsewhere ``jax.nn.dot_product_attention`` with the implementation of
-  :func:`mha.attention_kernels.select_implementation`, the weights rebuilt
-  from its log-sum-exp when asked for."""
+  """``(context, float32 weights or None)`` of the fused path: the math of
+  :func:`dot_product_attention` (XLA fuses it), except where cuDNN flash
+  attention can run (:func:`mha.attention_kernels.choose_implementation`
+  on JAX's default device: an NVIDIA GPU, 16-bit floats, ...). There the
+  kernel is chosen when the program is lowered: the same math on CPU,
+  ``jax.nn.dot_product_attention`` with cuDNN elsewhere, the weights
+  rebuilt from its log-sum-exp when asked for."""
   shape = query.shape[:-3] + (query.shape[-2], query.shape[-3],
                               key.shape[-3])
 
@@ -434,6 +436,13 @@ def _fused(query: Array, key: Array, value: Array, mask: Array | None,
     context, weights = dot_product_attention(
         q, k, v, mask=_lengths_or_mask(m, n, shape))
     return context, (weights.astype(jnp.float32) if return_weights else None)
+
+  # Only cuDNN computes something else (another kernel, weights from its
+  # log-sum-exp); without it, one plain program for every platform, and
+  # nothing else to trace.
+  if attention_kernels.choose_implementation(
+      query, key, value, mask=mask, kv_lengths=kv_lengths) != "cudnn":
+    return on_cpu(query, key, value, mask, kv_lengths)
 
   def elsewhere(q, k, v, m, n):
     if m is not None:
@@ -467,16 +476,16 @@ def fused_dot_product_attention(
   context, ``head_mask`` gates heads. No dropout (use
   :func:`dot_product_attention` for training with dropout).
 
-  The implementation is chosen per platform when the computation is lowered
-  (``jax.lax.platform_dependent``). On CPU it is the math of
-  :func:`dot_product_attention` with the weights dropped, which XLA:CPU
-  fuses into one kernel (``QK^T``, softmax, product with the values), while
-  ``jax.nn.dot_product_attention`` adds a copy of the ``[..., H, Lq, Lk]``
-  probabilities (a layer 1.4x slower at batch 8, length 512, width 512).
-  Elsewhere it runs ``jax.nn.dot_product_attention`` with
-  ``implementation="cudnn"`` where cuDNN flash attention's constraints hold
-  (:func:`mha.attention_kernels.select_implementation`: an NVIDIA GPU, 16-bit
-  floats, a head width it supports, a mask it takes) and ``"xla"`` otherwise.
+  It is the math of :func:`dot_product_attention` with the weights dropped,
+  which XLA fuses (on CPU into one kernel: ``QK^T``, softmax, product with
+  the values; ``jax.nn.dot_product_attention`` would add a copy of the
+  ``[..., H, Lq, Lk]`` probabilities, a layer 1.4x slower at batch 8, length
+  512, width 512). Where cuDNN flash attention's constraints hold on JAX's
+  default device (:func:`mha.attention_kernels.select_implementation`: an
+  NVIDIA GPU, 16-bit floats, a head width it supports, a mask it takes), the
+  kernel is chosen when the program is lowered (``jax.lax.platform_dependent``):
+  that math on CPU, ``jax.nn.dot_product_attention`` with
+  ``implementation="cudnn"`` elsewhere.
 
   Args:
     query, key, value: as for :func:`dot_product_attention` (grouped keys
@@ -724,10 +733,11 @@ class MultiHeadAttention(nn.Module):
       (deprecated in Flax).
     qk_attn_weights_einsum_cls, attn_weights_value_einsum_cls: factories of
       the two attention einsums (for quantized einsums).
-    weights_from_lse: off CPU, when the weights are wanted and dropout is off,
-      run the fused kernel with its residual (the log-sum-exp) and rebuild
-      the weights as ``exp(logits - lse)`` in float32, instead of the unfused
-      path (on CPU the unfused path runs either way).
+    weights_from_lse: where cuDNN flash attention runs (an NVIDIA GPU,
+      16-bit floats), when the weights are wanted and dropout is off, run it
+      with its residual (the log-sum-exp) and rebuild the weights as
+      ``exp(logits - lse)`` in float32, instead of the unfused path (which
+      runs everywhere else either way).
     num_kv_heads: heads of keys and values (grouped-query attention, Ainslie
       et al. 2023): the ``key``/``value`` kernels are ``[D_in, H_kv, Dh]``
       and each key/value head serves ``num_heads / num_kv_heads`` query heads

@@ -239,6 +239,21 @@ def _rebuild(query: Array, key: Array, lse: Array,
   return weights
 
 
+def choose_implementation(query: Array, key: Array, value: Array, *,
+                          mask: Array | None, kv_lengths: Array | None,
+                          facts: DeviceFacts | None = None) -> str:
+  """:func:`select_implementation` for these arrays on ``facts`` (JAX's
+  default device when None): ``"cudnn"`` or ``"xla"``."""
+  facts = device_facts() if facts is None else facts
+  mask_form = ("array" if mask is not None else
+               "lengths" if kv_lengths is not None else "none")
+  return select_implementation(
+      facts, dtype=jnp.result_type(query, key, value),
+      head_dim=query.shape[-1], value_head_dim=value.shape[-1],
+      q_len=query.shape[-3], kv_len=key.shape[-3], mask_form=mask_form,
+      size=query.size)
+
+
 def fused_attention(query: Array, key: Array, value: Array, *,
                     mask: Array | None, kv_lengths: Array | None,
                     return_weights: bool = False,
@@ -247,15 +262,10 @@ def fused_attention(query: Array, key: Array, value: Array, *,
   """:func:`library_attention` with the implementation of
   :func:`select_implementation`; a cuDNN call that still refuses at trace
   time falls back to XLA."""
-  facts = device_facts() if facts is None else facts
   dtype = jnp.result_type(query, key, value)  # both kernels want one dtype
   query, key, value = (x.astype(dtype) for x in (query, key, value))
-  mask_form = ("array" if mask is not None else
-               "lengths" if kv_lengths is not None else "none")
-  choice = select_implementation(
-      facts, dtype=dtype, head_dim=query.shape[-1],
-      value_head_dim=value.shape[-1], q_len=query.shape[-3],
-      kv_len=key.shape[-3], mask_form=mask_form, size=query.size)
+  choice = choose_implementation(query, key, value, mask=mask,
+                                 kv_lengths=kv_lengths, facts=facts)
   if choice == "cudnn":
     try:
       return library_attention(query, key, value, mask=mask,
