@@ -472,13 +472,13 @@ def pruning_curve_panels_figure(
     ax.tick_params(labelsize=_TICK_SIZE, labelbottom=True)
     ax.set_ylim(-0.03, 1.03)
     ax.set_xlim(-0.02, 1.02)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=7.5,
+    # Every panel's axis named too, its curves listed below the name.
+    ax.set_xlabel("fraction of heads removed", fontsize=_LABEL_SIZE)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), fontsize=7.5,
               frameon=False, ncol=1)
   spare = list(axes.flat[len(checked):])
   for ax in spare:
     ax.set_axis_off()
-  for ax in axes[-1]:
-    ax.set_xlabel("fraction of heads removed", fontsize=_LABEL_SIZE)
   for ax in axes[:, 0]:
     ax.set_ylabel(metric, fontsize=_LABEL_SIZE)
   handles = dict(ref_handles)
