@@ -545,6 +545,27 @@ def test_a_refused_cudnn_choice_falls_back_to_xla():
   assert weights.shape == (2, 2, 6, 6)
 
 
+@pytest.mark.skipif(kernels.device_facts().platform == "cuda",
+                    reason="the default device's facts are a GPU's here")
+def test_the_platform_branch_is_traced_only_where_cudnn_can_run(monkeypatch):
+  # Without cuDNN (this CPU), the fused path is one plain program: no
+  # platform branch to trace. Where the rule picks cuDNN (facts claiming an
+  # H100, 16-bit floats), the kernel is chosen when lowering: the CPU variant
+  # is the plain math, and the program lowers for CUDA too. (A new function
+  # each time: JAX keeps a function's trace.)
+  q, k, v, mask = _qkv_mask(jnp.bfloat16)
+  fused = lambda: lambda q, k, v, m: att.fused_dot_product_attention(
+      q, k, v, mask=m)
+  plain = fused()
+  assert "platform_index" not in str(jax.make_jaxpr(plain)(q, k, v, mask))
+  monkeypatch.setattr(kernels, "device_facts", lambda: H100)
+  assert "platform_index" in str(jax.make_jaxpr(fused())(q, k, v, mask))
+  exported = jax.export.export(jax.jit(fused()), platforms=("cpu", "cuda"))(
+      q, k, v, mask)
+  np.testing.assert_array_equal(exported.call(q, k, v, mask),
+                                jax.jit(plain)(q, k, v, mask))
+
+
 def test_weights_from_lse_layer_option_on_cpu_is_the_unfused_path():
   x = _x(2, 5, 8)
   layer = MultiHeadAttention(num_heads=2, weights_from_lse=True)
