@@ -431,3 +431,19 @@ def test_curves_in_a_narrow_band_zoom_the_axis_and_streaming_adds_kv():
   assert 0.58 < low < 0.59 and 0.63 < high < 0.64
   (top,) = ax.child_axes
   assert top.get_xlabel() == "KV memory kept (share of the full cache)"
+
+
+def test_panels_in_a_narrow_band_zoom_the_axis_and_name_it():
+  """The small multiples span their curves too (a KV-cache study's stay
+  within a few points), and every panel names its x-axis as told."""
+  fractions = np.linspace(0.0, 1.0, 5)
+  panels = {"gradient": {"gradient": np.array([0.63, 0.63, 0.62, 0.61,
+                                               0.60])}}
+  references = {"random": np.array([0.63, 0.62, 0.61, 0.60, 0.59])}
+  fig = pp.pruning_curve_panels_figure(
+      fractions, panels, references, baseline=0.63,
+      xlabel="fraction of heads given a streaming cache")
+  (ax,) = [ax for ax in fig.axes if ax.axison]
+  low, high = ax.get_ylim()
+  assert 0.58 < low < 0.59 and 0.63 < high < 0.64
+  assert ax.get_xlabel() == "fraction of heads given a streaming cache"

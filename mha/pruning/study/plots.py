@@ -429,6 +429,7 @@ def pruning_curve_panels_figure(
     metric: str = "token accuracy",
     baseline: float | None = None,
     title: str | None = None,
+    xlabel: str = "fraction of heads removed",
 ) -> Figure:
   """Builds (but does not save) the figure of
   :func:`plot_pruning_curve_panels`."""
@@ -437,6 +438,16 @@ def pruning_curve_panels_figure(
   fractions, refs = _check_curves(fractions, references) if references else (
       np.asarray(fractions, np.float64), {})
   checked = {t: _check_curves(fractions, c)[1] for t, c in panels.items()}
+  # The curves' range, shared by the panels: curves that stay within a few
+  # points (a KV-cache study's) are not flattened against 0-1.
+  means = [_quiet_nan_reduce(np.nanmean, v, axis=0) for v in
+           [*refs.values(), *(v for c in checked.values() for v in c.values())]]
+  finite = np.concatenate([m[np.isfinite(m)] for m in means] + [
+      np.asarray([] if baseline is None else [baseline - 0.01])])
+  low, high = (float(finite.min()), float(finite.max())) if finite.size else (
+      0.0, 1.0)
+  pad = max(0.05 * (high - low), 0.005)
+  limits = (low - pad, high + pad)
   rows, cols = _panel_grid(len(checked))
   fig = _new_figure(3.6 * cols, 3.5 * rows + 0.5)
   axes = fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False)
@@ -470,10 +481,10 @@ def pruning_curve_panels_figure(
     ax.set_axisbelow(True)
     # Every panel's fractions labelled: a row's panel may have none below.
     ax.tick_params(labelsize=_TICK_SIZE, labelbottom=True)
-    ax.set_ylim(-0.03, 1.03)
+    ax.set_ylim(*limits)
     ax.set_xlim(-0.02, 1.02)
     # Every panel's axis named too, its curves listed below the name.
-    ax.set_xlabel("fraction of heads removed", fontsize=_LABEL_SIZE)
+    ax.set_xlabel(xlabel, fontsize=_LABEL_SIZE)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), fontsize=7.5,
               frameon=False, ncol=1)
   spare = list(axes.flat[len(checked):])
@@ -507,14 +518,16 @@ def plot_pruning_curve_panels(
     metric: str = "token accuracy",
     baseline: float | None = None,
     title: str | None = None,
+    xlabel: str = "fraction of heads removed",
 ) -> str:
   """Writes small multiples of pruning curves: one panel per family of
   orderings (``panels``: title -> ordering name -> ``[R, P]`` or ``[P]``),
   each with the ``references`` (name -> values, e.g. the oracle and random)
   drawn beneath its curves, the mean over runs of each, without bands.
-  Panels share their axes, at most three a row; each lists its curves
-  below it, the references once above all. ``baseline``: as
-  :func:`plot_pruning_curves`.
+  Panels share their axes (the y-axis spans the curves' range), at most
+  three a row; each lists its curves below it, the references once above
+  all. ``baseline``: as :func:`plot_pruning_curves`; ``xlabel``: each
+  panel's x-axis label.
 
   Returns:
     ``path``.
@@ -525,7 +538,7 @@ def plot_pruning_curve_panels(
   """
   return _save(pruning_curve_panels_figure(
       fractions, panels, references, metric=metric, baseline=baseline,
-      title=title), path)
+      title=title, xlabel=xlabel), path)
 
 
 # --------------------------------------------------------------------------

@@ -158,7 +158,10 @@ def _families_plot(results: Mapping[str, Any], metric: str, path: str,
   return pruning_plots.plot_pruning_curve_panels(
       np.asarray(results["seeds"][0]["fractions"], np.float64), panels,
       references, path, metric=_METRIC_LABELS[metric],
-      baseline=_unpruned(results, metric), title=title)
+      baseline=_unpruned(results, metric), title=title,
+      xlabel=("fraction of heads given a streaming cache"
+              if "kv_memory" in results["seeds"][0]
+              else "fraction of heads removed"))
 
 
 def _importance_plot(results: Mapping[str, Any], out_dir: str) -> str:
