@@ -440,8 +440,10 @@ def _fused(query: Array, key: Array, value: Array, mask: Array | None,
   # Only cuDNN computes something else (another kernel, weights from its
   # log-sum-exp); without it, one plain program for every platform, and
   # nothing else to trace.
+  facts = attention_kernels.device_facts()
   if attention_kernels.choose_implementation(
-      query, key, value, mask=mask, kv_lengths=kv_lengths) != "cudnn":
+      query, key, value, mask=mask, kv_lengths=kv_lengths,
+      facts=facts) != "cudnn":
     return on_cpu(query, key, value, mask, kv_lengths)
 
   def elsewhere(q, k, v, m, n):
@@ -455,7 +457,8 @@ def _fused(query: Array, key: Array, value: Array, mask: Array | None,
       m = _full_mask(m, shape[:-3] + (heads,) + shape[-2:])
       n = None
     return attention_kernels.fused_attention(
-        q, k, v, mask=m, kv_lengths=n, return_weights=return_weights)
+        q, k, v, mask=m, kv_lengths=n, return_weights=return_weights,
+        facts=facts)
 
   return jax.lax.platform_dependent(query, key, value, mask, kv_lengths,
                                     cpu=on_cpu, default=elsewhere)

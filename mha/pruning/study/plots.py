@@ -217,6 +217,24 @@ def _band(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
 ZOOM_BELOW = 0.3
 
 
+def _y_limits(values: np.ndarray,
+              drawn: np.ndarray | None = None) -> tuple[float, float]:
+  """A curves figure's y-axis: 0 to 1 (further where ``values`` go), or the
+  range of ``drawn`` (``values`` by default) where it is narrower than
+  :data:`ZOOM_BELOW`; a margin of 3% either side."""
+  values = values[np.isfinite(values)]
+  drawn = values if drawn is None else drawn[np.isfinite(drawn)]
+  low = min(0.0, float(values.min())) if values.size else 0.0
+  high = max(1.0, float(values.max())) if values.size else 1.0
+  if drawn.size and drawn.max() - drawn.min() < ZOOM_BELOW:
+    # Every curve and band within a narrow range (a language model's
+    # next-character accuracy): the axis spans it, not 0 to 1, or the
+    # curves are one line.
+    low, high = float(drawn.min()), float(drawn.max())
+  margin = 0.03 * (high - low) if high > low else 0.01
+  return low - margin, high + margin
+
+
 def pruning_curves_figure(
     fractions: np.ndarray,
     curves: Mapping[str, np.ndarray],
@@ -300,22 +318,12 @@ def pruning_curves_figure(
                                                   linewidth=1.0,
                                                   zorder=2.5)
 
-  finite = np.concatenate([v[np.isfinite(v)] for v in curves.values()] +
+  finite = np.concatenate([np.ravel(v) for v in curves.values()] +
                           [np.array([] if baseline is None else
                                     [baseline - 0.01])])
-  low = min(0.0, float(finite.min())) if finite.size else 0.0
-  high = max(1.0, float(finite.max())) if finite.size else 1.0
-  drawn = np.concatenate([finite] + [
+  ax.set_ylim(*_y_limits(finite, np.concatenate([finite] + [
       np.asarray(b, np.float64).ravel() for pair in (intervals or {}).values()
-      for b in pair])
-  drawn = drawn[np.isfinite(drawn)]
-  if drawn.size and drawn.max() - drawn.min() < ZOOM_BELOW:
-    # Every curve and band within a narrow range (a language model's
-    # next-character accuracy): the axis spans it, not 0 to 1, or the
-    # curves are one line.
-    low, high = float(drawn.min()), float(drawn.max())
-  margin = 0.03 * (high - low) if high > low else 0.01
-  ax.set_ylim(low - margin, high + margin)
+      for b in pair])))
   if fractions.min() >= 0.0 and fractions.max() <= 1.0:
     ax.set_xlim(-0.02, 1.02)
   ax.set_xlabel(xlabel, fontsize=_LABEL_SIZE)
@@ -438,16 +446,12 @@ def pruning_curve_panels_figure(
   fractions, refs = _check_curves(fractions, references) if references else (
       np.asarray(fractions, np.float64), {})
   checked = {t: _check_curves(fractions, c)[1] for t, c in panels.items()}
-  # The curves' range, shared by the panels: curves that stay within a few
-  # points (a KV-cache study's) are not flattened against 0-1.
-  means = [_quiet_nan_reduce(np.nanmean, v, axis=0) for v in
-           [*refs.values(), *(v for c in checked.values() for v in c.values())]]
-  finite = np.concatenate([m[np.isfinite(m)] for m in means] + [
-      np.asarray([] if baseline is None else [baseline - 0.01])])
-  low, high = (float(finite.min()), float(finite.max())) if finite.size else (
-      0.0, 1.0)
-  pad = max(0.05 * (high - low), 0.005)
-  limits = (low - pad, high + pad)
+  # One y-axis for every panel, zoomed as a curves figure's is (a KV-cache
+  # study's curves stay within a few points).
+  limits = _y_limits(np.concatenate([
+      np.ravel(_quiet_nan_reduce(np.nanmean, v, axis=0)) for v in
+      [*refs.values(), *(v for c in checked.values() for v in c.values())]]
+      + [np.asarray([] if baseline is None else [baseline - 0.01])]))
   rows, cols = _panel_grid(len(checked))
   fig = _new_figure(3.6 * cols, 3.5 * rows + 0.5)
   axes = fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False)
@@ -524,8 +528,8 @@ def plot_pruning_curve_panels(
   orderings (``panels``: title -> ordering name -> ``[R, P]`` or ``[P]``),
   each with the ``references`` (name -> values, e.g. the oracle and random)
   drawn beneath its curves, the mean over runs of each, without bands.
-  Panels share their axes (the y-axis spans the curves' range), at most
-  three a row; each lists its curves below it, the references once above
+  Panels share their axes (the y-axis zoomed as :func:`plot_pruning_curves`
+  zooms it), at most three a row; each lists its curves below it, the references once above
   all. ``baseline``: as :func:`plot_pruning_curves`; ``xlabel``: each
   panel's x-axis label.
 

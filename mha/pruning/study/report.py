@@ -85,10 +85,16 @@ def _curve_plot(results: Mapping[str, Any], group: Mapping[str, Any],
   return pruning_plots.plot_pruning_curves(
       fractions, curves, path, metric=_METRIC_LABELS[metric],
       baseline=_unpruned(results, metric), intervals=intervals, title=title,
-      points=points, xlabel=("fraction of heads given a streaming cache"
-                             if streaming else "fraction of heads removed"),
+      points=points, xlabel=_x_label(results),
       kv_axis=((first["kv_memory"][0], first["kv_memory"][-1])
                if streaming else None))
+
+
+def _x_label(results: Mapping[str, Any]) -> str:
+  """The curves' x-axis: heads removed, or given a streaming cache."""
+  return ("fraction of heads given a streaming cache"
+          if "kv_memory" in results["seeds"][0]
+          else "fraction of heads removed")
 
 
 def _unpruned(results: Mapping[str, Any], metric: str) -> float:
@@ -159,9 +165,7 @@ def _families_plot(results: Mapping[str, Any], metric: str, path: str,
       np.asarray(results["seeds"][0]["fractions"], np.float64), panels,
       references, path, metric=_METRIC_LABELS[metric],
       baseline=_unpruned(results, metric), title=title,
-      xlabel=("fraction of heads given a streaming cache"
-              if "kv_memory" in results["seeds"][0]
-              else "fraction of heads removed"))
+      xlabel=_x_label(results))
 
 
 def _importance_plot(results: Mapping[str, Any], out_dir: str) -> str:
