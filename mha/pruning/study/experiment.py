@@ -465,6 +465,7 @@ def run(workdir: str, out_dir: str, options: StudyOptions,
       study's other seeds (:func:`mha.train.train_and_evaluate`).
   """
   start = time.perf_counter()
+  kept_analyses.code_digest()  # the source this process runs, read now
   first = check_inputs(workdir, out_dir, options, step, checkpoint,
                        accept_estimate)
   config = first.config

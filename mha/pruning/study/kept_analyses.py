@@ -27,6 +27,7 @@ booleans and None, tuples, dicts with any keys and arrays (NumPy scalars as
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -124,8 +125,10 @@ def params_digest(params: Params) -> str:
                    for x in (jax.tree_util.keystr(path), np.asarray(leaf))])
 
 
+@functools.cache
 def code_digest() -> str:
-  """A hash of the ``mha`` package's Python source."""
+  """A hash of the ``mha`` package's Python source, read once a process (at
+  the first call: the source it runs, not a file edited since)."""
   root = os.path.dirname(os.path.dirname(os.path.dirname(
       os.path.abspath(__file__))))
   h = hashlib.sha256()
