@@ -205,11 +205,12 @@ def test_real_valued_masks_are_evaluated_not_rounded_to_a_subset():
 
 
 @pytest.mark.slow
-def test_enough_masks_are_looked_up_in_the_table_of_every_subset(
+def test_the_studys_masks_are_evaluated_or_looked_up_in_a_table(
     monkeypatch):
-  """With at least ``SUBSET_COST`` of the ``2**N`` subsets as masks the
-  study evaluates every subset once (the cheaper) and looks the masks up;
-  with fewer it evaluates the masks. Both give the masks' own sums."""
+  """The study evaluates its masks sharing their lower layers
+  (``oracle.evaluate_mask_list``); given the oracle's per-example table it
+  looks the 0/1 masks up and evaluates only a real-valued one. Both give
+  the masks' own sums."""
   from mha.pruning import oracle  # pylint: disable=import-outside-toplevel
   from mha.pruning.study import analysis  # pylint: disable=import-outside-toplevel
   model, params = _init()
@@ -218,16 +219,19 @@ def test_enough_masks_are_looked_up_in_the_table_of_every_subset(
   split = data.Split(inputs, (inputs * 5) % CONFIG.vocab_size)
   options = study.StudyOptions(num_seeds=1, batch_size=16)
   subsets = oracle.subset_masks(CONFIG)  # 64
-  tables = []
-  evaluate = oracle.evaluate_subsets
-  monkeypatch.setattr(oracle, "evaluate_subsets", lambda *a, **k: (
-      tables.append(1), evaluate(*a, **k))[1])
-  many = subsets[rng.choice(64, int(np.ceil(oracle.SUBSET_COST * 64)),
-                            replace=False)]
-  for masks, looked_up in ((many, True), (many[:3], False)):
-    tables.clear()
-    got = analysis._per_example(model, params, split, masks, None, options)  # pylint: disable=protected-access
-    assert bool(tables) == looked_up
+  table = oracle.evaluate_subsets(model, params, split, per_example=True,
+                                  batch_size=16)
+  evaluated = []
+  evaluate = oracle.evaluate_mask_list
+  monkeypatch.setattr(oracle, "evaluate_mask_list", lambda m, p, s, masks,
+                      **k: (evaluated.append(len(masks)),
+                            evaluate(m, p, s, masks, **k))[1])
+  masks = np.concatenate([subsets[rng.choice(64, 12, replace=False)],
+                          subsets[-1:] * np.float32(0.5)])
+  for given, count in ((None, 13), (table, 1)):
+    evaluated.clear()
+    got = analysis._per_example(model, params, split, masks, given, options)  # pylint: disable=protected-access
+    assert evaluated == [count]
     want = core.evaluate_masks(model, params, split, masks, batch_size=16,
                                per_example=True)
     for key in want:

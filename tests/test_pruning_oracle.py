@@ -107,6 +107,41 @@ def test_long_sequences_split_the_table_into_more_calls(monkeypatch):
     np.testing.assert_allclose(table[key], want[key], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["zero", "resample"])
+def test_a_list_of_masks_shares_its_lower_layers_and_equals_the_table(mode):
+  """``evaluate_mask_list``: masks that agree on the layers below share
+  them (the plan has one row per distinct prefix), and each mask's
+  per-example sums are the table's row of its subset (the loss to float32
+  rounding); a real-valued mask is evaluated as it is."""
+  config = TransformerConfig(vocab_size=7, num_layers=3, num_heads=2,
+                             d_model=8, mlp_dim=8, max_len=6)
+  model, params, split = _random_model(config, n=21)
+  abl = (None if mode == "zero" else ablation_lib.build(
+      model, params, mode, split, split, rng=np.random.default_rng(0)))
+  ids = np.random.default_rng(1).choice(64, 20, replace=False)
+  masks = oracle.subset_masks(config)[ids]
+  plan = oracle.prefix_plan(config, masks)
+  assert [len(p) for p, _ in plan] == [
+      len(np.unique(masks[:, :l + 1].reshape(20, -1), axis=0))
+      for l in range(3)]
+  table = oracle.evaluate_subsets(model, params, split, per_example=True,
+                                  batch_size=16, ablation=abl)
+  got = oracle.evaluate_mask_list(model, params, split, masks, batch_size=8,
+                                  ablation=abl)
+  for key in ("correct", "exact", "tokens", "sequences"):
+    np.testing.assert_array_equal(got[key], np.asarray(table[key])[ids])
+  np.testing.assert_allclose(got["loss_sum"], np.asarray(table["loss_sum"])[
+      ids], rtol=1e-5, atol=1e-6)
+  real = masks[:2] * np.float32(0.5)
+  want = core.evaluate_masks(model, params, split, real, batch_size=8,
+                             per_example=True, ablation=abl)
+  got = oracle.evaluate_mask_list(model, params, split, real, batch_size=8,
+                                  ablation=abl)
+  np.testing.assert_array_equal(got["correct"], want["correct"])
+  np.testing.assert_allclose(got["loss_sum"], want["loss_sum"], rtol=1e-5,
+                             atol=1e-6)
+
+
 @pytest.mark.slow  # seconds of compiling: the full suite only
 def test_a_decoders_subsets_score_the_positions_its_weights_choose():
   """On a causal decoder whose task scores some positions (a recall task's
@@ -231,6 +266,19 @@ def test_the_oracle_half_by_half_adds_up_to_the_whole():
                                   for k, v in table.items()})
   np.testing.assert_array_equal(first_half["token_accuracy"],
                                 half["token_accuracy"])
+  # Asked for, the oracle keeps its per-example table (both halves, the
+  # split's order): the model-path table's, the loss to float32 rounding.
+  kept = {}
+  again, _, _ = oracle.evaluate_oracle(
+      model, params, split, batch_size=8, max_heads=8, ablation=abl,
+      first_half={}, table=kept)
+  assert set(kept) == set(table)
+  for key in ("correct", "exact", "tokens", "sequences"):
+    np.testing.assert_array_equal(kept[key], table[key], err_msg=key)
+  np.testing.assert_allclose(kept["loss_sum"], table["loss_sum"], rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_array_equal(again["token_accuracy"],
+                                whole["token_accuracy"])
 
 
 @pytest.mark.slow  # seconds of compiling: the full suite only

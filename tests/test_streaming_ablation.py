@@ -145,6 +145,13 @@ def _check_oracle(num_layers, num_heads, n):
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=2e-5)
     for key in ("token_accuracy", "exact_match"):
       np.testing.assert_array_equal(got[key], want[key])
+  # Some of the subsets, their lower layers shared (the study's curves).
+  picked = np.random.default_rng(0).choice(len(masks), 40, replace=False)
+  listed = core.summarize_examples(oracle.evaluate_mask_list(
+      model, params, split, masks[picked], batch_size=8, ablation=abl))
+  np.testing.assert_allclose(listed["loss"], want["loss"][picked], rtol=2e-5)
+  for key in ("token_accuracy", "exact_match"):
+    np.testing.assert_array_equal(listed[key], want[key][picked])
   # The ablation matters: removing heads differs from zero ablation.
   zero = eval_lib.summarize(oracle.subset_totals(model, params, split,
                                                  batch_size=8))

@@ -524,6 +524,78 @@ def _sums(model, params, inputs, targets, per_example, bias_shifts=None,
 _subset_sums = jax.jit(_sums, static_argnames=("model", "per_example"))
 
 
+def prefix_plan(config: TransformerConfig, masks: np.ndarray
+                ) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+  """How :func:`mask_metric_sums` shares the layers below: per layer ``l``,
+  ``(parents, codes)``: the distinct masks of layers ``0..l`` among
+  ``masks`` ``[M, L, H]``, each as the index of its own layers ``0..l-1``
+  among the previous layer's (``parents`` ``[U_l]``, zeros at layer 0) and
+  its layer-``l`` mask (``codes`` ``[U_l, H_l]``). The last layer's rows are
+  the masks themselves, in their order (``U_{L-1} = M``). NumPy on the
+  host."""
+  masks = np.asarray(masks, np.float32)
+  count = len(masks)
+  plan = []
+  below = np.zeros(count, np.int64)  # each mask's prefix id so far
+  for layer, heads in enumerate(config.heads_per_layer):
+    code = masks[:, layer, :heads]
+    if layer == config.num_layers - 1:
+      plan.append((below, code))
+      break
+    # A prefix: the id of the layers below and this layer's mask.
+    keys = np.concatenate([below[:, None].astype(np.float32), code], axis=1)
+    unique, first, inverse = np.unique(keys, axis=0, return_index=True,
+                                       return_inverse=True)
+    plan.append((below[first], code[first]))
+    below = inverse.reshape(-1)
+  return tuple(plan)
+
+
+def mask_metric_sums(model: Transformer, params: Params, inputs: Array,
+                     targets: Array, plan: tuple[tuple[Array, Array], ...],
+                     ablation: ablation_lib.Ablation | None = None
+                     ) -> dict[str, Array]:
+  """Per-example :func:`eval_lib.example_metric_sums` under each mask of
+  :func:`prefix_plan`: layer ``l`` runs once per distinct mask of the
+  layers ``0..l`` (as the per-example table of every subset runs them,
+  :func:`subset_metric_sums` without positions), so masks that agree below
+  share that work. Pure (``jit``).
+
+  Returns:
+    ``loss_sum``, ``correct``, ``exact``: ``[M, B]``; ``tokens``,
+    ``sequences``: ``[B]``.
+  """
+  cfg = model.config
+  attention_mask = model_mask(cfg, inputs)
+  xs = embed_tokens(model, params, inputs)[None]  # [prefixes, B, T, D]
+  counted = data.scored(inputs, targets)
+  added = (ablation.layer_shifts(model, params) if ablation is not None
+           else [None] * cfg.num_layers)
+  for layer, (parents, codes) in enumerate(plan):
+    if ablation is not None and ablation.streaming:
+      run = functools.partial(_streaming_block, model, params, layer,
+                              attention_mask=attention_mask,
+                              ablation=ablation)
+    else:
+      run = functools.partial(run_block, model, params, layer,
+                              attention_mask=attention_mask,
+                              added=added[layer])
+    xs = jax.vmap(lambda p, m, run=run, xs=xs: run(x=xs[p], layer_mask=m))(
+        parents, codes)
+
+  def metrics(x):
+    sums = eval_lib.example_metric_sums(_readout(model, params, x), targets,
+                                        inputs)
+    return sums["loss_sum"], sums["correct"], sums["exact"]
+  loss, correct, exact = jax.vmap(metrics)(xs)
+  return {"loss_sum": loss, "correct": correct, "exact": exact,
+          "tokens": jnp.sum(counted, axis=-1),
+          "sequences": jnp.any(counted, axis=-1).astype(jnp.int32)}
+
+
+_mask_sums = jax.jit(mask_metric_sums, static_argnames="model")
+
+
 # --------------------------------------------------------------------------
 # Drivers.
 # --------------------------------------------------------------------------
@@ -586,6 +658,49 @@ def evaluate_subsets(model: Transformer, params: Params, split: data.Split, *,
   return out
 
 
+def evaluate_mask_list(model: Transformer, params: Params,
+                       split: data.Split, masks: np.ndarray, *,
+                       batch_size: int = 1000,
+                       ablation: ablation_lib.Ablation | None = None
+                       ) -> dict[str, np.ndarray]:
+  """The per-example sums ``[M, n]`` of each of ``masks`` ``[M, L, H]`` on
+  ``split`` (removed heads replaced as ``ablation``, built for ``split``,
+  says), the layers below shared between masks that agree there
+  (:func:`prefix_plan`, :func:`mask_metric_sums`): the numbers of the
+  per-example table of every subset (:func:`evaluate_subsets`), for only
+  the masks asked for. A call holds at most :data:`TABLE_ROWS_PER_CALL`
+  rows (prefixes x examples) and :data:`TABLE_POSITIONS_PER_CALL`
+  positions, as that table's calls do.
+
+  Returns:
+    ``loss_sum``, ``correct``, ``exact``, ``tokens``, ``sequences``:
+    ``[M, n]`` each; :func:`mha.evaluate.summarize` of their sums over the
+    examples gives the metrics.
+  """
+  arguments.check_count("batch_size", batch_size)
+  config = model.config
+  masks = np.asarray(masks, np.float32)
+  count, n = len(masks), len(split)
+  if count == 0:
+    return {key: np.zeros((0, n), np.float32) for key in eval_lib.SUM_KEYS}
+  plan = prefix_plan(config, masks)
+  widest = max(len(parents) for parents, _ in plan)
+  length = max(int(np.shape(split.inputs)[-1]), 1)
+  examples = max(1, min(batch_size, TABLE_ROWS_PER_CALL // widest,
+                        TABLE_POSITIONS_PER_CALL // (widest * length)))
+  plan = tuple((jnp.asarray(p, jnp.int32), jnp.asarray(c)) for p, c in plan)
+  parts: dict[str, list[np.ndarray]] = {}
+  for inputs, targets, abl in ablation_lib.batched(split, examples, ablation):
+    out = jax.device_get(_mask_sums(model, params, inputs, targets, plan,
+                                    abl))
+    for key, value in out.items():
+      parts.setdefault(key, []).append(np.asarray(value))
+  out = {k: np.concatenate(v, axis=-1)[..., :n] for k, v in parts.items()}
+  for key in ("tokens", "sequences"):
+    out[key] = np.broadcast_to(out[key], (count, n))
+  return out
+
+
 def call_shape(config: TransformerConfig, batch_size: int,
                rows: int = ROWS_PER_CALL) -> tuple[int, int]:
   """``(examples, first)`` of one call of :func:`subset_totals`: examples
@@ -609,7 +724,8 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
                   batch_size: int = 1000, bias_shifts: Array | None = None,
                   rows: int = ROWS_PER_CALL,
                   log: Log = quiet,
-                  ablation: ablation_lib.Ablation | None = None
+                  ablation: ablation_lib.Ablation | None = None,
+                  per_example: bool = False
                   ) -> dict[str, np.ndarray]:
   """The metric sums of every subset of heads over ``split``, streamed.
 
@@ -624,10 +740,16 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
   and a token whose two best logits lie within rounding of each other can be
   counted the other way.
 
+  With ``per_example`` the same calls keep each example's sums instead of
+  adding them up: the per-example table of :func:`evaluate_subsets`
+  (``[2**N, n]`` per key, float64, in ``split``'s order) from the fast
+  path, to float32 rounding as above; for small ``N`` and ``n`` only
+  (:func:`table_bytes`).
+
   Returns:
     ``loss_sum``, ``correct``, ``exact``, ``tokens``, ``sequences``:
-    ``[2**N]`` sums over the examples; :func:`mha.evaluate.summarize` gives
-    the metrics.
+    ``[2**N]`` sums over the examples (``[2**N, n]`` with ``per_example``);
+    :func:`mha.evaluate.summarize` of the sums gives the metrics.
   """
   arguments.check_count("batch_size", batch_size)
   arguments.check_count("rows", rows)
@@ -637,11 +759,10 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
   first = 2 ** config.heads_per_layer[0]
   rest = 2 ** n // first
   codes = _bits(config.heads_per_layer[0])
-  totals = {k: np.zeros((rest, first)) for k in ("loss_sum", "correct",
-                                                 "exact")}
+  keys = ("loss_sum", "correct", "exact")
+  totals = {k: np.zeros((rest, first)) for k in keys}
+  kept: dict[str, dict[int, np.ndarray]] = {k: {} for k in keys}
   valid = data.scored(np.asarray(split.inputs), np.asarray(split.targets))
-  counts = {"tokens": float(valid.sum()),
-            "sequences": float(valid.any(axis=-1).sum())}
   balanced = _balanced(split, examples)
   if ablation is not None and ablation.donors is not None:
     # Donors have their example's length: they are dealt to the same slots.
@@ -656,11 +777,17 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
   width = max(1, max(int(np.sum(h != 0)) for h in host))
   progress = Tenths(log, "subsets", num_batches, PROGRESS_AFTER_S)
 
-  def add(start: int, out: dict[str, np.ndarray]) -> None:
-    """Adds one call's sums over its examples to the totals (float64)."""
+  def add(start: int, batch: int, out: dict[str, np.ndarray]) -> None:
+    """Adds one call's sums over its examples to the totals (float64), or
+    with ``per_example`` keeps them in the batch's columns."""
     for key, total in totals.items():
-      block = np.sum(np.asarray(out[key], np.float64), axis=-1)
-      total[:, start:start + chunk] += block.reshape(rest, chunk)
+      value = np.asarray(out[key], np.float64).reshape(rest, chunk, -1)
+      if per_example:
+        columns = kept[key].setdefault(
+            batch, np.zeros((rest, first, value.shape[-1])))
+        columns[:, start:start + chunk] = value
+      else:
+        total[:, start:start + chunk] += np.sum(value, axis=-1)
 
   program = _subset_sums
   run = lambda args: jax.device_get(program(*args))
@@ -678,18 +805,29 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
                 None if chunk == first else codes[start:start + chunk],
                 positions, weights, abl)
         if b == 0 and start == 0:
-          add(start, run(args))
+          add(start, b, run(args))
           run = _pinned(program, args)
           continue
-        pending.append((start, pool.submit(run, args)))
+        pending.append((start, b, pool.submit(run, args)))
         while len(pending) > DISPATCH_THREADS * IN_FLIGHT:
-          done_start, future = pending.popleft()
-          add(done_start, future.result())
+          done_start, done_b, future = pending.popleft()
+          add(done_start, done_b, future.result())
       progress(b + 1, f"batches of {examples} examples")
     while pending:
-      done_start, future = pending.popleft()
-      add(done_start, future.result())
+      done_start, done_b, future = pending.popleft()
+      add(done_start, done_b, future.result())
+  if per_example:  # the batches' columns, back in split's order
+    slots = _balanced_slots(split, examples)
+    out = {k: np.concatenate([v[b] for b in sorted(v)], axis=-1).reshape(
+        2 ** n, -1)[:, slots] for k, v in kept.items()}
+    counts = {"tokens": valid.sum(axis=-1),
+              "sequences": valid.any(axis=-1)}
+    return {**out, **{k: np.broadcast_to(np.asarray(v, np.float64),
+                                         (2 ** n, len(split)))
+                      for k, v in counts.items()}}
   out = {k: v.reshape(-1) for k, v in totals.items()}
+  counts = {"tokens": float(valid.sum()),
+            "sequences": float(valid.any(axis=-1).sum())}
   return {**out, **{k: np.full(2 ** n, v) for k, v in counts.items()}}
 
 
@@ -706,27 +844,40 @@ def _pinned(program, args: tuple) -> Callable[[tuple], dict[str, np.ndarray]]:
   return lambda a: jax.device_get(compiled(*a[1:4], *a[5:]))
 
 
-def _balanced(split: data.Split, examples: int) -> data.Split:
-  """``split`` reordered (and padded with empty examples, which count
-  nothing) so that consecutive batches of ``examples`` hold about the same
-  number of valid positions: examples dealt by length in snake order. Sums
-  over the examples do not depend on the batches."""
+def _balanced_slots(split: data.Split, examples: int) -> np.ndarray:
+  """``[n]``: the row of :func:`_balanced` that holds each example of
+  ``split``."""
   n = len(split)
   count = -(-n // examples)
   if count <= 1:
-    return split
+    return np.arange(n)
   lengths = np.sum(np.asarray(split.inputs) != 0, axis=1)
   order = np.argsort(-lengths, kind="stable")
   rank = np.arange(n)
   lap, seat = rank // count, rank % count
   batch = np.where(lap % 2 == 0, seat, count - 1 - seat)
-  slots = batch * examples + lap  # each batch's examples side by side
+  slots = np.empty(n, np.int64)
+  slots[order] = batch * examples + lap  # each batch's examples side by side
+  return slots
+
+
+def _balanced(split: data.Split, examples: int) -> data.Split:
+  """``split`` reordered (and padded with empty examples, which count
+  nothing) so that consecutive batches of ``examples`` hold about the same
+  number of valid positions: examples dealt by length in snake order
+  (:func:`_balanced_slots`). Sums over the examples do not depend on the
+  batches."""
+  n = len(split)
+  count = -(-n // examples)
+  if count <= 1:
+    return split
+  slots = _balanced_slots(split, examples)
   inputs = np.zeros((count * examples,) + split.inputs.shape[1:],
                     split.inputs.dtype)
   targets = np.zeros((count * examples,) + split.targets.shape[1:],
                      split.targets.dtype)
-  inputs[slots] = split.inputs[order]
-  targets[slots] = split.targets[order]
+  inputs[slots] = split.inputs
+  targets[slots] = split.targets
   return data.Split(inputs, targets)
 
 
@@ -904,16 +1055,6 @@ def shapley_values(values: np.ndarray, config: TransformerConfig) -> np.ndarray:
 #: chooses the oracle again (the best ones on the full validation split), so
 #: that the oracle's intervals include the variability of its choice.
 ORACLE_CANDIDATES = 5
-#: The cost of one subset in the per-example table
-#: (:func:`evaluate_subsets` with ``per_example``) relative to one mask of
-#: ``core.evaluate_masks`` with ``per_example``: 0.30 on ``deep64`` (1,000
-#: examples of 16 tokens, zero ablation), 0.08 on the ``passkey`` decoder
-#: (128 windows of 256 tokens, ``streaming:4,16``): the table runs the layers
-#: below the last once per mask of those layers, a mask runs them all
-#: (2026-11-29, 2 CPU cores, medians of 2 interleaved rounds). Every subset is
-#: evaluated instead of ``M`` masks when ``M >= SUBSET_COST * 2**N``: the
-#: larger figure, so the table is chosen only where it is the cheaper.
-SUBSET_COST = 0.3
 #: Largest per-example table of every subset (:func:`table_bytes`) kept in
 #: memory where one is handy (mean ablation's curves look their masks up in
 #: it); larger ones are streamed (:func:`subset_totals`).
@@ -1005,7 +1146,8 @@ def evaluate_oracle(model: Transformer, params: Params,
                     max_heads: int, log: Log = quiet,
                     timings: dict[str, float] | None = None,
                     ablation: ablation_lib.Ablation | None = None,
-                    first_half: dict[str, np.ndarray] | None = None
+                    first_half: dict[str, np.ndarray] | None = None,
+                    table: dict[str, np.ndarray] | None = None
                     ) -> tuple[dict[str, np.ndarray] | None, np.ndarray,
                                dict[str, list[list[np.ndarray]]]]:
   """Every subset on validation (removed heads replaced as ``ablation``,
@@ -1021,7 +1163,13 @@ def evaluate_oracle(model: Transformer, params: Params,
   :func:`mha.pruning.orderings.halves` cuts it), their sums added for the
   whole, and ``first_half`` receives the first half's metrics: what
   chooses the candidates of a level chosen on that half alone (about the
-  same work as one pass)."""
+  same work as one pass).
+
+  ``table``: when given (a dict) and the per-example table of every subset
+  fits in :data:`PER_EXAMPLE_BYTES` (:func:`table_bytes`), it receives that
+  table (:func:`subset_totals` with ``per_example``: the same calls, each
+  example's sums kept), so that masks on validation are looked up instead
+  of evaluated again; else it stays empty."""
   arguments.check_count("batch_size", batch_size)
   arguments.check_count("max_heads", max_heads)
   config = model.config
@@ -1031,19 +1179,39 @@ def evaluate_oracle(model: Transformer, params: Params,
         f"--oracle_max_heads={max_heads}")
     return None, np.full(head_masks.existing_heads(config).shape, np.nan), {}
   timings = {} if timings is None else timings
-  stream = lambda split, abl: subset_totals(
-      model, params, split, batch_size=batch_size, log=log, ablation=abl)
+  keep = table is not None and (
+      table_bytes(config, len(validation)) <= PER_EXAMPLE_BYTES)
+
+  def stream(split, abl):
+    """``(totals, table)``: the sums over ``split``'s examples, and the
+    per-example table they add up (None unless kept)."""
+    sums = subset_totals(model, params, split, batch_size=batch_size,
+                         log=log, ablation=abl, per_example=keep)
+    if not keep:
+      return sums, None
+    return {k: np.sum(v, axis=-1) for k, v in sums.items()}, sums
+
+  def whole():
+    totals, sums = stream(validation, ablation)
+    if keep:
+      table.update(sums)
+    return totals
+
   if first_half is None or len(validation) < 2:
     totals, timings["oracle_s"] = timed(
         log, f"oracle: all {2 ** n} subsets of heads on validation, layer "
-        "by layer, streamed", lambda: stream(validation, ablation))
+        "by layer, streamed", whole)
   else:
     middle = len(validation) // 2
 
     def by_halves():
-      a = stream(*_part(validation, ablation, 0, middle))
-      b = stream(*_part(validation, ablation, middle, len(validation)))
+      a, a_sums = stream(*_part(validation, ablation, 0, middle))
+      b, b_sums = stream(*_part(validation, ablation, middle,
+                                len(validation)))
       first_half.update(eval_lib.summarize(a))
+      if keep:
+        table.update({k: np.concatenate([a_sums[k], b_sums[k]], axis=-1)
+                      for k in a_sums})
       return {k: a[k] + b[k] for k in a}
     totals, timings["oracle_s"] = timed(
         log, f"oracle: all {2 ** n} subsets of heads on validation, layer "
@@ -1056,9 +1224,10 @@ def evaluate_oracle(model: Transformer, params: Params,
 
 __all__ = ["subset_masks", "subset_index", "kept_counts", "num_heads",
            "subset_metric_sums", "evaluate_subsets", "call_shape",
+           "prefix_plan", "mask_metric_sums", "evaluate_mask_list",
            "subset_totals", "oracle_bytes", "best_removals",
            "ranked_removals", "shapley_values", "ORACLE_CANDIDATES",
-           "SUBSET_COST", "PER_EXAMPLE_BYTES", "TABLE_ROWS_PER_CALL",
+           "PER_EXAMPLE_BYTES", "TABLE_ROWS_PER_CALL",
            "TABLE_POSITIONS_PER_CALL", "VARIANTS", "table_bytes", "machine_memory_bytes",
            "oracle_applies", "subset_values", "tokens",
            "removals_by_variant", "oracle_removals", "evaluate_oracle",

@@ -206,32 +206,22 @@ def _per_example(model: Transformer, params: Params, split: data.Split,
                  ablation: ablation_lib.Ablation | None = None
                  ) -> dict[str, np.ndarray]:
   """Per-example sums ``[M, n]`` of ``masks``: looked up in ``table`` (every
-  subset) when given; else every subset is evaluated when that is cheaper
-  (the masks are at least :data:`oracle.SUBSET_COST` of the subsets) and
-  its table fits in :data:`oracle.PER_EXAMPLE_BYTES`, else just
-  ``masks``."""
-  config = model.config
-  if table is None and oracle.oracle_applies(
-      config, options.oracle_max_heads) and (
-      len(masks) >= oracle.SUBSET_COST * 2 ** oracle.num_heads(config)) and (
-      oracle.table_bytes(config, len(split)) <= oracle.PER_EXAMPLE_BYTES):
-    table = oracle.evaluate_subsets(model, params, split, per_example=True,
-                                    batch_size=options.batch_size,
-                                    ablation=ablation)
+  subset per example: the oracle's, when it kept one) when given; else
+  evaluated, the lower layers shared between masks that agree there
+  (:func:`oracle.evaluate_mask_list`)."""
+  evaluate = lambda chosen: oracle.evaluate_mask_list(
+      model, params, split, chosen, batch_size=options.batch_size,
+      ablation=ablation)
   if table is None:
-    return core.evaluate_masks(model, params, split, masks,
-                               batch_size=options.batch_size,
-                               per_example=True, ablation=ablation)
+    return evaluate(masks)
   # The table holds the 0/1 masks only: a real-valued one (Kwon et al.'s
   # tuned masks) is evaluated as it is, not rounded to its subset.
   masks = np.asarray(masks, np.float32)
   binary = np.all((masks == 0) | (masks == 1), axis=(-2, -1))
-  ids = oracle.subset_index(config, masks)
-  out = {k: np.asarray(v)[ids] for k, v in table.items()}
+  ids = oracle.subset_index(model.config, masks)
+  out = {k: np.array(np.asarray(v)[ids]) for k, v in table.items()}
   if not binary.all():
-    real = core.evaluate_masks(model, params, split, masks[~binary],
-                               batch_size=options.batch_size,
-                               per_example=True, ablation=ablation)
+    real = evaluate(masks[~binary])
     for k in out:
       out[k] = out[k].astype(np.result_type(out[k], real[k]))
       out[k][~binary] = real[k]
@@ -348,10 +338,12 @@ def _measure_seed(model: Transformer, params: Params,
     log("  oracle: "
         + oracle.describe_cost(config, positions=oracle.tokens(val)))
   first_half: dict[str, np.ndarray] = {}
+  val_table: dict[str, np.ndarray] = {}  # every subset per example, if small
   subsets, shapley, removals = oracle.evaluate_oracle(
       model, params, val, batch_size=options.batch_size,
       max_heads=options.oracle_max_heads, log=log, timings=timings,
-      ablation=ablations["validation"], first_half=first_half)
+      ablation=ablations["validation"], first_half=first_half,
+      table=val_table)
   # The half-split level's oracle: candidates ranked on the first half.
   half_removals = (oracle.removals_by_variant(
       oracle.subset_values(first_half), config) if first_half else None)
@@ -435,9 +427,10 @@ def _measure_seed(model: Transformer, params: Params,
                     half_removals)
   masks = np.stack(plan.masks)
   val_sums, timings["validation_masks_s"] = timed(
-      log, f"{len(masks)} distinct masks on validation",
-      lambda: _per_example(model, params, val, masks, None, options,
-                           ablations["validation"]))
+      log, f"{len(masks)} distinct masks on validation"
+      + (" (looked up in the oracle's table)" if val_table else ""),
+      lambda: _per_example(model, params, val, masks, val_table or None,
+                           options, ablations["validation"]))
   test_sums, timings["test_masks_s"] = timed(
       log, f"{len(masks)} distinct masks on test (curves, oracle, tables)",
       lambda: _per_example(model, params, test, masks, None, options,
