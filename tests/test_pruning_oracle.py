@@ -107,6 +107,7 @@ def test_long_sequences_split_the_table_into_more_calls(monkeypatch):
     np.testing.assert_allclose(table[key], want[key], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # seconds of compiling: the full suite only
 @pytest.mark.parametrize("mode", ["zero", "resample"])
 def test_a_list_of_masks_shares_its_lower_layers_and_equals_the_table(mode):
   """``evaluate_mask_list``: masks that agree on the layers below share
