@@ -544,8 +544,8 @@ def prefix_plan(config: TransformerConfig, masks: np.ndarray
       break
     # A prefix: the id of the layers below and this layer's mask.
     keys = np.concatenate([below[:, None].astype(np.float32), code], axis=1)
-    unique, first, inverse = np.unique(keys, axis=0, return_index=True,
-                                       return_inverse=True)
+    _, first, inverse = np.unique(keys, axis=0, return_index=True,
+                                  return_inverse=True)
     plan.append((below[first], code[first]))
     below = inverse.reshape(-1)
   return tuple(plan)
