@@ -416,6 +416,15 @@ def _readout(model: Transformer, params: Params, x: Array) -> Array:
   return model.apply({"params": params}, x, method="readout")
 
 
+def _example_sums(model: Transformer, params: Params, x: Array, inputs: Array,
+                  targets: Array) -> tuple[Array, Array, Array]:
+  """``(loss_sum, correct, exact)`` ``[B]`` of the last block's output
+  ``x``: the read-out and :func:`eval_lib.example_metric_sums`."""
+  sums = eval_lib.example_metric_sums(_readout(model, params, x), targets,
+                                      inputs)
+  return sums["loss_sum"], sums["correct"], sums["exact"]
+
+
 def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
                        targets: Array,
                        bias_shifts: Array | None = None,
@@ -494,11 +503,8 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
         lambda m: run(x=x, layer_mask=m))(codes)
     xs = jax.vmap(per_prefix)(xs).reshape((-1,) + xs.shape[1:])
   else:
-    def metrics(x):
-      sums = eval_lib.example_metric_sums(_readout(model, params, x), targets,
-                                          inputs)
-      return sums["loss_sum"], sums["correct"], sums["exact"]
-    per_subset = jax.vmap(metrics)(xs)
+    per_subset = jax.vmap(lambda x: _example_sums(model, params, x, inputs,
+                                                  targets))(xs)
   # xs is ordered C-style over (m_0, ..., m_{L-1}); subset s has layer 0 in
   # its lowest bits: reverse the layer axes.
   axes = tuple(reversed(range(len(sizes)))) + (len(sizes),)
@@ -583,11 +589,8 @@ def mask_metric_sums(model: Transformer, params: Params, inputs: Array,
     xs = jax.vmap(lambda p, m, run=run, xs=xs: run(x=xs[p], layer_mask=m))(
         parents, codes)
 
-  def metrics(x):
-    sums = eval_lib.example_metric_sums(_readout(model, params, x), targets,
-                                        inputs)
-    return sums["loss_sum"], sums["correct"], sums["exact"]
-  loss, correct, exact = jax.vmap(metrics)(xs)
+  loss, correct, exact = jax.vmap(
+      lambda x: _example_sums(model, params, x, inputs, targets))(xs)
   return {"loss_sum": loss, "correct": correct, "exact": exact,
           "tokens": jnp.sum(counted, axis=-1),
           "sequences": jnp.any(counted, axis=-1).astype(jnp.int32)}
@@ -643,18 +646,28 @@ def evaluate_subsets(model: Transformer, params: Params, split: data.Split, *,
   length = max(int(np.shape(split.inputs)[-1]), 1)
   examples = max(1, min(batch_size, TABLE_ROWS_PER_CALL // subsets,
                         TABLE_POSITIONS_PER_CALL // (subsets * length)))
+  return _table_calls(split, examples, ablation, subsets, lambda inputs,
+                      targets, abl: _subset_sums(
+                          model, params, inputs, targets, per_example,
+                          bias_shifts, ablation=abl))
+
+
+def _table_calls(split: data.Split, examples: int,
+                 ablation: ablation_lib.Ablation | None, rows: int,
+                 call: Callable[..., dict[str, Array]]
+                 ) -> dict[str, np.ndarray]:
+  """The per-example sums ``[rows, n]`` of ``call(inputs, targets,
+  ablation)`` over ``split``'s batches of ``examples``, joined in order
+  (``tokens`` and ``sequences`` repeated for every row)."""
   parts: dict[str, list[np.ndarray]] = {}
   for inputs, targets, abl in ablation_lib.batched(split, examples,
                                                    ablation):
-    out = jax.device_get(_subset_sums(model, params, inputs, targets,
-                                      per_example, bias_shifts,
-                                      ablation=abl))
-    for key, value in out.items():
+    for key, value in jax.device_get(call(inputs, targets, abl)).items():
       parts.setdefault(key, []).append(np.asarray(value))
   n = len(split)
   out = {k: np.concatenate(v, axis=-1)[..., :n] for k, v in parts.items()}
   for key in ("tokens", "sequences"):
-    out[key] = np.broadcast_to(out[key], (subsets, n))
+    out[key] = np.broadcast_to(out[key], (rows, n))
   return out
 
 
@@ -689,16 +702,9 @@ def evaluate_mask_list(model: Transformer, params: Params,
   examples = max(1, min(batch_size, TABLE_ROWS_PER_CALL // widest,
                         TABLE_POSITIONS_PER_CALL // (widest * length)))
   plan = tuple((jnp.asarray(p, jnp.int32), jnp.asarray(c)) for p, c in plan)
-  parts: dict[str, list[np.ndarray]] = {}
-  for inputs, targets, abl in ablation_lib.batched(split, examples, ablation):
-    out = jax.device_get(_mask_sums(model, params, inputs, targets, plan,
-                                    abl))
-    for key, value in out.items():
-      parts.setdefault(key, []).append(np.asarray(value))
-  out = {k: np.concatenate(v, axis=-1)[..., :n] for k, v in parts.items()}
-  for key in ("tokens", "sequences"):
-    out[key] = np.broadcast_to(out[key], (count, n))
-  return out
+  return _table_calls(split, examples, ablation, count, lambda inputs,
+                      targets, abl: _mask_sums(model, params, inputs,
+                                               targets, plan, abl))
 
 
 def call_shape(config: TransformerConfig, batch_size: int,

@@ -219,7 +219,7 @@ def _per_example(model: Transformer, params: Params, split: data.Split,
   masks = np.asarray(masks, np.float32)
   binary = np.all((masks == 0) | (masks == 1), axis=(-2, -1))
   ids = oracle.subset_index(model.config, masks)
-  out = {k: np.array(np.asarray(v)[ids]) for k, v in table.items()}
+  out = {k: np.asarray(v)[ids] for k, v in table.items()}
   if not binary.all():
     real = evaluate(masks[~binary])
     for k in out:

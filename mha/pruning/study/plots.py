@@ -529,9 +529,9 @@ def plot_pruning_curve_panels(
   each with the ``references`` (name -> values, e.g. the oracle and random)
   drawn beneath its curves, the mean over runs of each, without bands.
   Panels share their axes (the y-axis zoomed as :func:`plot_pruning_curves`
-  zooms it), at most three a row; each lists its curves below it, the references once above
-  all. ``baseline``: as :func:`plot_pruning_curves`; ``xlabel``: each
-  panel's x-axis label.
+  zooms it), at most three a row; each lists its curves below it, the
+  references once above all. ``baseline``: as :func:`plot_pruning_curves`;
+  ``xlabel``: each panel's x-axis label.
 
   Returns:
     ``path``.

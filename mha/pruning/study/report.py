@@ -81,19 +81,23 @@ def _curve_plot(results: Mapping[str, Any], group: Mapping[str, Any],
       ci = np.asarray(entry[f"{metric}_ci"], np.float64)
       intervals[label] = (ci[:, 0], ci[:, 1])
   first = results["seeds"][0]
-  streaming = "kv_memory" in first
   return pruning_plots.plot_pruning_curves(
       fractions, curves, path, metric=_METRIC_LABELS[metric],
       baseline=_unpruned(results, metric), intervals=intervals, title=title,
       points=points, xlabel=_x_label(results),
       kv_axis=((first["kv_memory"][0], first["kv_memory"][-1])
-               if streaming else None))
+               if _streaming(results) else None))
+
+
+def _streaming(results: Mapping[str, Any]) -> bool:
+  """Whether the study ran under ``--ablation streaming`` (its seeds carry
+  ``kv_memory``)."""
+  return "kv_memory" in results["seeds"][0]
 
 
 def _x_label(results: Mapping[str, Any]) -> str:
   """The curves' x-axis: heads removed, or given a streaming cache."""
-  return ("fraction of heads given a streaming cache"
-          if "kv_memory" in results["seeds"][0]
+  return ("fraction of heads given a streaming cache" if _streaming(results)
           else "fraction of heads removed")
 
 
