@@ -1075,6 +1075,7 @@ def test_the_last_line_says_what_was_written():
     ({"gate_targets": (2, -1)}, "--gate_targets must be numbers of heads "
                                 "removed >= 1, got [2, -1]"),
     ({"gate_method": "l1"}, "--gate_method 'l1' is not one of: top_k"),
+    ({"duo_gates_steps": 0}, "--duo_gates_steps must be >= 1, got 0"),
     ({"ablation": "streaming:0,0"}, "SINKS + WINDOW must be at least 1"),
     ({"ablation": "streaming:4"}, "expected streaming:SINKS,WINDOW"),
     ({"ablation": "streaming:4,16", "gates": True},

@@ -428,11 +428,13 @@ def test_the_study_runs_on_a_grouped_decoder_scoring_its_answers(
   result = run([sys.executable, STUDY, f"--workdir={workdir}",
                 f"--out={kv_out}", *_SMALL, "--noover_training",
                 "--nosearches", "--noreestimate", "--nobootstrap_importance",
-                "--ablation=streaming:2,4"], env=subprocess_env)
+                "--ablation=streaming:2,4", "--duo_gates_steps=8"],
+               env=subprocess_env)
   assert result.returncode == 0, result.stderr[-3000:]
   results = json.loads((kv_out / "results.json").read_text())
   streamed = results["seeds"][0]
   assert results["ablation"] == "streaming:2,4"
+  assert results["options"]["duo_gates_steps"] == 8
   np.testing.assert_allclose(  # k full heads of 8 at 24 tokens, 6 kept
       streamed["kv_memory"], [(k * 24 + (8 - k) * 6) / (8 * 24)
                               for k in range(8, -1, -1)])

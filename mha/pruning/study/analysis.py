@@ -357,11 +357,12 @@ def _measure_seed(model: Transformer, params: Params,
   importance["shapley_token_accuracy"] = shapley
   if ablations["validation"].streaming:  # DuoAttention's learned gates
     duo, timings["duo_gates_s"] = timed(
-        log, f"DuoAttention gates ({duo_gates.STEPS} steps on train, L1 "
-        f"{duo_gates.STRENGTH:g})",
+        log, f"DuoAttention gates ({options.duo_gates_steps} steps on "
+        f"train, L1 {duo_gates.STRENGTH:g})",
         lambda: duo_gates.train(model, params, splits["train"],
-                                ablations["validation"], seed=options.seed,
-                                log=log))
+                                ablations["validation"],
+                                steps=options.duo_gates_steps,
+                                seed=options.seed, log=log))
     importance["duo_gates"] = duo["alpha"]
   method = "exact" if subsets is not None and options.shapley != "sampled" else (
       "sampled" if options.shapley != "exact" else None)

@@ -174,6 +174,9 @@ class StudyOptions:
       0.5, "Temperature of the top-k relaxation of --gate_method=top_k.",
       flag=False)
   gate_steps: int = _option(200, "Training steps of the gates.")
+  duo_gates_steps: int = _option(
+      200, "Training steps of DuoAttention's gates (under a streaming "
+      "ablation: curve 'duo_gates').")
   gate_learning_rate: float = _option(
       0.1, "Learning rate of the gates (Adam).", flag=False)
   retrain: bool = _option(
@@ -277,7 +280,8 @@ class StudyOptions:
     self._validate_extensions()
 
   def _validate_extensions(self) -> None:
-    for name in ("gate_steps", "retrain_steps", "retrain_random"):
+    for name in ("gate_steps", "duo_gates_steps", "retrain_steps",
+                 "retrain_random"):
       if getattr(self, name) < 1:
         raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
     if not self.gate_lambdas or any(
