@@ -79,6 +79,9 @@ def parse_ablation(spec: str) -> tuple[str, int, int]:
 #: the expected count kept, or Gumbel top-k with a straight-through estimator.
 EXACT_K_METHODS = ("top_k", "lagrangian")
 
+#: Training steps of DuoAttention's gates (:mod:`mha.pruning.duo_gates`).
+DUO_GATES_STEPS = 200
+
 # The timing protocol of :mod:`mha.pruning.speed`.
 REPEATS = 10  # Rounds of timing: the floor (issue 14's).
 MIN_SECONDS = 0.2  # Shortest timing window per model and round (fixed).

@@ -56,13 +56,14 @@ from mha.model import Transformer, TransformerConfig
 from mha.pruning import gates as gates_lib
 from mha.pruning import kv_groups
 from mha.pruning.ablation import Ablation, ablated_logits
+from mha.pruning.constants import DUO_GATES_STEPS
 from mha.run import arguments
 
 #: DuoAttention's defaults where they carry over: the L1 strength and the
 #: learning rate (their Adam, 0.02); steps and batch are ours (a toy model).
 STRENGTH = 0.05
 LEARNING_RATE = 0.02
-STEPS = 200
+STEPS = DUO_GATES_STEPS
 BATCH_SIZE = 32
 
 

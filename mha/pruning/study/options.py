@@ -19,9 +19,9 @@ from absl import flags
 from mha.run import cli
 from mha.run.figures import PLOT_FORMATS
 from mha.pruning.constants import (ABLATION_STREAMING, ADAPTIVE_MIN_SECONDS,
-                                   EXACT_K_METHODS, KV_SCORES, MAX_REPEATS,
-                                   ORDERINGS, REPEATS, TARGET_WIDTH,
-                                   parse_ablation)
+                                   DUO_GATES_STEPS, EXACT_K_METHODS,
+                                   KV_SCORES, MAX_REPEATS, ORDERINGS,
+                                   REPEATS, TARGET_WIDTH, parse_ablation)
 
 #: ``--shapley``: how the Shapley values are computed.
 SHAPLEY_METHODS = ("auto", "exact", "sampled")
@@ -175,7 +175,7 @@ class StudyOptions:
       flag=False)
   gate_steps: int = _option(200, "Training steps of the gates.")
   duo_gates_steps: int = _option(
-      200, "Training steps of DuoAttention's gates (under a streaming "
+      DUO_GATES_STEPS, "Training steps of DuoAttention's gates (under a streaming "
       "ablation: curve 'duo_gates').")
   gate_learning_rate: float = _option(
       0.1, "Learning rate of the gates (Adam).", flag=False)
