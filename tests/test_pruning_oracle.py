@@ -83,6 +83,20 @@ def test_subsets_equal_masked_models(kwargs):
 
 
 @pytest.mark.slow  # seconds of compiling: the full suite only
+def test_mask_groups_hold_their_activations_within_the_budget():
+  budget = oracle.MASK_GROUP_BYTES
+  # deep64's calls (16 examples of up to 16 tokens, mlp_dim 64): 16 masks.
+  assert oracle.mask_group(256, 64) == oracle.MASKS_PER_STEP == 16
+  # The character LM's (16 windows of 128 tokens, mlp_dim 512): one.
+  assert oracle.mask_group(2048, 512) == 1
+  for positions, mlp_dim in ((100, 64), (300, 64), (1000, 32), (7, 3)):
+    group = oracle.mask_group(positions, mlp_dim)
+    assert 1 <= group <= oracle.MASKS_PER_STEP
+    assert group * positions * mlp_dim * 4 <= budget
+    assert (group == oracle.MASKS_PER_STEP
+            or (group + 1) * positions * mlp_dim * 4 > budget)
+
+
 def test_long_sequences_split_the_table_into_more_calls(monkeypatch):
   """The per-example table bounds a call's positions (subsets x examples x
   length), not only its rows: at 64 tokens a cap of 40 examples' worth
@@ -192,16 +206,23 @@ def test_streamed_oracle_equals_the_per_example_table():
   model no token is near enough a tie for rounding to flip it, so the
   integer sums, token accuracy, exact match, the oracle's candidates and
   Shapley values are equal exactly. Also when calls split layer 0's masks (how 16
-  heads fit in memory), and under mean ablation's bias shifts."""
+  heads fit in memory), when the last layer's masks go one at a time, and
+  under mean ablation's bias shifts."""
   config = TransformerConfig(vocab_size=7, num_layers=2, num_heads=4,
                              d_model=16, mlp_dim=16, max_len=6)
   model, params, split = _random_model(config, n=40)
   table = oracle.evaluate_subsets(model, params, split, per_example=True,
                                   batch_size=16)
   old = core.summarize_examples(table)
-  for rows in (oracle.ROWS_PER_CALL, 64):  # all subsets a call; chunks
-    totals = oracle.subset_totals(model, params, split, batch_size=16,
-                                  rows=rows)
+  # All subsets a call; chunks; the last layer's 16 masks one at a time
+  # (as a long context's are: oracle.mask_group), in a call of another
+  # shape (jit traces it anew).
+  for rows, group_bytes in ((oracle.ROWS_PER_CALL, oracle.MASK_GROUP_BYTES),
+                            (64, oracle.MASK_GROUP_BYTES), (128, 1)):
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(oracle, "MASK_GROUP_BYTES", group_bytes)
+      totals = oracle.subset_totals(model, params, split, batch_size=16,
+                                    rows=rows)
     for key in ("correct", "exact", "tokens", "sequences"):
       np.testing.assert_array_equal(
           totals[key], np.sum(np.asarray(table[key], np.float64), axis=-1))

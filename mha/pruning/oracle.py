@@ -83,15 +83,24 @@ TABLE_ROWS_PER_CALL = 1 << 13
 #: call, about 1 GiB at 2 (2026-11-29).
 TABLE_POSITIONS_PER_CALL = TABLE_ROWS_PER_CALL * 16
 #: Masks of the last layer evaluated together within a call of
-#: :func:`subset_totals` (:func:`_last_layer_sums`): the call goes through
-#: its prefixes one at a time and their masks in groups of this many, so
-#: that what a group computes (its MLP's ``[masks x positions, M]``
+#: :func:`subset_totals` (:func:`_last_layer_sums`), at most: the call goes
+#: through its prefixes one at a time and their masks in groups, so that
+#: what a group computes (its MLP's ``[masks x positions, mlp_dim]``
 #: activations) stays in the cache instead of streaming through memory
 #: (2026-11-27, 2 CPU cores, alternating rounds in one process: 12 heads
 #: 7.7 s against 10.5 s for every prefix and mask at once; 16 heads on 160
 #: examples 27.3 s against 36.7 s; groups of 8 as fast as 16; of 32 or 64,
 #: slower than no groups at all).
 MASKS_PER_STEP = 16
+#: Bytes of a group's MLP activations (float32), at most, down to one mask
+#: a group (:func:`mask_group`): a mask of the character LM's last layer
+#: (16 windows of 128 tokens, ``mlp_dim`` 512) holds 4 MiB of them, and one
+#: mask at a time ran its oracle in 47-51 s against 81 s for its 16 masks at
+#: once, the passkey decoder's (256 windows of 256 tokens) in 12.7 s
+#: against 20.6 s, while ``deep64`` (16 masks of 0.07 MiB) kept its groups
+#: of 16 (2026-11-30, AMD EPYC, 2 CPU cores, one run each; 32 of 96
+#: validation windows, 128 of 1,000 and all 1,000).
+MASK_GROUP_BYTES = 1 << 20
 
 
 # --------------------------------------------------------------------------
@@ -335,7 +344,7 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
   positions (``positions`` ``[P]`` into the flattened batch, padded
   with ``weights`` 0): the block's own code, with its attention replaced by
   the combined output (``nn.intercept_methods``). The prefixes run one at
-  a time and the masks in groups of :data:`MASKS_PER_STEP`
+  a time and the masks in groups of :func:`mask_group`
   (``jax.lax.map``), so that a group's activations stay small: one program
   on every backend. With ``streaming_mask`` (streaming ablation), each
   head's part under that mask is computed too, and a removed head
@@ -394,11 +403,22 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
                                      ).astype(jnp.int32)
     return per_mask
 
+  group = mask_group(positions.shape[0], cfg.mlp_dim)
+
   def one(x):  # A prefix at a time, its masks in groups.
-    if codes.shape[0] > MASKS_PER_STEP:
-      return jax.lax.map(for_prefix(x), codes, batch_size=MASKS_PER_STEP)
+    if codes.shape[0] > group:
+      return jax.lax.map(for_prefix(x), codes, batch_size=group)
     return jax.vmap(for_prefix(x))(codes)
   return jax.lax.map(one, xs)
+
+
+def mask_group(positions: int, mlp_dim: int) -> int:
+  """Masks of the last layer evaluated together (:func:`_last_layer_sums`)
+  for ``positions`` valid positions a call: the most, up to
+  :data:`MASKS_PER_STEP`, whose MLP activations fit in
+  :data:`MASK_GROUP_BYTES`, and at least one."""
+  fit = MASK_GROUP_BYTES // max(1, 4 * positions * mlp_dim)
+  return int(max(1, min(MASKS_PER_STEP, fit)))
 
 
 def _streaming_block(model: Transformer, params: Params, layer: int, x: Array,
@@ -577,20 +597,31 @@ def mask_metric_sums(model: Transformer, params: Params, inputs: Array,
   counted = data.scored(inputs, targets)
   added = (ablation.layer_shifts(model, params) if ablation is not None
            else [None] * cfg.num_layers)
-  for layer, (parents, codes) in enumerate(plan):
+  def block(layer):
     if ablation is not None and ablation.streaming:
-      run = functools.partial(_streaming_block, model, params, layer,
-                              attention_mask=attention_mask,
-                              ablation=ablation)
-    else:
-      run = functools.partial(run_block, model, params, layer,
-                              attention_mask=attention_mask,
-                              added=added[layer])
-    xs = jax.vmap(lambda p, m, run=run, xs=xs: run(x=xs[p], layer_mask=m))(
-        parents, codes)
+      return functools.partial(_streaming_block, model, params, layer,
+                               attention_mask=attention_mask,
+                               ablation=ablation)
+    return functools.partial(run_block, model, params, layer,
+                             attention_mask=attention_mask,
+                             added=added[layer])
 
-  loss, correct, exact = jax.vmap(
-      lambda x: _example_sums(model, params, x, inputs, targets))(xs)
+  *lower, (parents, codes) = plan
+  for layer, (below, layer_codes) in enumerate(lower):
+    xs = jax.vmap(lambda p, m, run=block(layer), xs=xs: run(
+        x=xs[p], layer_mask=m))(below, layer_codes)
+
+  def last(p, m):  # The last block and the read-out of one mask.
+    x = block(len(lower))(x=xs[p], layer_mask=m)
+    return _example_sums(model, params, x, inputs, targets)
+  # Its masks in groups, as the oracle's (mask_group): their activations
+  # near the cache.
+  group = mask_group(inputs.size, cfg.mlp_dim)
+  if len(codes) > group:
+    loss, correct, exact = jax.lax.map(lambda pm: last(*pm), (parents, codes),
+                                       batch_size=group)
+  else:
+    loss, correct, exact = jax.vmap(last)(parents, codes)
   return {"loss_sum": loss, "correct": correct, "exact": exact,
           "tokens": jnp.sum(counted, axis=-1),
           "sequences": jnp.any(counted, axis=-1).astype(jnp.int32)}
