@@ -585,7 +585,8 @@ def mask_metric_sums(model: Transformer, params: Params, inputs: Array,
   :func:`prefix_plan`: layer ``l`` runs once per distinct mask of the
   layers ``0..l`` (as the per-example table of every subset runs them,
   :func:`subset_metric_sums` without positions), so masks that agree below
-  share that work. Pure (``jit``).
+  share that work; the last layer and the read-out run a group of masks at
+  a time (:func:`mask_group`, ``jax.lax.map``). Pure (``jit``).
 
   Returns:
     ``loss_sum``, ``correct``, ``exact``: ``[M, B]``; ``tokens``,
@@ -597,6 +598,7 @@ def mask_metric_sums(model: Transformer, params: Params, inputs: Array,
   counted = data.scored(inputs, targets)
   added = (ablation.layer_shifts(model, params) if ablation is not None
            else [None] * cfg.num_layers)
+
   def block(layer):
     if ablation is not None and ablation.streaming:
       return functools.partial(_streaming_block, model, params, layer,
@@ -939,8 +941,10 @@ REFERENCE_POSITIONS = 8_500
 #: The multiply-adds per subset and position of the last block's MLP and the
 #: read-out (:func:`_position_cost`) of the model they were fitted on
 #: (``deep64``: d_model 64, mlp_dim 64, 11 tokens). The character LM
-#: (``pylm``, 18x this) at 256 examples: 1,008 s estimated, 1,080 s
-#: measured (2026-11-29, 2 CPU cores).
+#: (``pylm``, 18x this) at 96 windows: 382 s estimated, 150-156 s measured
+#: (its larger products run nearer the machine's peak); the passkey
+#: decoder at 128 windows: 13.3 s estimated, 12.7 s measured (2026-11-30,
+#: AMD EPYC, 2 CPU cores).
 REFERENCE_COST = 2 * 64 * 64 + 64 * 11
 #: Above this many seconds of oracle (all seeds), the study refuses to start
 #: unless the estimate is accepted (``--accept_estimate``).
