@@ -143,8 +143,8 @@ def _apply_variant(config: ml_collections.ConfigDict, part: str) -> None:
     # then each key queried, in a context of 128 tokens. 1000 steps reached
     # test token accuracy 1.000 (exact match 1.000; the recall forms between
     # steps 500 and 750) in 7 min 49 s on 2 CPU cores alone (Intel Xeon,
-    # JAX 0.10.2, 2026-11-29). At learning rates 3e-3 and 6e-3 it stayed at
-    # 0.34 for 1500 steps.
+    # JAX 0.10.2, 2026-11-29), in 3 min 22 s (AMD EPYC, 2026-11-30). At
+    # learning rates 3e-3 and 6e-3 it stayed at 0.34 for 1500 steps.
     _decoder(config, part, context_length=128, num_train_steps=1000)
     config.data.num_pairs = 8
   elif part == "passkey":
