@@ -82,7 +82,6 @@ def test_subsets_equal_masked_models(kwargs):
                                 examples["correct"].sum(-1))
 
 
-@pytest.mark.slow  # seconds of compiling: the full suite only
 def test_mask_groups_hold_their_activations_within_the_budget():
   budget = oracle.MASK_GROUP_BYTES
   # deep64's calls (16 examples of up to 16 tokens, mlp_dim 64): 16 masks.
@@ -97,6 +96,7 @@ def test_mask_groups_hold_their_activations_within_the_budget():
             or (group + 1) * positions * mlp_dim * 4 > budget)
 
 
+@pytest.mark.slow  # seconds of compiling: the full suite only
 def test_long_sequences_split_the_table_into_more_calls(monkeypatch):
   """The per-example table bounds a call's positions (subsets x examples x
   length), not only its rows: at 64 tokens a cap of 40 examples' worth
@@ -205,8 +205,8 @@ def test_streamed_oracle_equals_the_per_example_table():
   rounding (other programs add the same terms in another order); on this
   model no token is near enough a tie for rounding to flip it, so the
   integer sums, token accuracy, exact match, the oracle's candidates and
-  Shapley values are equal exactly. Also when calls split layer 0's masks (how 16
-  heads fit in memory), when the last layer's masks go one at a time, and
+  Shapley values are equal exactly. Also when calls split layer 0's masks
+  (how 16 heads fit in memory), when the last layer's masks go one at a time, and
   under mean ablation's bias shifts."""
   config = TransformerConfig(vocab_size=7, num_layers=2, num_heads=4,
                              d_model=16, mlp_dim=16, max_len=6)

@@ -404,12 +404,8 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
     return per_mask
 
   group = mask_group(positions.shape[0], cfg.mlp_dim)
-
-  def one(x):  # A prefix at a time, its masks in groups.
-    if codes.shape[0] > group:
-      return jax.lax.map(for_prefix(x), codes, batch_size=group)
-    return jax.vmap(for_prefix(x))(codes)
-  return jax.lax.map(one, xs)
+  # A prefix at a time, its masks in groups.
+  return jax.lax.map(lambda x: _in_groups(for_prefix(x), codes, group), xs)
 
 
 def mask_group(positions: int, mlp_dim: int) -> int:
@@ -419,6 +415,14 @@ def mask_group(positions: int, mlp_dim: int) -> int:
   :data:`MASK_GROUP_BYTES`, and at least one."""
   fit = MASK_GROUP_BYTES // max(1, 4 * positions * mlp_dim)
   return int(max(1, min(MASKS_PER_STEP, fit)))
+
+
+def _in_groups(fn: Callable, xs, group: int):
+  """``jax.vmap(fn)(xs)``, ``group`` rows at a time (``jax.lax.map``)
+  where ``xs`` (an array or a tuple of them) has more rows than that."""
+  if jax.tree.leaves(xs)[0].shape[0] > group:
+    return jax.lax.map(fn, xs, batch_size=group)
+  return jax.vmap(fn)(xs)
 
 
 def _streaming_block(model: Transformer, params: Params, layer: int, x: Array,
@@ -618,12 +622,8 @@ def mask_metric_sums(model: Transformer, params: Params, inputs: Array,
     return _example_sums(model, params, x, inputs, targets)
   # Its masks in groups, as the oracle's (mask_group): their activations
   # near the cache.
-  group = mask_group(inputs.size, cfg.mlp_dim)
-  if len(codes) > group:
-    loss, correct, exact = jax.lax.map(lambda pm: last(*pm), (parents, codes),
-                                       batch_size=group)
-  else:
-    loss, correct, exact = jax.vmap(last)(parents, codes)
+  loss, correct, exact = _in_groups(lambda pm: last(*pm), (parents, codes),
+                                    mask_group(inputs.size, cfg.mlp_dim))
   return {"loss_sum": loss, "correct": correct, "exact": exact,
           "tokens": jnp.sum(counted, axis=-1),
           "sequences": jnp.any(counted, axis=-1).astype(jnp.int32)}

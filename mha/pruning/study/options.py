@@ -175,8 +175,8 @@ class StudyOptions:
       flag=False)
   gate_steps: int = _option(200, "Training steps of the gates.")
   duo_gates_steps: int = _option(
-      DUO_GATES_STEPS, "Training steps of DuoAttention's gates (under a streaming "
-      "ablation: curve 'duo_gates').")
+      DUO_GATES_STEPS, "Training steps of DuoAttention's gates (under a "
+      "streaming ablation: curve 'duo_gates').")
   gate_learning_rate: float = _option(
       0.1, "Learning rate of the gates (Adam).", flag=False)
   retrain: bool = _option(
