@@ -59,6 +59,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Mapping, TypeVar
 
 import jax
@@ -322,8 +323,24 @@ def _or_damaged(manager: ocp.CheckpointManager, step: int,
     # What orbax abandoned and is collectable now reports itself here,
     # under the filters _damaged installed, rather than at a random later
     # moment.
-    gc.collect()
+    _collect_abandoned()
     raise damaged from e
+
+
+def _collect_abandoned() -> None:
+  """``gc.collect()``, without the ``coroutine ... was never awaited``
+  warnings of the orbax coroutines it collects (a failed restore abandons
+  them; Python warns as each is collected). Every other warning is shown."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    gc.collect()
+  for caught_warning in caught:
+    code = getattr(caught_warning.source, "cr_code", None)
+    if code is not None and _names_async_code(code.co_filename, None):
+      continue
+    warnings.warn_explicit(caught_warning.message, caught_warning.category,
+                           caught_warning.filename, caught_warning.lineno,
+                           source=caught_warning.source)
 
 
 def read_config(manager: ocp.CheckpointManager,

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import types
+import warnings
 
 import jax
 import ml_collections
@@ -946,6 +947,30 @@ def test_orbax_abandoned_async_work_is_dropped_and_nothing_else(monkeypatch):
   drop = ckpt_lib._DropAbandonedAsyncLogs()  # pylint: disable=protected-access
   assert [drop.filter(r) for r in records] == [False, True], [
       r.getMessage() for r in records]
+
+
+def test_orbax_coroutines_never_awaited_are_collected_silently():
+  # A failed restore also abandons coroutines orbax created and never
+  # awaited; Python warns as each is collected ("coroutine ... was never
+  # awaited"), a line that broke the one line per damaged checkpoint.
+  def unawaited_coroutine(folder):
+    namespace = {}
+    exec(compile("async def read():\n  pass\n",
+                 f"/site-packages/{folder}/metadata_store.py", "exec"),
+         namespace)
+    coroutine = namespace["read"]()
+    cycle = [coroutine]
+    cycle.append(cycle)  # freed by the garbage collector only
+    return coroutine
+
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for folder in ("orbax", "mine"):
+      unawaited_coroutine(folder)
+    ckpt_lib._collect_abandoned()  # pylint: disable=protected-access
+  messages = [str(w.message) for w in caught]
+  assert messages == ["coroutine 'read' was never awaited"], messages
+  assert caught[0].source.cr_code.co_filename.startswith("/site-packages/mine")
 
 
 def test_resumed_metrics_drop_redone_steps_atomically(tmp_path, monkeypatch):
