@@ -158,6 +158,31 @@ def _check_oracle(num_layers, num_heads, n):
   assert np.abs(zero["loss"][0] - streamed["loss"][0]) > 1e-3
 
 
+def test_the_oracles_last_layer_runs_on_scored_positions_shared_ones_once():
+  """The streamed oracle's last layer runs each subset on the scored
+  positions only (the rest of a recall task's window is never read), and
+  under ``streaming`` those before ``sinks + window`` (where the window
+  holds the whole causal context, so no subset changes them) once:
+  together exactly the scored positions, each once, in every batch."""
+  _, _, split = _decoder(n=10)
+  scored = data.scored(split.inputs, split.targets)
+  for spec, cut in ((None, 0), ("streaming:1,3", 4)):
+    abl = (None if spec is None else
+           ablation_lib.Ablation("streaming", sinks=1, window=3))
+    last, shared = oracle._last_layer_positions(split, 4, abl)  # pylint: disable=protected-access
+    assert (shared is None) == (cut == 0) and len(last) == 3
+    for b, (positions, weights) in enumerate(last):
+      rows = scored[4 * b:4 * b + 4]
+      got = np.zeros(rows.size, np.int32)
+      np.add.at(got, np.asarray(positions), np.asarray(weights, np.int32))
+      if shared is not None:
+        here, kept = shared[b]
+        np.add.at(got, np.asarray(here), np.asarray(kept, np.int32))
+        column = np.asarray(here)[np.asarray(kept) > 0] % rows.shape[1]
+        assert column.size and np.all(column < cut)
+      np.testing.assert_array_equal(got, rows.reshape(-1))
+
+
 @pytest.mark.slow  # 256 direct evaluations: 6.2 s on 2 cores
 def test_streamed_oracle_equals_the_direct_evaluation_8_heads():
   """The oracle under ``streaming`` (every subset, layer prefixes shared,

@@ -324,12 +324,13 @@ def _run_block_at(model: Transformer, params: Params, layer: int, x: Array,
 
 def _last_layer_sums(model: Transformer, params: Params, xs: Array,
                      attention_mask: Array, codes: Array, positions: Array,
-                     weights: Array, targets: Array, tokens: Array,
+                     weights: Array, targets: Array,
                      shift: Array | None, added: Array | None = None,
                      streaming_mask: Array | None = None
-                     ) -> tuple[Array, Array, Array]:
-  """Per-example sums ``[prefixes, M, B]`` (loss, correct, exact) of the
-  last block under each of its masks ``codes`` ``[M, H]`` and the read-out.
+                     ) -> tuple[Array, Array]:
+  """Per-example sums ``[prefixes, M, B]`` (loss, correct) over
+  ``positions`` of the last block under each of its masks ``codes``
+  ``[M, H]`` and the read-out.
 
   Exact reformulation of running the block once per mask: the attention
   sublayer's output is affine in the head mask (the mask gates each head's
@@ -340,9 +341,10 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
   positions only (:func:`_head_outputs`); otherwise the block's attention
   runs under the empty and each single-head mask
   (:func:`attention_outputs`). What follows it (residual, MLP, norms,
-  read-out) acts on each position alone and runs only on the valid
-  positions (``positions`` ``[P]`` into the flattened batch, padded
-  with ``weights`` 0): the block's own code, with its attention replaced by
+  read-out) acts on each position alone and runs only on ``positions``
+  (``[P]`` into the flattened batch, padded with ``weights`` 0; the
+  scored ones are enough: the keys and values are computed everywhere):
+  the block's own code, with its attention replaced by
   the combined output (``nn.intercept_methods``). The prefixes run one at
   a time and the masks in groups of :func:`mask_group`
   (``jax.lax.map``), so that a group's activations stay small: one program
@@ -398,9 +400,7 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
       ce = optax.softmax_cross_entropy_with_integer_labels(logits,
                                                            flat_targets)
       right = (jnp.argmax(logits, -1) == flat_targets).astype(jnp.float32)
-      correct = right @ onehot
-      return ce @ onehot, correct, ((correct == tokens) & (tokens > 0)
-                                     ).astype(jnp.int32)
+      return ce @ onehot, right @ onehot
     return per_mask
 
   group = mask_group(positions.shape[0], cfg.mlp_dim)
@@ -455,7 +455,9 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
                        first_codes: Array | None = None,
                        positions: Array | None = None,
                        position_weights: Array | None = None,
-                       ablation: ablation_lib.Ablation | None = None
+                       ablation: ablation_lib.Ablation | None = None,
+                       last_positions: tuple[Array, Array] | None = None,
+                       shared_positions: tuple[Array, Array] | None = None
                        ) -> dict[str, Array]:
   """Per-example :func:`eval_lib.example_metric_sums` under every subset.
 
@@ -478,6 +480,14 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
   fast last one runs under :func:`mha.pruning.ablation.streaming_interceptor`
   (a removed head's windowed output depends on the layer's input, so it is
   computed once per prefix, like the attention weights).
+  ``last_positions`` ``([Q], [Q])``: the positions the fast last layer
+  runs on, with their weights, where they are fewer than ``positions``:
+  the scored ones (the last layer's other outputs are never read).
+  ``shared_positions`` (``streaming`` only) ``([S], [S])``: scored
+  positions whose output no subset changes, taken out of
+  ``last_positions``: a query before ``sinks + window`` sees its whole
+  causal context through the window too, at every layer. Their sums are
+  computed once, under every head kept, and added to each subset's.
 
   Returns:
     ``loss_sum``, ``correct``, ``exact``: ``[2**N, B]`` (with
@@ -496,8 +506,11 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
   streaming_mask = (ablation_lib.windowed(
       attention_mask, inputs.shape[-1], ablation.sinks, ablation.window)
                     if streaming else None)
+  if shared_positions is not None and not streaming:
+    raise ValueError("shared_positions: only under the streaming ablation")
   if fast:
     inverse = _inverse_positions(positions, position_weights, inputs.size)
+    last_positions = last_positions or (positions, position_weights)
   sizes = []
   for layer, count in enumerate(cfg.heads_per_layer):
     codes = (jnp.asarray(first_codes) if layer == 0 and first_codes is not None
@@ -505,11 +518,21 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
     sizes.append(codes.shape[0])
     shift = None if bias_shifts is None else bias_shifts[layer]
     if fast and layer == cfg.num_layers - 1:
-      per_subset = _last_layer_sums(
-          model, params, xs, attention_mask, codes, positions,
-          position_weights, targets, jnp.sum(counted, axis=-1), shift,
-          added[layer], streaming_mask)
-      per_subset = tuple(v.reshape((-1,) + v.shape[2:]) for v in per_subset)
+      last = functools.partial(_last_layer_sums, model, params,
+                               attention_mask=attention_mask, targets=targets,
+                               shift=shift, added=added[layer],
+                               streaming_mask=streaming_mask)
+      loss, correct = last(xs, codes=codes, positions=last_positions[0],
+                           weights=last_positions[1])
+      if shared_positions is not None:  # the same in every subset
+        shared = last(xs[:1], codes=jnp.ones((1, count)),
+                      positions=shared_positions[0],
+                      weights=shared_positions[1])
+        loss, correct = loss + shared[0], correct + shared[1]
+      tokens = jnp.sum(counted, axis=-1)[None, None]  # [1, 1, B]
+      exact = ((correct == tokens) & (tokens > 0)).astype(jnp.int32)
+      per_subset = tuple(v.reshape((-1,) + v.shape[2:])
+                         for v in (loss, correct, exact))
       break
     if streaming:
       run = functools.partial(
@@ -542,10 +565,10 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
 
 def _sums(model, params, inputs, targets, per_example, bias_shifts=None,
           first_codes=None, positions=None, position_weights=None,
-          ablation=None):
+          ablation=None, last_positions=None, shared_positions=None):
   sums = subset_metric_sums(model, params, inputs, targets, bias_shifts,
                             first_codes, positions, position_weights,
-                            ablation)
+                            ablation, last_positions, shared_positions)
   if per_example:
     return sums
   return {k: jnp.sum(v.astype(jnp.float32), axis=-1) for k, v in sums.items()}
@@ -814,6 +837,9 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
   host = [balanced.inputs[b * examples:(b + 1) * examples]
           for b in range(num_batches)]
   width = max(1, max(int(np.sum(h != 0)) for h in host))
+  # The last layer's positions: the scored ones, and under streaming those
+  # no subset changes apart (subset_metric_sums).
+  last, shared = _last_layer_positions(balanced, examples, ablation)
   progress = Tenths(log, "subsets", num_batches, PROGRESS_AFTER_S)
 
   def add(start: int, batch: int, out: dict[str, np.ndarray]) -> None:
@@ -842,7 +868,8 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
       for start in range(0, first, chunk):
         args = (model, params, inputs, targets, True, bias_shifts,
                 None if chunk == first else codes[start:start + chunk],
-                positions, weights, abl)
+                positions, weights, abl, last[b],
+                None if shared is None else shared[b])
         if b == 0 and start == 0:
           add(start, b, run(args))
           run = _pinned(program, args)
@@ -923,7 +950,36 @@ def _balanced(split: data.Split, examples: int) -> data.Split:
 def _valid_positions(inputs: np.ndarray, width: int) -> tuple[Array, Array]:
   """``[width]`` flat indices of the valid positions of ``inputs`` (a host
   batch), padded with index 0, and their weights (1 valid, 0 padding)."""
-  flat = np.flatnonzero(inputs.reshape(-1) != 0)
+  return _flat_positions(inputs != 0, width)
+
+
+def _last_layer_positions(split: data.Split, examples: int,
+                          ablation: ablation_lib.Ablation | None
+                          ) -> tuple[list, list | None]:
+  """Per batch of ``examples`` of ``split`` (host arrays), the positions
+  and weights of :func:`subset_metric_sums`'s ``last_positions`` (the
+  scored ones) and, under ``streaming``, its ``shared_positions`` (those
+  before ``sinks + window``, taken out of the first); each padded to its
+  widest batch, so that one program serves every batch."""
+  inputs, targets = np.asarray(split.inputs), np.asarray(split.targets)
+  scored = data.scored(inputs, targets)
+  shared = np.zeros_like(scored)
+  if ablation is not None and ablation.streaming:
+    shared[..., :ablation.sinks + ablation.window] = True
+    shared &= scored
+  batches = range(0, len(inputs), examples)
+
+  def padded(where):
+    width = max(1, max(int(where[b:b + examples].sum()) for b in batches))
+    return [_flat_positions(where[b:b + examples], width) for b in batches]
+  return (padded(scored & ~shared),
+          padded(shared) if shared.any() else None)
+
+
+def _flat_positions(where: np.ndarray, width: int) -> tuple[Array, Array]:
+  """``[width]`` flat indices of the True entries of ``where`` (a host
+  batch), padded with index 0, and their weights (1, or 0 for padding)."""
+  flat = np.flatnonzero(where.reshape(-1))
   positions = np.zeros(width, np.int32)
   positions[:len(flat)] = flat
   weights = np.zeros(width, np.float32)
@@ -942,9 +998,12 @@ REFERENCE_POSITIONS = 8_500
 #: read-out (:func:`_position_cost`) of the model they were fitted on
 #: (``deep64``: d_model 64, mlp_dim 64, 11 tokens). The character LM
 #: (``pylm``, 18x this) at 96 windows: 382 s estimated, 150-156 s measured
-#: (its larger products run nearer the machine's peak); the passkey
-#: decoder at 128 windows: 13.3 s estimated, 12.7 s measured (2026-11-30,
-#: AMD EPYC, 2 CPU cores).
+#: (its larger products run nearer the machine's peak); a 2 x 8-head
+#: ``mqar`` model at 256 windows (8 answers scored in 128 tokens): 216 s
+#: estimated, 202 s measured under ``streaming:4,16``. The guess leaves out
+#: the layers below the last, so it falls short where they dominate: the
+#: passkey decoder (5 scored positions in 256) at 128 windows, 0.3 s
+#: estimated, 6.0 s measured (2026-11-30, AMD EPYC, 2 CPU cores).
 REFERENCE_COST = 2 * 64 * 64 + 64 * 11
 #: Above this many seconds of oracle (all seeds), the study refuses to start
 #: unless the estimate is accepted (``--accept_estimate``).
@@ -955,7 +1014,7 @@ def expected_seconds(config: TransformerConfig,
                      positions: int | None = None) -> float:
   """A rough guess of the oracle's seconds for one model of ``config`` on 2
   CPU cores: :data:`SECONDS_PER_SUBSET` per subset, ``2**N`` subsets, scaled
-  by the validation split's ``positions`` (non-padding tokens) against
+  by the validation split's ``positions`` (scored tokens) against
   :data:`REFERENCE_POSITIONS` and by the model's cost per position against
   :data:`REFERENCE_COST` where ``positions`` are given (the grid's guess,
   fitted to its cells, gives none)."""
@@ -966,9 +1025,11 @@ def expected_seconds(config: TransformerConfig,
 
 
 def tokens(split: data.Split) -> int:
-  """The non-padding tokens of ``split``: the ``positions`` of
+  """The scored positions of ``split`` (non-padding, target >= 0), those
+  the last layer runs on for each subset: the ``positions`` of
   :func:`expected_seconds`."""
-  return int(np.sum(np.asarray(split.inputs) != 0))
+  return int(np.sum(data.scored(np.asarray(split.inputs),
+                                np.asarray(split.targets))))
 
 
 def _position_cost(config: TransformerConfig) -> int:
