@@ -351,21 +351,25 @@ def test_dispatch_threads_leave_the_sums_bitwise_and_raise_a_calls_error(
     oracle.subset_totals(model, params, split, **kwargs)
 
 
-@pytest.mark.parametrize("heads, batch_size, rows, want", [
-    ((4, 4), 1000, 8192, (512, 1)),  # examples first: one mask of layer 0
-    ((4, 4), 8, 8192, (8, 16)),      # a small batch: all 16 masks a call
-    ((4, 4), 100, 4096, (100, 2)),   # then a power of two of them
-    ((4, 4, 4), 1000, 4096, (16, 1)),
-    ((8, 8), 1000, 4096, (16, 1)),   # 65,536 subsets, 16 examples a call
-    ((8, 8, 8), 1000, 4096, (1, 1)),  # 2**24: rows exceeded, one by one
-    ((2, 2), 3, 8192, (3, 4)),       # a small split: all of it
+@pytest.mark.parametrize("heads, batch_size, rows, want, max_len", [
+    ((4, 4), 1000, 8192, (512, 1), 6),  # examples first: one mask of layer 0
+    ((4, 4), 8, 8192, (8, 16), 6),      # a small batch: all 16 masks a call
+    ((4, 4), 100, 4096, (100, 2), 6),   # then a power of two of them
+    ((4, 4, 4), 1000, 4096, (16, 1), 6),
+    ((8, 8), 1000, 4096, (16, 1), 6),   # 65,536 subsets, 16 examples a call
+    ((8, 8, 8), 1000, 4096, (1, 1), 6),  # 2**24: rows exceeded, one by one
+    ((2, 2), 3, 8192, (3, 4), 6),       # a small split: all of it
+    ((4, 4), 1000, 4096, (2, 16), 256),  # long windows: 2 a call
+    ((4, 4, 4), 1000, 4096, (8, 2), 128),  # the character LM's shape
 ])
-def test_call_shape_bounds_the_rows_of_a_call(heads, batch_size, rows, want):
+def test_call_shape_bounds_the_rows_of_a_call(heads, batch_size, rows, want,
+                                              max_len):
   config = TransformerConfig(vocab_size=7, num_layers=len(heads),
                              num_heads=heads, d_model=16, head_dim=2,
-                             mlp_dim=16, max_len=6)
+                             mlp_dim=16, max_len=max_len)
   examples, chunk = oracle.call_shape(config, batch_size, rows)
   assert (examples, chunk) == want
+  assert examples * max_len ** 2 <= oracle.CALL_ATTENTION_ENTRIES
   rest = 2 ** (sum(heads) - heads[0])
   assert examples * chunk * rest <= max(rows, rest)
 

@@ -64,6 +64,17 @@ PROGRESS_AFTER_S = 10.0
 #: amortise a call, few enough that its activations stay near the cache
 #: (4096 measured fastest of 2048-16384 on 2 CPU cores, 12 and 16 heads).
 ROWS_PER_CALL = 1 << 12
+#: Examples x positions x positions of one call of :func:`subset_totals`,
+#: at most (:func:`call_shape`): one head's attention weights a call, 512
+#: KiB of float32, so that long windows come a few at a time. Measured
+#: 2026-11-30 on 2 CPU cores (AMD EPYC), the streaming oracle (``4,16``):
+#: the passkey decoder (8 heads, 256 tokens, 128 windows) 11.1 s at 128
+#: windows a call (2.4 GiB), 5.0 s at 16, 4.1 s at 4, 3.0 s at 2 (0.6
+#: GiB), 3.6 s at 1; the character LM (12 heads, 128 tokens, 32 windows)
+#: 48.7 s at 16, 47.4 s at 8, 45.0 s at 4; a 2 x 8-head ``mqar`` model (32
+#: windows of 128) 26.5 s at 16, 18.5 s at 8, 18.0 s at 4. Sequences of up
+#: to 16 tokens keep the shapes :data:`ROWS_PER_CALL` gives them.
+CALL_ATTENTION_ENTRIES = 1 << 17
 #: Calls of :func:`subset_totals` dispatched ahead of the one whose sums
 #: the host adds up.
 IN_FLIGHT = 2
@@ -768,16 +779,19 @@ def call_shape(config: TransformerConfig, batch_size: int,
   """``(examples, first)`` of one call of :func:`subset_totals`: examples
   per call and layer-0 masks per call, about ``rows`` subsets x examples.
 
-  Examples first (up to ``batch_size``): the more examples a call has, the
-  less its valid positions are padded (:func:`subset_totals`); then as many
-  of layer 0's masks (a power of two) as still fit. A call's memory is that
-  of about ``rows`` rows whatever ``N``.
+  Examples first (up to ``batch_size``, and to
+  :data:`CALL_ATTENTION_ENTRIES` over the square of the model's positions):
+  the more examples a call has, the less its valid positions are padded
+  (:func:`subset_totals`); then as many of layer 0's masks (a power of two)
+  as still fit. A call's memory is that of about ``rows`` rows whatever
+  ``N``.
   """
   arguments.check_count("batch_size", batch_size)
   arguments.check_count("rows", rows)
   first = 2 ** config.heads_per_layer[0]
   rest = 2 ** (num_heads(config) - config.heads_per_layer[0])
-  examples = max(1, min(batch_size, rows // rest))
+  examples = max(1, min(batch_size, rows // rest,
+                        CALL_ATTENTION_ENTRIES // max(1, config.max_len) ** 2))
   chunk = max(1, rows // (examples * rest))
   return examples, min(first, 1 << (chunk.bit_length() - 1))
 
