@@ -337,11 +337,13 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
                      attention_mask: Array, codes: Array, positions: Array,
                      weights: Array, targets: Array,
                      shift: Array | None, added: Array | None = None,
-                     streaming_mask: Array | None = None
+                     streaming_mask: Array | None = None,
+                     parents: Array | None = None
                      ) -> tuple[Array, Array]:
   """Per-example sums ``[prefixes, M, B]`` (loss, correct) over
   ``positions`` of the last block under each of its masks ``codes``
-  ``[M, H]`` and the read-out.
+  ``[M, H]`` and the read-out; with ``parents`` ``[M]``, ``[M, B]``: mask
+  ``i`` under prefix ``parents[i]`` only (a list of masks).
 
   Exact reformulation of running the block once per mask: the attention
   sublayer's output is affine in the head mask (the mask gates each head's
@@ -390,33 +392,38 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
                                                                  positions]
       base, heads = outs[0], outs[1:] - outs[:1]  # [P, D], [H, P, D]
     residual = x.reshape(-1, x.shape[-1])[positions][None]  # [1, P, D]
+    return base, heads, streamed, residual
 
-    def per_mask(m):
-      # m @ heads, written out: the masks are 0 or 1, so this is the
-      # matmul's sum in its order (bitwise the same), fused into the
-      # residual's addition instead of a matmul and a transposition.
-      def part(h):  # A removed streaming head keeps its windowed part.
-        return (m[h] * heads[h] if streamed is None else
-                m[h] * heads[h] + (1.0 - m[h]) * streamed[h])
-      combined = part(0)
-      for h in range(1, count):
-        combined = combined + part(h)
-      added = base + combined  # [P, D]
-
-      # (shift: already in `added`)
-      with nn.intercept_methods(_attention_replaced_by(added)):
-        y, _ = block.apply({"params": params[f"layer_{layer}"]}, residual,
-                           None, m, deterministic=True, return_weights=False)
-      logits = _readout(model, params, y)[0].astype(jnp.float32)  # [P, V]
-      ce = optax.softmax_cross_entropy_with_integer_labels(logits,
-                                                           flat_targets)
-      right = (jnp.argmax(logits, -1) == flat_targets).astype(jnp.float32)
-      return ce @ onehot, right @ onehot
-    return per_mask
+  def per_mask(parts, m):
+    base, heads, streamed, residual = parts
+    # m @ heads, written out: the masks are 0 or 1, so this is the
+    # matmul's sum in its order (bitwise the same), fused into the
+    # residual's addition instead of a matmul and a transposition.
+    def part(h):  # A removed streaming head keeps its windowed part.
+      return (m[h] * heads[h] if streamed is None else
+              m[h] * heads[h] + (1.0 - m[h]) * streamed[h])
+    combined = part(0)
+    for h in range(1, count):
+      combined = combined + part(h)
+    output = base + combined  # [P, D] (shift: already in `base`)
+    with nn.intercept_methods(_attention_replaced_by(output)):
+      y, _ = block.apply({"params": params[f"layer_{layer}"]}, residual,
+                         None, m, deterministic=True, return_weights=False)
+    logits = _readout(model, params, y)[0].astype(jnp.float32)  # [P, V]
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                         flat_targets)
+    right = (jnp.argmax(logits, -1) == flat_targets).astype(jnp.float32)
+    return ce @ onehot, right @ onehot
 
   group = mask_group(positions.shape[0], cfg.mlp_dim)
+  if parents is not None:  # mask i under prefix parents[i]
+    parts = jax.lax.map(for_prefix, xs)
+    return _in_groups(lambda pm: per_mask(
+        jax.tree.map(lambda a: a[pm[0]], parts), pm[1]), (parents, codes),
+                      group)
   # A prefix at a time, its masks in groups.
-  return jax.lax.map(lambda x: _in_groups(for_prefix(x), codes, group), xs)
+  return jax.lax.map(lambda x: _in_groups(
+      functools.partial(per_mask, for_prefix(x)), codes, group), xs)
 
 
 def mask_group(positions: int, mlp_dim: int) -> int:
@@ -617,14 +624,19 @@ def prefix_plan(config: TransformerConfig, masks: np.ndarray
 
 def mask_metric_sums(model: Transformer, params: Params, inputs: Array,
                      targets: Array, plan: tuple[tuple[Array, Array], ...],
-                     ablation: ablation_lib.Ablation | None = None
-                     ) -> dict[str, Array]:
+                     ablation: ablation_lib.Ablation | None = None,
+                     width: int | None = None) -> dict[str, Array]:
   """Per-example :func:`eval_lib.example_metric_sums` under each mask of
   :func:`prefix_plan`: layer ``l`` runs once per distinct mask of the
   layers ``0..l`` (as the per-example table of every subset runs them,
   :func:`subset_metric_sums` without positions), so masks that agree below
   share that work; the last layer and the read-out run a group of masks at
-  a time (:func:`mask_group`, ``jax.lax.map``). Pure (``jit``).
+  a time (:func:`mask_group`, ``jax.lax.map``). Pure (``jit``). With
+  ``width`` (static: at least the batch's scored positions), the last
+  layer runs as the oracle's (:func:`_last_layer_sums`: each distinct
+  prefix's head outputs once, combined per mask, what follows the
+  attention on the scored positions only; the same sums to float32
+  rounding).
 
   Returns:
     ``loss_sum``, ``correct``, ``exact``: ``[M, B]``; ``tokens``,
@@ -651,19 +663,33 @@ def mask_metric_sums(model: Transformer, params: Params, inputs: Array,
     xs = jax.vmap(lambda p, m, run=block(layer), xs=xs: run(
         x=xs[p], layer_mask=m))(below, layer_codes)
 
-  def last(p, m):  # The last block and the read-out of one mask.
-    x = block(len(lower))(x=xs[p], layer_mask=m)
-    return _example_sums(model, params, x, inputs, targets)
-  # Its masks in groups, as the oracle's (mask_group): their activations
-  # near the cache.
-  loss, correct, exact = _in_groups(lambda pm: last(*pm), (parents, codes),
-                                    mask_group(inputs.size, cfg.mlp_dim))
+  tokens = jnp.sum(counted, axis=-1)
+  if width is None or not cfg.heads_per_layer[-1]:
+    def last(p, m):  # The last block and the read-out of one mask.
+      x = block(len(lower))(x=xs[p], layer_mask=m)
+      return _example_sums(model, params, x, inputs, targets)[:2]
+    # Its masks in groups, as the oracle's (mask_group): their activations
+    # near the cache.
+    loss, correct = _in_groups(lambda pm: last(*pm), (parents, codes),
+                               mask_group(inputs.size, cfg.mlp_dim))
+  else:  # The oracle's last layer (_last_layer_sums), mask by mask.
+    (positions,) = jnp.nonzero(counted.reshape(-1), size=width, fill_value=0)
+    weights = (jnp.arange(width) < jnp.sum(counted)).astype(jnp.float32)
+    streaming_mask = (ablation_lib.windowed(
+        attention_mask, inputs.shape[-1], ablation.sinks, ablation.window)
+                      if ablation is not None and ablation.streaming
+                      else None)
+    loss, correct = _last_layer_sums(
+        model, params, xs, attention_mask, codes, positions, weights,
+        targets, None, added[-1], streaming_mask, parents)
+  exact = ((correct == tokens[None]) & (tokens[None] > 0)).astype(jnp.int32)
   return {"loss_sum": loss, "correct": correct, "exact": exact,
-          "tokens": jnp.sum(counted, axis=-1),
+          "tokens": tokens,
           "sequences": jnp.any(counted, axis=-1).astype(jnp.int32)}
 
 
-_mask_sums = jax.jit(mask_metric_sums, static_argnames="model")
+_mask_sums = jax.jit(mask_metric_sums, static_argnames=("model", "width"))
+
 
 
 # --------------------------------------------------------------------------
@@ -769,9 +795,12 @@ def evaluate_mask_list(model: Transformer, params: Params,
   examples = max(1, min(batch_size, TABLE_ROWS_PER_CALL // widest,
                         TABLE_POSITIONS_PER_CALL // (widest * length)))
   plan = tuple((jnp.asarray(p, jnp.int32), jnp.asarray(c)) for p, c in plan)
+  scored = data.scored(np.asarray(split.inputs), np.asarray(split.targets))
+  width = max(1, max(int(scored[b:b + examples].sum())
+                     for b in range(0, max(n, 1), examples)))
   return _table_calls(split, examples, ablation, count, lambda inputs,
                       targets, abl: _mask_sums(model, params, inputs,
-                                               targets, plan, abl))
+                                               targets, plan, abl, width))
 
 
 def call_shape(config: TransformerConfig, batch_size: int,
