@@ -1037,17 +1037,20 @@ SECONDS_PER_SUBSET = 3.5e-3
 #: The validation positions (non-padding tokens) those seconds were fitted
 #: on: 1,000 examples of 1 to 16 tokens, 8.5 on average.
 REFERENCE_POSITIONS = 8_500
-#: The multiply-adds per subset and position of the last block's MLP and the
-#: read-out (:func:`_position_cost`) of the model they were fitted on
-#: (``deep64``: d_model 64, mlp_dim 64, 11 tokens). The character LM
-#: (``pylm``, 18x this) at 96 windows: 382 s estimated, 150-156 s measured
-#: (its larger products run nearer the machine's peak); a 2 x 8-head
-#: ``mqar`` model at 256 windows (8 answers scored in 128 tokens): 216 s
-#: estimated, 202 s measured under ``streaming:4,16``. The guess leaves out
-#: the layers below the last, so it falls short where they dominate: the
-#: passkey decoder (5 scored positions in 256) at 128 windows, 0.3 s
-#: estimated, 6.0 s measured (2026-11-30, AMD EPYC, 2 CPU cores).
-REFERENCE_COST = 2 * 64 * 64 + 64 * 11
+#: Where the scored positions are known (:func:`expected_seconds`), the
+#: guess per subset is :data:`SUBSET_OVERHEAD_S` plus the positions times
+#: the multiply-adds of the last block's MLP and read-out a position
+#: (:func:`_position_cost`) at :data:`MULTIPLY_ADDS_PER_S`. Fitted on 2 CPU
+#: cores (AMD EPYC, 2026-11-30) to two oracles: ``deep64`` (12 heads, 8,500
+#: positions, 8,896 multiply-adds each) in 10.2 s, and the character LM
+#: (``pylm``, 12 heads, 12,288 positions, 163,840 each) in 150 s. Checked
+#: on a third: a 2 x 8-head ``mqar`` model at 256 windows (2,048 scored
+#: positions), 165 s estimated, 160 s measured under ``streaming:4,16``. The
+#: layers below the last are left out, so the guess falls short where they
+#: dominate: the passkey decoder (5 scored positions in 256) at 128
+#: windows, 0.4 s estimated, 4.0 s measured.
+SUBSET_OVERHEAD_S = 1.17e-3
+MULTIPLY_ADDS_PER_S = 5.68e10
 #: Above this many seconds of oracle (all seeds), the study refuses to start
 #: unless the estimate is accepted (``--accept_estimate``).
 ACCEPT_ABOVE_S = 30 * 60
@@ -1056,15 +1059,16 @@ ACCEPT_ABOVE_S = 30 * 60
 def expected_seconds(config: TransformerConfig,
                      positions: int | None = None) -> float:
   """A rough guess of the oracle's seconds for one model of ``config`` on 2
-  CPU cores: :data:`SECONDS_PER_SUBSET` per subset, ``2**N`` subsets, scaled
-  by the validation split's ``positions`` (scored tokens) against
-  :data:`REFERENCE_POSITIONS` and by the model's cost per position against
-  :data:`REFERENCE_COST` where ``positions`` are given (the grid's guess,
-  fitted to its cells, gives none)."""
-  scale = 1.0 if positions is None else (
-      positions / REFERENCE_POSITIONS
-      * _position_cost(config) / REFERENCE_COST)
-  return SECONDS_PER_SUBSET * 2.0 ** num_heads(config) * scale
+  CPU cores, ``2**N`` subsets: :data:`SECONDS_PER_SUBSET` each (the grid's
+  guess, fitted to its cells) or, given the validation split's scored
+  ``positions``, :data:`SUBSET_OVERHEAD_S` plus their multiply-adds
+  (:func:`_position_cost`) at :data:`MULTIPLY_ADDS_PER_S` each."""
+  if positions is None:
+    per_subset = SECONDS_PER_SUBSET
+  else:
+    per_subset = (SUBSET_OVERHEAD_S
+                  + positions * _position_cost(config) / MULTIPLY_ADDS_PER_S)
+  return per_subset * 2.0 ** num_heads(config)
 
 
 def tokens(split: data.Split) -> int:
