@@ -56,6 +56,7 @@ from mha.run.progress import Tenths, quiet, timed
 from mha.pruning import ablation as ablation_lib
 from mha.pruning import core
 from mha.run import arguments
+from mha.run import sharding as sharding_lib
 
 
 #: Seconds after which :func:`subset_totals` reports its progress.
@@ -426,6 +427,15 @@ def _last_layer_sums(model: Transformer, params: Params, xs: Array,
       functools.partial(per_mask, for_prefix(x)), codes, group), xs)
 
 
+def _exact(correct: Array, tokens: Array) -> Array:
+  """Whether each example (last axis) got every one of its ``tokens``
+  scored positions right: ``correct`` ``[..., B]`` against ``tokens``
+  ``[B]``, as :func:`mha.evaluate.example_metric_sums` counts exact
+  matches."""
+  tokens = tokens.reshape((1,) * (correct.ndim - 1) + tokens.shape)
+  return ((correct == tokens) & (tokens > 0)).astype(jnp.int32)
+
+
 def mask_group(positions: int, mlp_dim: int) -> int:
   """Masks of the last layer evaluated together (:func:`_last_layer_sums`)
   for ``positions`` valid positions a call: the most, up to
@@ -547,8 +557,7 @@ def subset_metric_sums(model: Transformer, params: Params, inputs: Array,
                       positions=shared_positions[0],
                       weights=shared_positions[1])
         loss, correct = loss + shared[0], correct + shared[1]
-      tokens = jnp.sum(counted, axis=-1)[None, None]  # [1, 1, B]
-      exact = ((correct == tokens) & (tokens > 0)).astype(jnp.int32)
+      exact = _exact(correct, jnp.sum(counted, axis=-1))
       per_subset = tuple(v.reshape((-1,) + v.shape[2:])
                          for v in (loss, correct, exact))
       break
@@ -625,15 +634,16 @@ def prefix_plan(config: TransformerConfig, masks: np.ndarray
 def mask_metric_sums(model: Transformer, params: Params, inputs: Array,
                      targets: Array, plan: tuple[tuple[Array, Array], ...],
                      ablation: ablation_lib.Ablation | None = None,
-                     width: int | None = None) -> dict[str, Array]:
+                     positions: tuple[Array, Array] | None = None
+                     ) -> dict[str, Array]:
   """Per-example :func:`eval_lib.example_metric_sums` under each mask of
   :func:`prefix_plan`: layer ``l`` runs once per distinct mask of the
   layers ``0..l`` (as the per-example table of every subset runs them,
   :func:`subset_metric_sums` without positions), so masks that agree below
   share that work; the last layer and the read-out run a group of masks at
   a time (:func:`mask_group`, ``jax.lax.map``). Pure (``jit``). With
-  ``width`` (static: at least the batch's scored positions), the last
-  layer runs as the oracle's (:func:`_last_layer_sums`: each distinct
+  ``positions`` (the batch's scored positions, flat, and their weights,
+  padded with weight 0), the last layer runs as the oracle's (:func:`_last_layer_sums`: each distinct
   prefix's head outputs once, combined per mask, what follows the
   attention on the scored positions only; the same sums to float32
   rounding).
@@ -664,7 +674,7 @@ def mask_metric_sums(model: Transformer, params: Params, inputs: Array,
         x=xs[p], layer_mask=m))(below, layer_codes)
 
   tokens = jnp.sum(counted, axis=-1)
-  if width is None or not cfg.heads_per_layer[-1]:
+  if positions is None or not cfg.heads_per_layer[-1]:
     def last(p, m):  # The last block and the read-out of one mask.
       x = block(len(lower))(x=xs[p], layer_mask=m)
       return _example_sums(model, params, x, inputs, targets)[:2]
@@ -673,22 +683,20 @@ def mask_metric_sums(model: Transformer, params: Params, inputs: Array,
     loss, correct = _in_groups(lambda pm: last(*pm), (parents, codes),
                                mask_group(inputs.size, cfg.mlp_dim))
   else:  # The oracle's last layer (_last_layer_sums), mask by mask.
-    (positions,) = jnp.nonzero(counted.reshape(-1), size=width, fill_value=0)
-    weights = (jnp.arange(width) < jnp.sum(counted)).astype(jnp.float32)
     streaming_mask = (ablation_lib.windowed(
         attention_mask, inputs.shape[-1], ablation.sinks, ablation.window)
                       if ablation is not None and ablation.streaming
                       else None)
     loss, correct = _last_layer_sums(
-        model, params, xs, attention_mask, codes, positions, weights,
-        targets, None, added[-1], streaming_mask, parents)
-  exact = ((correct == tokens[None]) & (tokens[None] > 0)).astype(jnp.int32)
+        model, params, xs, attention_mask, codes, *positions, targets, None,
+        added[-1], streaming_mask, parents)
+  exact = _exact(correct, tokens)
   return {"loss_sum": loss, "correct": correct, "exact": exact,
           "tokens": tokens,
           "sequences": jnp.any(counted, axis=-1).astype(jnp.int32)}
 
 
-_mask_sums = jax.jit(mask_metric_sums, static_argnames=("model", "width"))
+_mask_sums = jax.jit(mask_metric_sums, static_argnames="model")
 
 
 
@@ -740,7 +748,7 @@ def evaluate_subsets(model: Transformer, params: Params, split: data.Split, *,
   examples = max(1, min(batch_size, TABLE_ROWS_PER_CALL // subsets,
                         TABLE_POSITIONS_PER_CALL // (subsets * length)))
   return _table_calls(split, examples, ablation, subsets, lambda inputs,
-                      targets, abl: _subset_sums(
+                      targets, abl, _: _subset_sums(
                           model, params, inputs, targets, per_example,
                           bias_shifts, ablation=abl))
 
@@ -750,12 +758,12 @@ def _table_calls(split: data.Split, examples: int,
                  call: Callable[..., dict[str, Array]]
                  ) -> dict[str, np.ndarray]:
   """The per-example sums ``[rows, n]`` of ``call(inputs, targets,
-  ablation)`` over ``split``'s batches of ``examples``, joined in order
+  ablation, b)`` over ``split``'s batches ``b`` of ``examples``, joined in order
   (``tokens`` and ``sequences`` repeated for every row)."""
   parts: dict[str, list[np.ndarray]] = {}
-  for inputs, targets, abl in ablation_lib.batched(split, examples,
-                                                   ablation):
-    for key, value in jax.device_get(call(inputs, targets, abl)).items():
+  for b, (inputs, targets, abl) in enumerate(ablation_lib.batched(
+      split, examples, ablation)):
+    for key, value in jax.device_get(call(inputs, targets, abl, b)).items():
       parts.setdefault(key, []).append(np.asarray(value))
   n = len(split)
   out = {k: np.concatenate(v, axis=-1)[..., :n] for k, v in parts.items()}
@@ -795,12 +803,11 @@ def evaluate_mask_list(model: Transformer, params: Params,
   examples = max(1, min(batch_size, TABLE_ROWS_PER_CALL // widest,
                         TABLE_POSITIONS_PER_CALL // (widest * length)))
   plan = tuple((jnp.asarray(p, jnp.int32), jnp.asarray(c)) for p, c in plan)
-  scored = data.scored(np.asarray(split.inputs), np.asarray(split.targets))
-  width = max(1, max(int(scored[b:b + examples].sum())
-                     for b in range(0, max(n, 1), examples)))
+  scored, _ = _last_layer_positions(split, examples, None)
   return _table_calls(split, examples, ablation, count, lambda inputs,
-                      targets, abl: _mask_sums(model, params, inputs,
-                                               targets, plan, abl, width))
+                      targets, abl, b: _mask_sums(model, params, inputs,
+                                                  targets, plan, abl,
+                                                  scored[b]))
 
 
 def call_shape(config: TransformerConfig, batch_size: int,
@@ -877,9 +884,8 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
   num_batches = -(-len(balanced) // examples)
   # The batches' valid positions, from the host copy (core.batches cuts the
   # same consecutive rows): one width, the most of any batch.
-  host = [balanced.inputs[b * examples:(b + 1) * examples]
-          for b in range(num_batches)]
-  width = max(1, max(int(np.sum(h != 0)) for h in host))
+  valid_positions = _batch_positions(np.asarray(balanced.inputs) != 0,
+                                     examples)
   # The last layer's positions: the scored ones, and under streaming those
   # no subset changes apart (subset_metric_sums).
   last, shared = _last_layer_positions(balanced, examples, ablation)
@@ -907,7 +913,7 @@ def subset_totals(model: Transformer, params: Params, split: data.Split, *,
   with concurrent.futures.ThreadPoolExecutor(DISPATCH_THREADS) as pool:
     for b, (inputs, targets, abl) in enumerate(
         ablation_lib.batched(balanced, examples, ablation)):
-      positions, weights = _valid_positions(host[b], width)
+      positions, weights = valid_positions[b]
       for start in range(0, first, chunk):
         args = (model, params, inputs, targets, True, bias_shifts,
                 None if chunk == first else codes[start:start + chunk],
@@ -990,44 +996,43 @@ def _balanced(split: data.Split, examples: int) -> data.Split:
   return data.Split(inputs, targets)
 
 
-def _valid_positions(inputs: np.ndarray, width: int) -> tuple[Array, Array]:
-  """``[width]`` flat indices of the valid positions of ``inputs`` (a host
-  batch), padded with index 0, and their weights (1 valid, 0 padding)."""
-  return _flat_positions(inputs != 0, width)
-
-
 def _last_layer_positions(split: data.Split, examples: int,
                           ablation: ablation_lib.Ablation | None
                           ) -> tuple[list, list | None]:
   """Per batch of ``examples`` of ``split`` (host arrays), the positions
   and weights of :func:`subset_metric_sums`'s ``last_positions`` (the
   scored ones) and, under ``streaming``, its ``shared_positions`` (those
-  before ``sinks + window``, taken out of the first); each padded to its
-  widest batch, so that one program serves every batch."""
-  inputs, targets = np.asarray(split.inputs), np.asarray(split.targets)
-  scored = data.scored(inputs, targets)
+  before ``sinks + window``, taken out of the first)
+  (:func:`_batch_positions`)."""
+  scored = data.scored(np.asarray(split.inputs), np.asarray(split.targets))
   shared = np.zeros_like(scored)
   if ablation is not None and ablation.streaming:
     shared[..., :ablation.sinks + ablation.window] = True
     shared &= scored
-  batches = range(0, len(inputs), examples)
-
-  def padded(where):
-    width = max(1, max(int(where[b:b + examples].sum()) for b in batches))
-    return [_flat_positions(where[b:b + examples], width) for b in batches]
-  return (padded(scored & ~shared),
-          padded(shared) if shared.any() else None)
+  return (_batch_positions(scored & ~shared, examples),
+          _batch_positions(shared, examples) if shared.any() else None)
 
 
-def _flat_positions(where: np.ndarray, width: int) -> tuple[Array, Array]:
-  """``[width]`` flat indices of the True entries of ``where`` (a host
-  batch), padded with index 0, and their weights (1, or 0 for padding)."""
-  flat = np.flatnonzero(where.reshape(-1))
-  positions = np.zeros(width, np.int32)
-  positions[:len(flat)] = flat
-  weights = np.zeros(width, np.float32)
-  weights[:len(flat)] = 1.0
-  return jnp.asarray(positions), jnp.asarray(weights)
+def _batch_positions(where: np.ndarray, examples: int
+                     ) -> list[tuple[Array, Array]]:
+  """Per batch of ``where`` (host bool, one row an example) as
+  :func:`mha.pruning.ablation.batches` cuts batches of ``examples`` (their
+  rows rounded up to a multiple of the devices), the flat indices of its
+  True entries and their weights (1), padded with index 0 and weight 0 to
+  the widest batch's count, so that one program serves every batch."""
+  rows = sharding_lib.eval_batch_rows(examples, len(where),
+                                      sharding_lib.make_mesh())
+  batches = [where[b:b + rows] for b in range(0, len(where), rows)]
+  width = max(1, max(int(batch.sum()) for batch in batches))
+  out = []
+  for batch in batches:
+    flat = np.flatnonzero(batch.reshape(-1))
+    positions = np.zeros(width, np.int32)
+    positions[:len(flat)] = flat
+    weights = np.zeros(width, np.float32)
+    weights[:len(flat)] = 1.0
+    out.append((jnp.asarray(positions), jnp.asarray(weights)))
+  return out
 
 
 #: Seconds per subset of heads of the streamed oracle of one model on 2 CPU
