@@ -123,7 +123,8 @@ def test_streamed_oracle_lowers_for_cuda_and_tpu():
   inputs = np.random.default_rng(0).integers(1, 7, (3, 5)).astype(np.int32)
   inputs[1, 3:] = 0
   split = data.Split(inputs, (inputs * 2) % 7)
-  (positions, weights), = oracle._batch_positions(inputs != 0, len(inputs))  # pylint: disable=protected-access
+  (positions, weights), = oracle._batch_positions(  # pylint: disable=protected-access
+      inputs != 0, len(inputs))
   fn = jax.jit(lambda p, i, t, w: oracle._sums(  # pylint: disable=protected-access
       model, p, i, t, True, positions=positions, position_weights=w))
   args = (params, split.inputs, split.targets, weights)

@@ -643,10 +643,10 @@ def mask_metric_sums(model: Transformer, params: Params, inputs: Array,
   share that work; the last layer and the read-out run a group of masks at
   a time (:func:`mask_group`, ``jax.lax.map``). Pure (``jit``). With
   ``positions`` (the batch's scored positions, flat, and their weights,
-  padded with weight 0), the last layer runs as the oracle's (:func:`_last_layer_sums`: each distinct
-  prefix's head outputs once, combined per mask, what follows the
-  attention on the scored positions only; the same sums to float32
-  rounding).
+  padded with weight 0), the last layer runs as the oracle's
+  (:func:`_last_layer_sums`: each distinct prefix's head outputs once,
+  combined per mask, what follows the attention on the scored positions
+  only; the same sums to float32 rounding).
 
   Returns:
     ``loss_sum``, ``correct``, ``exact``: ``[M, B]``; ``tokens``,
