@@ -2,9 +2,14 @@ r"""Time and memory of the exhaustive oracle: streamed against the table.
 
     python benchmarks/oracle_benchmark.py --workdir runs/deep --workdir runs/wide
     python benchmarks/oracle_benchmark.py --workdir runs/wide --rounds 1 --nobaseline
+    python benchmarks/oracle_benchmark.py --workdir runs/pylm --nobaseline \
+        --ablation streaming:4,16 --max_examples 96
 
-For each workdir's model, on its validation split, every subset of heads is
-evaluated once per round by each method, each run in a process of its own
+For each workdir's model, on its validation split as the pruning study reads
+it (a decoder's scored positions, ``--max_examples`` evenly spaced windows
+where set), every subset of heads is evaluated once per round by each
+method under ``--ablation``, each run in a process of its own
+
 (so that its peak memory is its own), the methods alternating in order from
 round to round:
 
@@ -43,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app
 from absl import flags
+from absl import logging
 
 from mha.run import cli
 
@@ -61,33 +67,43 @@ _OUT = flags.DEFINE_string("out", None,
                            "Results file (JSON; default: benchmarks/results/"
                            "<UTC date>_oracle_<commit>.json); the table goes "
                            "beside it (.md).")
+_ABLATION = flags.DEFINE_string(
+    "ablation", "zero", "What a removed head becomes, as the study's "
+    "--ablation: zero, mean, mean_position, resample or "
+    "streaming:SINKS,WINDOW (a causal decoder's KV cache).")
+_MAX_EXAMPLES = flags.DEFINE_integer(
+    "max_examples", 0, "Validation cut to this many evenly spaced examples, "
+    "as the study's --max_examples (0: all).", lower_bound=0)
 _ONE = flags.DEFINE_string("one", None, "Internal: run one method, print "
                            "JSON (method:workdir).")
 
 METHODS = ("streamed", "table")
 
 
-def _one(method: str, workdir: str) -> dict:
-  """One method on one model in this process: seconds, peak memory."""
+def _one(method: str, workdir: str, spec: str, max_examples: int) -> dict:
+  """One method on one model in this process under the ablation ``spec``,
+  on validation cut to ``max_examples`` (0: all): seconds, peak memory."""
   # pylint: disable=import-outside-toplevel
   import numpy as np
   from mha import checkpoint
-  from mha import data
-  from mha import build
   from mha import evaluate as eval_lib
+  from mha.pruning import ablation as ablation_lib
   from mha.pruning import core
   from mha.pruning import oracle
+  from mha.pruning.study import experiment
+  from mha.pruning.study import StudyOptions
   ckpt = checkpoint.load_checkpoint(workdir)
-  splits = data.load_splits(build.data_spec(ckpt.config),
-                            ckpt.config.data.data_dir)
-  val = splits["validation"]
+  val = experiment.study_splits(
+      ckpt.config, StudyOptions(max_examples=max_examples))["validation"]
   start, cpu = time.perf_counter(), time.process_time()
+  ablation = ablation_lib.build(ckpt.model, ckpt.params, spec, val, val)
   if method == "streamed":
     metrics = eval_lib.summarize(oracle.subset_totals(
-        ckpt.model, ckpt.params, val, batch_size=1000))
+        ckpt.model, ckpt.params, val, batch_size=1000, ablation=ablation))
   else:
     metrics = core.summarize_examples(oracle.evaluate_subsets(
-        ckpt.model, ckpt.params, val, batch_size=1000, per_example=True))
+        ckpt.model, ckpt.params, val, batch_size=1000, per_example=True,
+        ablation=ablation))
   oracle.removals_by_variant(oracle.subset_values(metrics),
                              ckpt.model_config)
   oracle.shapley_values(metrics["token_accuracy"], ckpt.model_config)
@@ -95,7 +111,8 @@ def _one(method: str, workdir: str) -> dict:
   cpu = time.process_time() - cpu
   n = oracle.num_heads(ckpt.model_config)
   return {"method": method, "workdir": workdir, "heads": n,
-          "examples": len(val), "seconds": seconds,
+          "ablation": spec, "examples": len(val),
+          "scored_positions": int(oracle.tokens(val)), "seconds": seconds,
           "cpu_seconds": cpu,
           "peak_rss_mb": resource.getrusage(
               resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -103,9 +120,29 @@ def _one(method: str, workdir: str) -> dict:
               oracle.kept_counts(ckpt.model_config) == n - 1]))}
 
 
+def _check_ablation(workdirs: list[str], spec: str) -> None:
+  """One line and exit 2 unless ``spec`` is an ablation every workdir's model
+  takes (``streaming`` on a causal decoder with a window shorter than its
+  context), before any work."""
+  # pylint: disable=import-outside-toplevel
+  from mha import checkpoint
+  from mha.pruning import ablation as ablation_lib
+  # pylint: enable=import-outside-toplevel
+  try:
+    ablation_lib.parse(spec)
+    for workdir in workdirs:
+      ckpt = checkpoint.load_checkpoint(workdir)
+      ablation_lib.check_streaming(spec, ckpt.model_config,
+                                   ckpt.model_config.max_len)
+  except ValueError as e:
+    cli.fail(_PROG, f"--ablation: {e}")
+
+
 def _spawn(method: str, workdir: str) -> dict:
   result = subprocess.run(
-      [sys.executable, os.path.abspath(__file__), f"--one={method}:{workdir}"],
+      [sys.executable, os.path.abspath(__file__), f"--one={method}:{workdir}",
+       f"--ablation={_ABLATION.value}",
+       f"--max_examples={_MAX_EXAMPLES.value}"],
       capture_output=True, text=True, check=False)
   if result.returncode:
     raise RuntimeError(f"{method} on {workdir} failed:\n{result.stderr[-2000:]}")
@@ -114,15 +151,20 @@ def _spawn(method: str, workdir: str) -> dict:
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO.
   if _ONE.value:
     method, workdir = _ONE.value.split(":", 1)
-    print(json.dumps(_one(method, workdir)))
+    print(json.dumps(_one(method, workdir, _ABLATION.value,
+                          _MAX_EXAMPLES.value)))
     return
   out = cli.checked_workdirs_and_out(
       _PROG, _WORKDIRS.value,
       _OUT.value or benchmarking.default_out("oracle"), "oracle.json",
       load=True)
-  results = benchmarking.record("oracle", rounds=_ROUNDS.value)
+  _check_ablation(_WORKDIRS.value, _ABLATION.value)
+  results = benchmarking.record("oracle", rounds=_ROUNDS.value,
+                                ablation=_ABLATION.value,
+                                max_examples=_MAX_EXAMPLES.value)
   methods = METHODS if _BASELINE.value else METHODS[:1]
   runs: list[dict] = []
   for workdir in _WORKDIRS.value:

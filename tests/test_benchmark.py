@@ -205,6 +205,23 @@ def test_pruning_benchmarks_refuse_a_run_whose_checkpoints_are_all_damaged(
   assert not out.parent.exists()
 
 
+def test_oracle_benchmark_refuses_an_ablation_the_model_cannot_take(
+    tiny_run, tmp_path, subprocess_env):
+  script = os.path.join(ROOT, "benchmarks", "oracle_benchmark.py")
+  out = tmp_path / "out" / "o.json"
+  for spec, message in [
+      ("streaming:4", "streaming"),  # malformed
+      ("streaming:4,16", "needs a causal decoder")]:  # tiny is an encoder
+    result = run([sys.executable, script, f"--workdir={tiny_run.workdir}",
+                  f"--ablation={spec}", f"--out={out}"], cwd=tmp_path,
+                 env=subprocess_env, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("oracle_benchmark.py: error: --ablation: ")
+    assert message in lines[0], lines
+  assert not out.parent.exists()
+
+
 def test_end_to_end_benchmark_refuses_a_data_dir_that_is_a_file(
     tmp_path, subprocess_env):
   (tmp_path / "afile").write_text("kept")
