@@ -188,16 +188,28 @@ def test_measure_reads_the_planted_heads_of_a_causal_model():
     assert np.all((got[name][1] >= 0) & (got[name][1] <= 1 + 1e-6)), name
 
 
-def test_scores_do_not_depend_on_the_batch_size():
+def test_scores_do_not_depend_on_the_batch_size(monkeypatch):
   model, params, split = _decoder(2, vocab_size=5)
   names = ("retrieval_score", "headkv", "attention_distance")
   one = kv_scorers.measure(model, params, split, batch_size=3, names=names)
   other = kv_scorers.measure(model, params, split, batch_size=10,
                              names=names)
+  # Long windows a few a call: two examples' attention a call at most.
+  calls, batch_sums = [], kv_scorers._batch_sums  # pylint: disable=protected-access
+  monkeypatch.setattr(kv_scorers, "CALL_ATTENTION_ENTRIES",
+                      2 * model.config.max_len ** 2)
+  monkeypatch.setattr(kv_scorers, "_batch_sums", lambda model, params, inputs,
+                      *rest: calls.append(len(inputs)) or batch_sums(
+                          model, params, inputs, *rest))
+  bounded = kv_scorers.measure(model, params, split, batch_size=10,
+                               names=names)
+  assert max(calls) <= 2 and sum(calls) >= len(split)
   assert set(one) == set(names)
   for name in names:
     # Float32 sums per batch, float64 across them: a few ulps of float32.
     np.testing.assert_allclose(one[name], other[name], rtol=1e-5,
+                               err_msg=name)
+    np.testing.assert_allclose(bounded[name], other[name], rtol=1e-5,
                                err_msg=name)
 
 

@@ -66,6 +66,14 @@ from mha.model import Transformer, TransformerConfig
 from mha.run import arguments
 from mha.run import sharding as sharding_lib
 
+#: Examples x positions x positions of one call of :func:`measure`, at most:
+#: its scorers hold a few float32 copies of a layer's attention weights
+#: ``[B, H, T, T]``, so long windows come a few at a time. On ``passkey``'s
+#: 128 windows of 256 tokens (2 CPU cores, AMD EPYC, 2026-12-07) the whole
+#: split in one call peaked at 2.0 GB, 32 windows a call (this bound) at
+#: 0.9 GB and no slower; the scores move in their last bits only.
+CALL_ATTENTION_ENTRIES = 1 << 21
+
 #: A scorer's per-batch core: ``(weights [B, H, T, T], inputs [B, T],
 #: targets [B, T]) -> (sums [H] float32, count scalar int32)``.
 Scorer = Callable[[Array, Array, Array], tuple[Array, Array]]
@@ -277,7 +285,9 @@ def measure(model: Transformer, params: Params, split: data.Split, *,
     params: its parameters.
     split: the examples; a split with ``weights`` is read through
       :func:`mha.data.scored_targets` (weight 0: not scored).
-    batch_size: examples per batch (split across the devices of ``mesh``).
+    batch_size: examples per batch (split across the devices of ``mesh``),
+      at most :data:`CALL_ATTENTION_ENTRIES` over the square of the
+      model's positions.
     names: the scorers (default: all of :data:`SCORERS`).
     mesh: the devices (default: every device).
 
@@ -297,6 +307,8 @@ def measure(model: Transformer, params: Params, split: data.Split, *,
   shape = (model.config.num_layers, model.config.max_heads)
   sums = {n: np.zeros(shape, np.float64) for n in names}
   counts = {n: 0 for n in names}
+  batch_size = min(batch_size, max(
+      1, CALL_ATTENTION_ENTRIES // max(1, model.config.max_len) ** 2))
   for batch in sharding_lib.eval_batches(data.scored_targets(split),
                                          batch_size, mesh):
     batch_sums, batch_counts = jax.device_get(_batch_sums(
@@ -307,7 +319,7 @@ def measure(model: Transformer, params: Params, split: data.Split, *,
   return scores(sums, counts, model.config)
 
 
-__all__ = ["SCORERS", "Scorer", "target_keys", "echo_keys", "induction_keys",
+__all__ = ["CALL_ATTENTION_ENTRIES", "SCORERS", "Scorer", "target_keys", "echo_keys", "induction_keys",
            "retrieval_score", "echo", "induction", "headkv",
            "attention_distance", "pattern_sums", "attention_sums", "scores",
            "measure"]
