@@ -70,8 +70,8 @@ from mha.run import sharding as sharding_lib
 #: its scorers hold a few float32 copies of a layer's attention weights
 #: ``[B, H, T, T]``, so long windows come a few at a time. On ``passkey``'s
 #: 128 windows of 256 tokens (2 CPU cores, AMD EPYC, 2026-12-07) the whole
-#: split in one call peaked at 2.0 GB, 32 windows a call (this bound) at
-#: 0.9 GB and no slower; the scores move in their last bits only.
+#: split in one call peaked at 2.0 GiB, 32 windows a call (this bound) at
+#: 0.9 GiB and no slower; the scores move in their last bits only.
 CALL_ATTENTION_ENTRIES = 1 << 21
 
 #: A scorer's per-batch core: ``(weights [B, H, T, T], inputs [B, T],
