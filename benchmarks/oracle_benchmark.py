@@ -9,7 +9,6 @@ For each workdir's model, on its validation split as the pruning study reads
 it (a decoder's scored positions, ``--max_examples`` evenly spaced windows
 where set), every subset of heads is evaluated once per round by each
 method under ``--ablation``, each run in a process of its own
-
 (so that its peak memory is its own), the methods alternating in order from
 round to round:
 

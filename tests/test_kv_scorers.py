@@ -195,7 +195,8 @@ def test_scores_do_not_depend_on_the_batch_size(monkeypatch):
   other = kv_scorers.measure(model, params, split, batch_size=10,
                              names=names)
   # Long windows a few a call: two examples' attention a call at most.
-  calls, batch_sums = [], kv_scorers._batch_sums  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  calls, batch_sums = [], kv_scorers._batch_sums
   monkeypatch.setattr(kv_scorers, "CALL_ATTENTION_ENTRIES",
                       2 * model.config.max_len ** 2)
   monkeypatch.setattr(kv_scorers, "_batch_sums", lambda model, params, inputs,

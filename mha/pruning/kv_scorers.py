@@ -319,7 +319,7 @@ def measure(model: Transformer, params: Params, split: data.Split, *,
   return scores(sums, counts, model.config)
 
 
-__all__ = ["CALL_ATTENTION_ENTRIES", "SCORERS", "Scorer", "target_keys", "echo_keys", "induction_keys",
-           "retrieval_score", "echo", "induction", "headkv",
-           "attention_distance", "pattern_sums", "attention_sums", "scores",
-           "measure"]
+__all__ = ["CALL_ATTENTION_ENTRIES", "SCORERS", "Scorer", "target_keys",
+           "echo_keys", "induction_keys", "retrieval_score", "echo",
+           "induction", "headkv", "attention_distance", "pattern_sums",
+           "attention_sums", "scores", "measure"]
