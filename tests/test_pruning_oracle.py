@@ -374,6 +374,23 @@ def test_call_shape_bounds_the_rows_of_a_call(heads, batch_size, rows, want,
   assert examples * chunk * rest <= max(rows, rest)
 
 
+def test_the_memory_guess_follows_the_calls_shape():
+  # One call's hidden states, as call_shape cuts it: a context of 256 holds
+  # 2 windows a call, so its guess stays small (passkey's shape: 0.12 GiB
+  # measured, docs in oracle_bytes), and it grows with the width and the
+  # subsets.
+  def config(heads=4, max_len=256, d_model=64):  # 2 layers of `heads`
+    return TransformerConfig(vocab_size=23, num_layers=2, num_heads=heads,
+                             d_model=d_model, mlp_dim=256, max_len=max_len,
+                             causal=True)
+  passkey = oracle.oracle_bytes(config())
+  assert passkey < 0.25 * 2**30
+  examples, chunk = oracle.call_shape(config(), 1000)
+  assert passkey >= 4 * examples * chunk * 16 * 256 * 64  # the call's states
+  assert oracle.oracle_bytes(config(d_model=128)) > passkey
+  assert oracle.oracle_bytes(config(heads=8)) > passkey
+
+
 def test_best_removals_by_hand():
   config = TransformerConfig(vocab_size=8, num_layers=2, num_heads=2,
                              d_model=8, mlp_dim=8, max_len=4)
