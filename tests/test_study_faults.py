@@ -77,11 +77,17 @@ def test_an_oracle_estimated_above_30_minutes_is_refused_unless_accepted(
       dataclasses.replace(deep64, mlp_dim=256),
       oracle.REFERENCE_POSITIONS) > one
   pylm = TransformerConfig(vocab_size=256, num_layers=3, num_heads=4,
-                           d_model=128, mlp_dim=512, causal=True)
+                           d_model=128, mlp_dim=512, max_len=128,
+                           causal=True)
   assert 5 * oracle.expected_seconds(pylm, 96 * 128) < oracle.ACCEPT_ABOVE_S
+  # Given the windows, the layers below the last on each of their positions.
+  below = oracle.expected_seconds(pylm, 96 * 128, 96)
+  assert oracle.expected_seconds(pylm, 96 * 128) < below
+  assert below < oracle.expected_seconds(pylm, 96 * 128, 192)
+  assert 5 * below < oracle.ACCEPT_ABOVE_S
   # The tiny model's 16 subsets, estimated at an hour.
   monkeypatch.setattr(oracle, "expected_seconds",
-                      lambda config, positions=None: 3600.0)
+                      lambda config, positions=None, examples=None: 3600.0)
   out = str(tmp_path / "pruning")
   options = StudyOptions(num_seeds=1)
   with pytest.raises(ValueError, match=(

@@ -1042,38 +1042,44 @@ SECONDS_PER_SUBSET = 3.5e-3
 #: The validation positions (non-padding tokens) those seconds were fitted
 #: on: 1,000 examples of 1 to 16 tokens, 8.5 on average.
 REFERENCE_POSITIONS = 8_500
-#: Where the scored positions are known (:func:`expected_seconds`), the
-#: guess per subset is :data:`SUBSET_OVERHEAD_S` plus the positions times
-#: the multiply-adds of the last block's MLP and read-out a position
-#: (:func:`_position_cost`) at :data:`MULTIPLY_ADDS_PER_S`. Fitted on 2 CPU
-#: cores (AMD EPYC, 2026-11-30) to two oracles: ``deep64`` (12 heads, 8,500
-#: positions, 8,896 multiply-adds each) in 10.2 s, and the character LM
-#: (``pylm``, 12 heads, 12,288 positions, 163,840 each) in 150 s. Checked
-#: on a third: a 2 x 8-head ``mqar`` model at 256 windows (2,048 scored
-#: positions), 165 s estimated, 160 s measured under ``streaming:4,16``. The
-#: layers below the last are left out, so the guess falls short where they
-#: dominate: the passkey decoder (5 scored positions in 256) at 128
-#: windows, 0.4 s estimated, 4.0 s measured.
-SUBSET_OVERHEAD_S = 1.17e-3
-MULTIPLY_ADDS_PER_S = 5.68e10
+#: Where the split is known (:func:`expected_seconds`), the guess is, per
+#: subset, :data:`SUBSET_OVERHEAD_S` plus the scored positions times the
+#: multiply-adds of the last block's MLP and read-out a position
+#: (:func:`_position_cost`) at :data:`MULTIPLY_ADDS_PER_S`; plus, once for
+#: each subset of the layers below, every position's multiply-adds there
+#: (:func:`_lower_cost`) at :data:`LOWER_MULTIPLY_ADDS_PER_S`. Fitted on 2
+#: CPU cores (AMD EPYC, 2026-12-07; least squares of the log ratio) to five
+#: oracles (``benchmarks/oracle_benchmark.py``), measured (guessed):
+#: ``deep64`` 13.5 s (18.5), and under ``streaming:4,16`` ``passkey`` at
+#: 128 windows 4.1 s (3.3), 12-head ``mqar`` at 256 windows 39.7 s (45.2),
+#: ``pylm`` at 96 windows 161.5 s (154.9), 16-head ``mqar`` 224 s (187).
+SUBSET_OVERHEAD_S = 1.43e-3
+MULTIPLY_ADDS_PER_S = 7.9e10
+LOWER_MULTIPLY_ADDS_PER_S = 2.41e10
 #: Above this many seconds of oracle (all seeds), the study refuses to start
 #: unless the estimate is accepted (``--accept_estimate``).
 ACCEPT_ABOVE_S = 30 * 60
 
 
 def expected_seconds(config: TransformerConfig,
-                     positions: int | None = None) -> float:
+                     positions: int | None = None,
+                     examples: int | None = None) -> float:
   """A rough guess of the oracle's seconds for one model of ``config`` on 2
   CPU cores, ``2**N`` subsets: :data:`SECONDS_PER_SUBSET` each (the grid's
   guess, fitted to its cells) or, given the validation split's scored
   ``positions``, :data:`SUBSET_OVERHEAD_S` plus their multiply-adds
-  (:func:`_position_cost`) at :data:`MULTIPLY_ADDS_PER_S` each."""
+  (:func:`_position_cost`) at :data:`MULTIPLY_ADDS_PER_S` each; given its
+  ``examples`` too, plus the layers below the last on every position
+  (:func:`_lower_cost`) at :data:`LOWER_MULTIPLY_ADDS_PER_S`."""
   if positions is None:
-    per_subset = SECONDS_PER_SUBSET
-  else:
-    per_subset = (SUBSET_OVERHEAD_S
-                  + positions * _position_cost(config) / MULTIPLY_ADDS_PER_S)
-  return per_subset * 2.0 ** num_heads(config)
+    return SECONDS_PER_SUBSET * 2.0 ** num_heads(config)
+  seconds = 2.0 ** num_heads(config) * (
+      SUBSET_OVERHEAD_S
+      + positions * _position_cost(config) / MULTIPLY_ADDS_PER_S)
+  if examples is not None:
+    seconds += (examples * max(config.max_len, 1) * _lower_cost(config)
+                / LOWER_MULTIPLY_ADDS_PER_S)
+  return seconds
 
 
 def tokens(split: data.Split) -> int:
@@ -1091,6 +1097,22 @@ def _position_cost(config: TransformerConfig) -> int:
           + config.d_model * config.vocab_size)
 
 
+def _lower_cost(config: TransformerConfig) -> float:
+  """Multiply-adds a position of what the oracle runs once per subset of
+  the layers below the last: each such block (its projections, its
+  attention over ``max_len`` keys, its MLP) once per subset of its layer
+  and those below, and the last block's attention once per subset of the
+  layers below it."""
+  d, length = config.d_model, max(config.max_len, 1)
+  attention = 4 * d * d + 2 * length * d
+  heads = config.heads_per_layer
+  cost = 2.0 ** sum(heads[:-1]) * attention
+  for layer in range(len(heads) - 1):
+    cost += 2.0 ** sum(heads[:layer + 1]) * (attention
+                                              + 2 * d * config.mlp_dim)
+  return cost
+
+
 def describe_seconds(seconds: float) -> str:
   """An estimate's seconds in words: ``1.2 h``, ``14 min``, ``35 s`` or
   ``0.4 s``."""
@@ -1100,12 +1122,15 @@ def describe_seconds(seconds: float) -> str:
 
 
 def describe_cost(config: TransformerConfig, models: int = 1,
-                  positions: int | None = None) -> str:
+                  positions: int | None = None,
+                  examples: int | None = None) -> str:
   """``every subset of N heads (2**N) for M models: about T, G GiB``: the
-  oracle's estimate (on ``positions`` validation tokens where given), time
-  (on 2 CPU cores) and memory, in words."""
+  oracle's estimate (on ``positions`` scored validation tokens of
+  ``examples`` windows where given: :func:`expected_seconds`), time (on 2
+  CPU cores) and memory, in words."""
   n = num_heads(config)
-  time_ = describe_seconds(expected_seconds(config, positions) * models)
+  time_ = describe_seconds(expected_seconds(config, positions, examples)
+                           * models)
   return (f"every subset of {n} heads (2**{n} = {2**n:,}) for {models} "
           f"model{'s' * (models != 1)}: about {time_} (estimate, 2 CPU "
           f"cores) and {oracle_bytes(config) / 2**30:.2f} GiB")

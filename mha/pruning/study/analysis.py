@@ -336,7 +336,8 @@ def _measure_seed(model: Transformer, params: Params,
                                        timings)
   if oracle.oracle_applies(config, options.oracle_max_heads):
     log("  oracle: "
-        + oracle.describe_cost(config, positions=oracle.tokens(val)))
+        + oracle.describe_cost(config, positions=oracle.tokens(val),
+                               examples=len(val)))
   first_half: dict[str, np.ndarray] = {}
   val_table: dict[str, np.ndarray] = {}  # every subset per example, if small
   subsets, shapley, removals = oracle.evaluate_oracle(

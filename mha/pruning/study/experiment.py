@@ -233,14 +233,18 @@ def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
         f"{heads}")
   applies = oracle.oracle_applies(first.model_config,
                                  options.oracle_max_heads)
-  positions = (oracle.tokens(study_splits(first.config, options)["validation"])
-               if applies else None)
-  seconds = (oracle.expected_seconds(first.model_config, positions)
+  validation = (study_splits(first.config, options)["validation"]
+                if applies else None)
+  positions, examples = ((oracle.tokens(validation), len(validation))
+                         if applies else (None, None))
+  seconds = (oracle.expected_seconds(first.model_config, positions, examples)
              * options.num_seeds)
   if applies and seconds > oracle.ACCEPT_ABOVE_S and not accept_estimate:
+    cost = oracle.describe_cost(first.model_config, options.num_seeds,
+                                positions, examples)
     raise ValueError(
         f"--oracle_max_heads={options.oracle_max_heads}: the oracle is "
-        f"{oracle.describe_cost(first.model_config, options.num_seeds, positions)}, "
+        f"{cost}, "
         f"over {oracle.ACCEPT_ABOVE_S // 60} min; to run it, give "
         "--oracle_max_heads explicitly with --accept_estimate, or lower "
         f"--oracle_max_heads below {heads}")
@@ -254,16 +258,19 @@ def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
 
 
 def estimate(first: ckpt_lib.LoadedCheckpoint, options: StudyOptions,
-             positions: int | None = None) -> str:
+             positions: int | None = None,
+             examples: int | None = None) -> str:
   """One line: the study's estimated time and memory of the oracle, the
   part whose cost grows as ``2**N`` (the rest takes seconds to minutes at
-  these sizes), or that the oracle is skipped."""
+  these sizes), or that the oracle is skipped (``positions`` scored in
+  ``examples`` windows of validation: :func:`oracle.expected_seconds`)."""
   config = first.model_config
   if not oracle.oracle_applies(config, options.oracle_max_heads):
     return (f"Estimate: the oracle is skipped ({oracle.num_heads(config)} "
             f"heads > --oracle_max_heads={options.oracle_max_heads})")
   return ("Estimate: the oracle is "
-          + oracle.describe_cost(config, options.num_seeds, positions))
+          + oracle.describe_cost(config, options.num_seeds, positions,
+                                 examples))
 
 
 def _analyze_all(checkpoints: Sequence[ckpt_lib.LoadedCheckpoint],
@@ -470,7 +477,8 @@ def run(workdir: str, out_dir: str, options: StudyOptions,
                        accept_estimate)
   config = first.config
   splits = study_splits(config, options)
-  log(estimate(first, options, oracle.tokens(splits["validation"])))
+  log(estimate(first, options, oracle.tokens(splits["validation"]),
+               len(splits["validation"])))
   os.makedirs(out_dir, exist_ok=True)
   checkpoints = seeds_lib.seed_models(first, out_dir, options.num_seeds, log,
                             retrain=options.retrain_seeds)
