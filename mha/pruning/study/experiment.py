@@ -233,10 +233,10 @@ def check_inputs(workdir: str, out_dir: str, options: StudyOptions,
         f"{heads}")
   applies = oracle.oracle_applies(first.model_config,
                                  options.oracle_max_heads)
-  validation = (study_splits(first.config, options)["validation"]
-                if applies else None)
-  positions, examples = ((oracle.tokens(validation), len(validation))
-                         if applies else (None, None))
+  positions = examples = None
+  if applies:
+    validation = study_splits(first.config, options)["validation"]
+    positions, examples = oracle.tokens(validation), len(validation)
   seconds = (oracle.expected_seconds(first.model_config, positions, examples)
              * options.num_seeds)
   if applies and seconds > oracle.ACCEPT_ABOVE_S and not accept_estimate:
