@@ -114,6 +114,9 @@ def create_train_state(config: ml_collections.ConfigDict, model: Transformer,
   """Fresh parameters and optimizer state at step 0; ``tx`` defaults to
   :func:`make_optimizer` (pass one to get states whose trees compare equal:
   each optimizer made is a new object)."""
-  return TrainState.create(apply_fn=model.apply,
-                           params=init_params(model, rng),
-                           tx=tx or make_optimizer(config))
+  state = TrainState.create(apply_fn=model.apply,
+                            params=init_params(model, rng),
+                            tx=tx or make_optimizer(config))
+  # Its step an int32 as a restored state's (``create`` gives a weakly typed
+  # 0), so that a run resumed in the same process reuses the train program.
+  return state.replace(step=jnp.zeros((), jnp.int32))

@@ -154,6 +154,11 @@ def _jit_cache(tmp_path_factory) -> str:
   directory = str(base / "jit-cache")
   os.makedirs(directory, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", directory)
+  # Also the run configs' default (``configs/default.py`` reads it): a
+  # workdir trained in a test records this folder, so the entry points run
+  # on it later (prune_heads.py, eval.py) use it too, not the user's
+  # ~/.cache/mha/jax.
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return directory

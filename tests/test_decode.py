@@ -98,8 +98,9 @@ def causal_workdir(tmp_path_factory):
   from mha import build  # pylint: disable=import-outside-toplevel
   from mha import checkpoint as ckpt_lib  # pylint: disable=import-outside-toplevel
   config = default.get_config("tiny,model.causal=True,model.num_kv_heads=1")
-  state = build.create_train_state(config, build.make_model(config),
-                                   jax.random.key(0))
+  # Jitted: eager initialisation compiles each op on its own.
+  state = jax.jit(lambda: build.create_train_state(
+      config, build.make_model(config), jax.random.key(0)))()
   workdir = str(tmp_path_factory.mktemp("causal"))
   checkpoints = ckpt_lib.TrainCheckpoints(
       workdir, keep=1, abstract_state=jax.eval_shape(lambda: state))
@@ -119,7 +120,7 @@ def test_a_causal_grouped_checkpoint_rebuilds_in_linen_and_nnx(
   assert loaded.params["layer_0"]["attention"]["key"]["kernel"].shape == (
       16, 1, 8)
   tokens = TOKENS[:, :6]
-  want, _ = loaded.model.apply({"params": loaded.params}, tokens)
+  want, _ = jax.jit(loaded.model.apply)({"params": loaded.params}, tokens)
   model = transformer_from_checkpoint(causal_workdir)
   got, _ = nnx.jit(lambda m: m(tokens))(model)
   np.testing.assert_allclose(got, want, **TOL)

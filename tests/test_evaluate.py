@@ -63,16 +63,20 @@ def test_eval_script_on_a_recall_task_splits_its_answers_two_ways(
   from conftest import ROOT, run, tiny_config  # pylint: disable=import-outside-toplevel
   from mha import train  # pylint: disable=import-outside-toplevel
   workdir = str(tmp_path / "mqar")
+  # The grouped decoder of test_study_faults.py's study on a decoder, the
+  # same config: its programs are in the session's compilation cache.
   train.train_and_evaluate(tiny_config(
-      data_dir, "mqar", "num_train_steps=3", "data.context_length=24",
-      "data.num_pairs=2", "data.num_train_examples=64",
-      "data.num_eval_examples=16", "eval_batch_size=16", "batch_size=8"),
-      workdir)
+      data_dir, "mqar", "model.num_heads=4", "gqa", "num_train_steps=2",
+      "data.context_length=24", "data.num_pairs=2",
+      "data.num_train_examples=64", "data.num_eval_examples=16",
+      "eval_batch_size=16", "batch_size=8"), workdir)
+  # One heatmap (the default draws 4): the test reads the metrics alone.
   result = run([sys.executable, os.path.join(ROOT, "eval.py"),
-                f"--workdir={workdir}", "--split=test"], env=subprocess_env)
+                f"--workdir={workdir}", "--split=test", "--num_examples=1"],
+               env=subprocess_env)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "answers whose input token occurs 1 times earlier" in result.stderr
-  [path] = glob.glob(os.path.join(workdir, "eval", "metrics_test_step3.json"))
+  [path] = glob.glob(os.path.join(workdir, "eval", "metrics_test_step2.json"))
   with open(path, encoding="utf-8") as f:
     got = json.load(f)
   by_distance = got["accuracy_by_distance"]

@@ -552,7 +552,9 @@ def causal_page(tmp_path_factory):
   from configs import default
   config = default.get_config("tiny,passkey")
   model = build.make_model(config)
-  params = build.init_params(model, jax.random.key(0))
+  # Jitted: eagerly each op of the initialisation compiles alone.
+  params = jax.jit(build.init_params, static_argnums=0)(model,
+                                                         jax.random.key(0))
   split = _passkey_split(config, 8)
   path = explorer.write_explorer(
       model, params, split, str(tmp_path_factory.mktemp("causal") /
@@ -576,6 +578,7 @@ def test_query_window():
 def test_causal_payload_at_256_tokens(causal_page):
   """A causal model's payload: its weights as their lower triangle (what
   the model gives, to 1/255), the answers and the window around them."""
+  import jax
   path, model, params, split = causal_page
   payload = _payload(path)
   assert payload["causal"] is True
@@ -591,8 +594,8 @@ def test_causal_payload_at_256_tokens(causal_page):
     assert len(base64.b64decode(e["attention"])) == 4 * n * (n + 1) // 2
   e = payload["examples"][-1]
   weights = np.frombuffer(base64.b64decode(e["attention"]), np.uint8)
-  _, attention = model.apply({"params": params},
-                             split.inputs[e["index"]][None])
+  _, attention = jax.jit(model.apply)({"params": params},
+                                      split.inputs[e["index"]][None])
   heads = np.concatenate([np.asarray(a[0]) for a in attention])
   assert np.all(np.triu(heads, 1) == 0)  # Causal: nothing above.
   np.testing.assert_allclose(

@@ -38,7 +38,8 @@ def test_unbatched_and_vmapped_calls_equal_batched():
   batched, _ = model.apply(params, TOKENS)
   single, _ = model.apply(params, TOKENS[1])
   np.testing.assert_allclose(single, batched[1], **TOL)
-  mapped, _ = jax.vmap(lambda t: model.apply(params, t))(TOKENS)
+  # Jitted: one program, not each vmapped op compiled on its own.
+  mapped, _ = jax.jit(jax.vmap(lambda t: model.apply(params, t)))(TOKENS)
   np.testing.assert_allclose(mapped, batched, **TOL)
 
 
@@ -81,8 +82,8 @@ def test_head_mask_array_and_sequence_agree_and_vmap():
   b, _ = model.apply(params, TOKENS, head_mask=[hm[0], hm[1]])
   np.testing.assert_allclose(a, b, **TOL)
   masks = jnp.stack([hm, jnp.ones_like(hm)])
-  mapped, _ = jax.vmap(lambda m: model.apply(params, TOKENS, head_mask=m))(
-      masks)
+  mapped, _ = jax.jit(jax.vmap(  # one program, not op by op
+      lambda m: model.apply(params, TOKENS, head_mask=m)))(masks)
   np.testing.assert_allclose(mapped[0], a, **TOL)
 
 
@@ -192,9 +193,10 @@ def test_bad_inputs():
 def test_bfloat16_compute_dtype():
   cfg = TransformerConfig(**{**CFG.__dict__, "dtype": "bfloat16"})
   params = _init()  # the float32 model's parameters: the same tree
-  assert jax.tree.map(jnp.shape, _init(cfg)) == jax.tree.map(jnp.shape,
-                                                             params)
-  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(_init(cfg)))
+  # Its initialisation's shapes and dtypes, traced (not compiled, op by op).
+  shapes = jax.eval_shape(lambda: _init(cfg))
+  assert jax.tree.map(jnp.shape, shapes) == jax.tree.map(jnp.shape, params)
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(shapes))
   logits, attention = jax.jit(Transformer(cfg).apply)(params, TOKENS)
   expected, expected_attention = jax.jit(Transformer(CFG).apply)(params,
                                                                  TOKENS)

@@ -343,9 +343,10 @@ def scores(source, splits, subsets):
   attention = core.attention_confidence(model, params, validation)
   loss_without = np.array([subsets["loss"][15 - (1 << i)] for i in range(4)])
   # Fisher importance: the mean over examples of the squared per-example
-  # mask gradient, from core's per-example gradients.
+  # mask gradient, from core's per-example gradients (jitted: op by op, the
+  # vmapped gradient took 4 s of CPU, jitted 0.6 s).
   full = jnp.asarray(head_masks.full_head_mask(config))
-  grads = np.asarray(core.head_mask_gradients(
+  grads = np.asarray(jax.jit(core.head_mask_gradients, static_argnums=0)(
       model, params, jnp.asarray(validation.inputs),
       jnp.asarray(validation.targets), full), np.float64)
   fisher = np.mean(grads ** 2, axis=0)

@@ -25,6 +25,11 @@ CONFIG = TransformerConfig(vocab_size=8, num_layers=2, num_heads=3,
 REMOVED = ([1], [0, 3, 4, 5])
 
 
+#: ``build.init_params`` compiled once per architecture (two tests initialise
+#: the same pruned one; eager initialisation runs op by op).
+_init_params = jax.jit(build.init_params, static_argnums=0)
+
+
 def _masks():
   return np.stack([head_masks.mask_without(CONFIG, r) for r in REMOVED])
 
@@ -44,8 +49,8 @@ def test_scratch_arms_have_the_pruned_shapes_from_step_0():
     assert pruned_config == retrain.pruned_model_config(CONFIG, _masks()[r])
     # The pruned architecture's own initialisation: its shapes, its values
     # (so the output projection's fan-in is the kept heads').
-    expected = jax.jit(build.init_params, static_argnums=0)(
-        Transformer(pruned_config), jax.random.key(int(seeds[r])))
+    expected = _init_params(Transformer(pruned_config),
+                            jax.random.key(int(seeds[r])))
     assert (jax.tree.map(np.shape, pruned)
             == jax.tree.map(np.shape, expected))
     jax.tree.map(np.testing.assert_array_equal, pruned, expected)
@@ -68,7 +73,7 @@ def test_a_masked_scratch_model_trains_as_the_pruned_model():
                                        steps=4)
   pruned_config = retrain.pruned_model_config(CONFIG, mask)
   pruned_model = Transformer(pruned_config)
-  start = build.init_params(pruned_model, jax.random.key(3))
+  start = _init_params(pruned_model, jax.random.key(3))
   ones = np.ones((1, CONFIG.num_layers, pruned_config.max_heads))
   expected, _ = retrain.finetune_masked(
       pruned_model, retrain.stack(start, 1), ones, split, run, steps=4)

@@ -4,11 +4,14 @@ counts, two processes train as one, and bad meshes are refused up front.
 The 8 devices are CPU devices of one subprocess
 (``--xla_force_host_platform_device_count=8`` must be set before JAX starts);
 this process has one device. Everything of 8 devices runs in that one
-subprocess, to start and compile once.
+subprocess, to start and compile once. A checkpoint moves by a run continued
+from its step 6 on the other device count (every run has the same 10 steps,
+so the same programs).
 """
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -30,12 +33,13 @@ from mha.run import workdir_lock
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = os.path.join(ROOT, "configs", "default.py")
 
-# Tiny runs of 10 steps, continued to 20; the loss logged every 2 steps
-# (so that calls of the train program run 1 and 2 steps).
+# Tiny runs of 10 steps, checkpoints at 6 and 10; the loss logged every 2
+# steps (so that calls of the train program run 1 and 2 steps; a run
+# continued from step 6 logs the windows of an uninterrupted one).
 OVERRIDES = ("tiny", "num_train_steps=10", "log_every_steps=2",
-             "eval_every_steps=10", "checkpoint_every_steps=5")
+             "eval_every_steps=10", "checkpoint_every_steps=6")
 # 8 devices add up the same sums in another order: float32 rounding, grown
-# over 20 Adam steps at lr 1e-2, stays far below 1e-4 (measured: losses
+# over 10 Adam steps at lr 1e-2, stays far below 1e-4 (measured: losses
 # within 3e-7).
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -60,7 +64,7 @@ out["replicated"] = all(len(x.sharding.device_set) == 8
 state = train.train_and_evaluate(get("mesh.shard_params=True"), args["fsdp"])
 out["fsdp_split"] = sum(not x.sharding.is_fully_replicated
                         for x in jax.tree.leaves(state.params))
-train.train_and_evaluate(get("num_train_steps=20"), args["w1to8"])
+train.train_and_evaluate(get(), args["w1to8"])  # from step 6
 params = checkpoint.load_checkpoint(args["w8"]).params
 out["loaded_on"] = len(jax.tree.leaves(params)[0].sharding.device_set)
 print(json.dumps(out))
@@ -76,6 +80,14 @@ def _losses(workdir):
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     rows = [json.loads(line) for line in f]
   return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _starts(workdir):
+  """(step, devices) of each start of the run in ``workdir``."""
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  return [(r["step"], r["provenance"]["device_count"]) for r in rows
+          if "provenance" in r]
 
 
 def _assert_same_losses(workdir, reference_dir):
@@ -101,6 +113,14 @@ def _assert_same_params(workdir, reference_dir):
                                err_msg=jax.tree_util.keystr(path))
 
 
+def _from_step_6(source, target):
+  """A copy of the workdir ``source`` without its checkpoint 10: a run
+  there continues from step 6."""
+  copy = copy_workdir(source, target)
+  shutil.rmtree(os.path.join(copy, "checkpoints", "10"))
+  return copy
+
+
 def _env(subprocess_env, **extra):
   # Compiles faster; the same float32 sums.
   env = dict(subprocess_env, JAX_DISABLE_MOST_OPTIMIZATIONS="1", **extra)
@@ -116,10 +136,7 @@ def runs(tmp_path_factory, data_dir, subprocess_env):
   root = tmp_path_factory.mktemp("runs")
   dirs = {"data_dir": data_dir, "w1": str(root / "w1")}
   train.train_and_evaluate(_config(data_dir), dirs["w1"])  # 1 device
-  dirs["w1to8"] = copy_workdir(dirs["w1"], root / "w1to8")  # continued on 8
-  dirs["w1long"] = copy_workdir(dirs["w1"], root / "w1long")  # continued on 1
-  train.train_and_evaluate(_config(data_dir, "num_train_steps=20"),
-                           dirs["w1long"])
+  dirs["w1to8"] = _from_step_6(dirs["w1"], root / "w1to8")  # continued on 8
   args = {"overrides": list(OVERRIDES) + [f"data.data_dir={data_dir}"],
           **{k: str(root / k) for k in ("bad", "w8", "fsdp")},
           "w1to8": dirs["w1to8"]}
@@ -153,15 +170,16 @@ def test_a_batch_that_does_not_split_is_refused_before_any_write(runs):
 
 
 def test_checkpoints_move_from_8_devices_to_1_and_back(runs, tmp_path):
-  # 8 -> 1: continue on this process's one device.
-  w8to1 = copy_workdir(runs["w8"], tmp_path / "w8to1")
-  train.train_and_evaluate(_config(runs["data_dir"], "num_train_steps=20"),
-                           w8to1)
-  _assert_same_losses(w8to1, runs["w1long"])
-  _assert_same_params(w8to1, runs["w1long"])
+  # 8 -> 1: continue from step 6 on this process's one device.
+  w8to1 = _from_step_6(runs["w8"], tmp_path / "w8to1")
+  train.train_and_evaluate(_config(runs["data_dir"]), w8to1)
+  assert _starts(w8to1) == [(0, 8), (6, 1)]
+  _assert_same_losses(w8to1, runs["w1"])
+  _assert_same_params(w8to1, runs["w1"])
   # 1 -> 8: continued in the subprocess.
-  _assert_same_losses(runs["w1to8"], runs["w1long"])
-  _assert_same_params(runs["w1to8"], runs["w1long"])
+  assert _starts(runs["w1to8"]) == [(0, 1), (6, 8)]
+  _assert_same_losses(runs["w1to8"], runs["w1"])
+  _assert_same_params(runs["w1to8"], runs["w1"])
   # load_checkpoint: on every device there is.
   assert runs["report"]["loaded_on"] == 8
   assert mha.load_checkpoint(runs["w8"]).step == 10
@@ -181,6 +199,8 @@ def test_two_processes_train_as_one(runs, tmp_path, subprocess_env):
       sys.executable, os.path.join(ROOT, "train.py"),
       f"--config={CONFIG_FILE}:{','.join(OVERRIDES)}", f"--workdir={workdir}",
       f"--config.data.data_dir={runs['data_dir']}",
+      # One save, the final one (each is a round of the two processes).
+      "--config.checkpoint_every_steps=10",
       f"--coordinator_address={address}", "--num_processes=2"]
   # Loopback only: the coordinator binds there (gloo uses the host name,
   # which resolves to it here).
