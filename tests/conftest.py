@@ -342,24 +342,26 @@ def copy_workdir(source: str, target: os.PathLike | str) -> str:
   return str(target)
 
 
-# The slowest files first, by their summed test times in the suite
-# (``--durations``, 2026-11-29): with ``--dist loadfile`` pytest-xdist hands
+# The slowest files first, by their tests' summed CPU seconds in the suite
+# (``--cpu-report``, 2026-12-07): with ``--dist loadfile`` pytest-xdist hands
 # out whole files in collection order (``--no-loadscope-reorder`` in
 # pyproject.toml: by default it orders them by their number of tests), so a
 # slow file collected last would run alone at the end while the other worker
-# idles. Files not named here follow, each well under 10 s.
-_SLOW_FIRST = ("test_reliability.py", "test_study_faults.py",
-               "test_pruning.py", "test_sharding.py", "test_benchmark.py",
-               "test_pruning_oracle.py", "test_streaming_ablation.py",
-               "test_pruning_grid.py", "test_train.py",
-               "test_pruned_models.py", "test_model.py", "test_retrain.py",
-               "test_pruning_extensions.py", "test_startup.py",
-               "test_explorer.py", "test_build.py", "test_attention.py",
-               "test_finetune.py", "test_pruning_ablation.py",
-               "test_evaluate.py", "test_decode.py", "test_export.py",
-               "test_readme.py", "test_layout.py", "test_pruning_kwon.py",
-               "test_spell.py", "test_attention_dropin.py", "test_speed.py",
-               "test_patching.py")
+# idles. Files not named here follow, each under 5 s.
+_SLOW_FIRST = ("test_reliability.py", "test_pruning.py",
+               "test_study_faults.py", "test_benchmark.py",
+               "test_sharding.py", "test_pruning_oracle.py",
+               "test_attention.py", "test_streaming_ablation.py",
+               "test_pruned_models.py", "test_train.py",
+               "test_pruning_grid.py", "test_attention_dropin.py",
+               "test_pruning_extensions.py", "test_retrain.py",
+               "test_pruning_ablation.py", "test_export.py",
+               "test_explorer.py", "test_decode.py", "test_pruning_kwon.py",
+               "test_startup.py", "test_evaluate.py", "test_pruning_plots.py",
+               "test_model.py", "test_finetune.py", "test_readme.py",
+               "test_build.py", "test_spell.py", "test_layout.py",
+               "test_plotting.py", "test_speed.py", "test_patching.py",
+               "test_pruning_stats.py", "test_nnx.py", "test_preloaded.py")
 
 
 # End-to-end files: whole training runs, resumes, kills, meshes of devices,
