@@ -15,7 +15,8 @@ Used only where that changes nothing the test can see: the script is an
 existing Python file run as ``python FILE ARGS`` in an existing folder, and
 the environment is the server's but for a few variables no test-visible
 behaviour of an import depends on (``HOME``, ``TMPDIR``,
-``MHA_TEST_KILL_AT``, ``MHA_TEST_SIGNAL_AT``; matplotlib's font cache
+``MHA_TEST_KILL_AT``, ``MHA_TEST_SIGNAL_AT``,
+``JAX_COORDINATOR_BIND_ADDRESS``; matplotlib's font cache
 follows the server's ``HOME``). Anything else (``python -c``, ``-X
 importtime``, a changed ``XLA_FLAGS`` or any other variable, another
 program) runs as a real subprocess, and so do the tests that check a fresh
@@ -69,9 +70,11 @@ PRELOAD = ("numpy", "jax", "jax.numpy", "flax.linen", "optax",
 # matplotlib, which finds its configuration folder (its font cache) through
 # HOME: a child in another HOME uses the server's, which no test reads.
 # MHA_TEST_KILL_AT (mha.run.kill_points) and MHA_TEST_SIGNAL_AT
-# (mha.run.interrupt) are read at their points, never on import.
+# (mha.run.interrupt) are read at their points, never on import;
+# JAX_COORDINATOR_BIND_ADDRESS when ``jax.distributed.initialize`` runs.
 _HARMLESS_ENV = frozenset({"HOME", "TMPDIR", "PWD", "OLDPWD",
-                           "MHA_TEST_KILL_AT", "MHA_TEST_SIGNAL_AT"})
+                           "MHA_TEST_KILL_AT", "MHA_TEST_SIGNAL_AT",
+                           "JAX_COORDINATOR_BIND_ADDRESS"})
 
 # Signals whose ignored disposition (SIG_IGN) a child inherits, as through
 # exec; handlers do not survive exec, so the rest start at their defaults.

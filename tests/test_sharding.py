@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import default
-from conftest import copy_workdir, run
+from conftest import copy_workdir, run, start
 import mha
 from mha.run import config_validation
 from mha import data
@@ -204,22 +204,18 @@ def test_two_processes_train_as_one(runs, tmp_path, subprocess_env):
       f"--coordinator_address={address}", "--num_processes=2"]
   # Loopback only: the coordinator binds there (gloo uses the host name,
   # which resolves to it here).
-  env = _env(subprocess_env, JAX_COORDINATOR_BIND_ADDRESS=address)
-  procs = [subprocess.Popen(command + [f"--process_id={i}"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True) for i in range(2)]
+  env = dict(subprocess_env, JAX_COORDINATOR_BIND_ADDRESS=address)
+  procs = [start(command + [f"--process_id={i}"], env=env) for i in range(2)]
   try:
-    outputs = [p.communicate(timeout=240) for p in procs]
+    results = [p.wait(timeout=240) for p in procs]
   finally:
     for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for p, (_, stderr) in zip(procs, outputs):
-    assert p.returncode == 0, stderr[-3000:]
-  assert "2 cpu devices in 2 processes" in outputs[0][0]
-  assert "step 10/10" in outputs[0][0]
-  assert "step" not in outputs[1][0]  # process 0 alone logs
+      p.kill()  # Nothing where it has exited.
+  for result in results:
+    assert result.returncode == 0, result.stderr[-3000:]
+  assert "2 cpu devices in 2 processes" in results[0].stdout
+  assert "step 10/10" in results[0].stdout
+  assert "step" not in results[1].stdout  # process 0 alone logs
   assert workdir_lock.holder(workdir)["pid"] == procs[0].pid  # and locks
   _assert_same_losses(workdir, runs["w1"])
   _assert_same_params(workdir, runs["w1"])
