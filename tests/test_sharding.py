@@ -76,18 +76,19 @@ def _config(data_dir, *overrides):
       ",".join(OVERRIDES + (f"data.data_dir={data_dir}",) + overrides))
 
 
-def _losses(workdir):
+def _rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    rows = [json.loads(line) for line in f]
-  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return [json.loads(line) for line in f]
+
+
+def _losses(workdir):
+  return {r["step"]: r["loss"] for r in _rows(workdir) if "loss" in r}
 
 
 def _starts(workdir):
   """(step, devices) of each start of the run in ``workdir``."""
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    rows = [json.loads(line) for line in f]
-  return [(r["step"], r["provenance"]["device_count"]) for r in rows
-          if "provenance" in r]
+  return [(r["step"], r["provenance"]["device_count"])
+          for r in _rows(workdir) if "provenance" in r]
 
 
 def _assert_same_losses(workdir, reference_dir):
