@@ -75,10 +75,11 @@ def test_subsets_equal_masked_models(kwargs):
     np.testing.assert_allclose(summed[key], reference[key], rtol=1e-5,
                                atol=1e-6)
   # Pure: jit passes through and stacked parameters vmap.
-  stacked = jax.tree.map(lambda a: jnp.stack([a, a]), params)
+  # (Stacked and summed in NumPy: op by op, each shape compiles a program.)
+  stacked = jax.tree.map(lambda a: np.stack([a, a]), params)
   sums = jax.jit(jax.vmap(lambda p: oracle.subset_metric_sums(
       model, p, split.inputs, split.targets)))(stacked)
-  np.testing.assert_array_equal(sums["correct"][0].sum(-1),
+  np.testing.assert_array_equal(np.asarray(sums["correct"])[0].sum(-1),
                                 examples["correct"].sum(-1))
 
 
@@ -480,7 +481,7 @@ def _planted():
     block[norm]["scale"] = np.ones(8, np.float32)
   params["ln_final"]["scale"] = np.ones(8, np.float32)
   # Values: head h's first value unit is d_h(type) (LN(embedding) -> d).
-  normed = np.asarray(nn.LayerNorm().apply(
+  normed = np.asarray(jax.jit(nn.LayerNorm().apply)(  # one program, not 13
       {"params": {"scale": np.ones(8), "bias": np.zeros(8)}},
       jnp.asarray(embed[1:4])))
   wanted = np.asarray([_TYPES[t][1] for t in (1, 2, 3)])  # [3 types, 4 heads]
