@@ -2,6 +2,7 @@
 pruning script."""
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -45,11 +46,28 @@ def _tokens(rng, n, config=CONFIG):
   return tokens.astype(np.int32)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params(model, key):
+  """Jitted: ``model.init`` runs as one program, not op by op."""
+  tokens = jnp.ones((1, model.config.max_len), jnp.int32)
+  return model.init(key, tokens)["params"]
+
+
 def _init(config=CONFIG, seed=0):
   model = Transformer(config)
-  params = model.init(jax.random.key(seed),
-                      jnp.ones((1, config.max_len), jnp.int32))["params"]
+  params = _init_params(model, jax.random.key(seed))
   return model, jax.tree.map(np.asarray, params)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply(model, params, inputs):
+  """``(logits, attention)``, jitted: a reference runs as one program, not
+  op by op."""
+  return model.apply({"params": params}, inputs)
+
+
+# Jitted: the masked reference runs as one program, not op by op.
+_masked_logits = jax.jit(pruning.masked_logits, static_argnums=0)
 
 
 def _planted(seed, planted=(1, 1)):
@@ -69,8 +87,9 @@ def _planted(seed, planted=(1, 1)):
         attention["out"]["kernel"][head] = 0.0  # no contribution
   rng = np.random.default_rng(seed)
   inputs = _tokens(rng, 64)
-  logits, _ = model.apply({"params": params}, inputs)
-  targets = np.where(inputs != 0, np.argmax(logits, -1), 0).astype(np.int32)
+  logits, _ = _apply(model, params, inputs)
+  targets = np.where(inputs != 0, np.argmax(np.asarray(logits), -1),
+                     0).astype(np.int32)
   return model, params, data.Split(inputs, targets)
 
 
@@ -117,8 +136,9 @@ def test_gradients_are_per_example():
   inputs = _tokens(rng, 5)
   targets = _tokens(rng, 5) * (inputs != 0)
   mask = jnp.asarray(pruning.full_head_mask(CONFIG))
-  grads = jax.jit(pruning.head_mask_gradients, static_argnames="model")(
-      model, params, inputs, targets, mask)
+  gradients = jax.jit(pruning.head_mask_gradients, static_argnames="model")
+  # On the host: slicing a device array compiles a program per slice.
+  grads = np.asarray(gradients(model, params, inputs, targets, mask))
   assert grads.shape == (5, CONFIG.num_layers, CONFIG.max_heads)
   one = jax.jit(jax.grad(lambda m, x, y: pruning.per_example_loss(
       model, params, x, y, m)[0]))
@@ -163,7 +183,7 @@ def test_vmapped_masks_equal_the_loop_and_jit_vmap_pass_through():
 
   # Stacked parameters of two "seeds", one vmapped call.
   _, params_b = _init(seed=1)
-  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), params, params_b)
+  stacked = jax.tree.map(lambda a, b: np.stack([a, b]), params, params_b)
   fn = jax.jit(jax.vmap(
       lambda p: pruning.masked_metric_sums(model, p, inputs, split.targets,
                                            jnp.asarray(masks[1]))))
@@ -309,9 +329,8 @@ def test_pruned_model_equals_masked_model(heads):
   assert config.head_dim == CONFIG.resolved_head_dim
   flat = [l * 3 + h for l, h in heads]
   mask = jnp.asarray(pruning.mask_without(CONFIG, flat))
-  masked = pruning.masked_logits(model, params, inputs, mask)
-  pruned, weights = Transformer(config).apply({"params": pruned_params},
-                                              inputs)
+  masked = _masked_logits(model, params, inputs, mask)
+  pruned, weights = _apply(Transformer(config), pruned_params, inputs)
   np.testing.assert_allclose(pruned, masked, atol=1e-5)
   assert [w.shape[1] for w in weights] == list(config.heads_per_layer)
   assert pruning.count_params(pruned_params) < pruning.count_params(params)
@@ -337,12 +356,13 @@ def test_pruning_twice_renumbers_heads_and_runs_under_vmap():
 
   # Over stacked parameters of two models at once.
   _, params_b = _init(seed=1)
-  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), params, params_b)
+  stacked = jax.tree.map(lambda a, b: np.stack([a, b]), params, params_b)
   pruned = jax.vmap(lambda p: pruning.prune_heads(p, CONFIG, [(1, 1)])[0])(
       stacked)
   single, config = pruning.prune_heads(params_b, CONFIG, [(1, 1)])
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[1], b), pruned,
-               single)
+  # Compared on the host: indexing the device arrays compiles a program each.
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a)[1],
+                                                          b), pruned, single)
   assert config.heads_per_layer == (3, 2)
 
 

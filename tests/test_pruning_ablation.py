@@ -2,6 +2,7 @@
 (mha.pruning.ablation), through the mask evaluation and the oracle."""
 
 import flax.linen as nn
+import jax
 import numpy as np
 import pytest
 from conftest import random_model_and_split
@@ -53,9 +54,11 @@ def test_resample_replaces_each_removed_heads_context_by_the_donors(setup):
   np.testing.assert_array_equal(donors != 0, split.inputs != 0)
   assert np.mean(np.all(donors == split.inputs, axis=1)) < 0.5
   mask = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
-  got = ablation.ablated_logits(model, params, split.inputs, mask, abl)
+  # Jitted, as is the long way below: each runs as one program, not op by op.
+  got = jax.jit(ablation.ablated_logits, static_argnums=0)(
+      model, params, split.inputs, mask, abl)
   # The long way: the context itself swapped before the out-projection.
-  donor_contexts = _contexts(model, params, donors)
+  donor_contexts = jax.jit(_contexts, static_argnums=0)(model, params, donors)
 
   def swap(next_fun, args, kwargs, context):
     path = context.module.path
@@ -64,9 +67,13 @@ def test_resample_replaces_each_removed_heads_context_by_the_donors(setup):
       m = mask[layer][None, None, :, None]
       args = (args[0] * m + (1 - m) * donor_contexts[layer],) + args[1:]
     return next_fun(*args, **kwargs)
-  with nn.intercept_methods(swap):
-    want, _ = model.apply({"params": params}, split.inputs,
-                          head_mask=list(mask), return_weights=False)
+
+  @jax.jit
+  def long_way(params, inputs):
+    with nn.intercept_methods(swap):
+      return model.apply({"params": params}, inputs, head_mask=list(mask),
+                         return_weights=False)[0]
+  want = long_way(params, split.inputs)
   valid = split.inputs != 0
   np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid],
                              atol=2e-5)

@@ -1,6 +1,7 @@
 """Learned gates, mean ablation, retraining after pruning, and the study's
 ``--full`` outputs (``gates``, ``retraining``, ``mean_ablation``)."""
 
+import functools
 import json
 import os
 import types
@@ -34,13 +35,25 @@ CONFIG = TransformerConfig(vocab_size=8, num_layers=2, num_heads=2, d_model=8,
 PLANTED = (1, 0)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params(model, key):
+  """Jitted: ``model.init`` runs as one program, not op by op."""
+  tokens = jnp.ones((1, model.config.max_len), jnp.int32)
+  return model.init(key, tokens)["params"]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(model, params, inputs):
+  """Jitted: a reference runs as one program, not op by op."""
+  return model.apply({"params": params}, inputs)[0]
+
+
 def _planted():
   """A model whose output depends on head ``PLANTED`` alone (every other
   head's output projection is zero), its targets its own confident
   predictions."""
   model = Transformer(CONFIG)
-  params = jax.tree.map(np.array, model.init(
-      jax.random.key(0), jnp.ones((1, CONFIG.max_len), jnp.int32))["params"])
+  params = jax.tree.map(np.array, _init_params(model, jax.random.key(0)))
   for layer in range(CONFIG.num_layers):
     out = params[f"layer_{layer}"]["attention"]["out"]["kernel"]
     for head in range(CONFIG.num_heads):
@@ -49,8 +62,8 @@ def _planted():
   rng = np.random.default_rng(0)
   inputs = rng.integers(1, CONFIG.vocab_size, (256, CONFIG.max_len))
   inputs = inputs.astype(np.int32)
-  logits, _ = model.apply({"params": params}, inputs)
-  targets = np.argmax(logits, -1).astype(np.int32)
+  logits = _logits(model, params, inputs)
+  targets = np.argmax(np.asarray(logits), -1).astype(np.int32)
   return model, params, data.Split(inputs, targets)
 
 
@@ -85,11 +98,12 @@ def test_gates_keep_the_planted_head_at_every_strength(caplog):
 
 def test_hard_concrete_gates_by_their_formulas():
   log_alpha = jnp.asarray([-3.0, 0.0, 3.0])
-  z = jax.vmap(lambda k: gates.sample(log_alpha, k))(
-      jax.random.split(jax.random.key(0), 20000))
+  # Jitted: the samples come from one program, not op by op.
+  z = np.asarray(jax.jit(jax.vmap(lambda k: gates.sample(log_alpha, k)))(
+      jax.random.split(jax.random.key(0), 20000)))
   assert float(z.min()) == 0.0 and float(z.max()) == 1.0  # exact 0 and 1
   # P(z != 0) of the samples against the closed form (3 sigma of 20000).
-  np.testing.assert_allclose(np.mean(np.asarray(z) > 0, axis=0),
+  np.testing.assert_allclose(np.mean(z > 0, axis=0),
                              gates.probability_open(log_alpha), atol=0.011)
   np.testing.assert_allclose(gates.deterministic(log_alpha),
                              [0.0, 0.5, 1.0], atol=1e-6)
@@ -165,10 +179,11 @@ def test_top_k_gates_are_exact_under_jit_and_vmap():
       np.diff(total) > 0)
   assert soft[:, 1, 1].max() < 1e-6
   # Gradients flow to the scores (straight-through), and are finite.
-  grad = jax.grad(lambda la: jnp.sum(gates.top_k_sample(
-      la, keys[0], 2, exists, 0.5) * jnp.arange(6.0).reshape(2, 3)))(
+  grad = jax.jit(jax.grad(lambda la: jnp.sum(gates.top_k_sample(
+      la, keys[0], 2, exists, 0.5) * jnp.arange(6.0).reshape(2, 3))))(
           log_alpha)
-  assert np.all(np.isfinite(grad)) and float(jnp.abs(grad).sum()) > 0
+  grad = np.asarray(grad)
+  assert np.all(np.isfinite(grad)) and float(np.abs(grad).sum()) > 0
 
 
 @pytest.fixture(scope="module")
@@ -189,15 +204,18 @@ def test_mean_ablation_equals_its_folded_bias_pruned_model(tiny, heads):
   inputs = splits["test"].inputs[:32]
   mask = head_masks.mask_without(config, [l * config.max_heads + h
                                     for l, h in heads])
-  defined = mean_ablation.mean_ablated_logits(ckpt.model, ckpt.params, means,
-                                              inputs, mask)
+  # Jitted: the references run as one program each, not op by op.
+  defined = jax.jit(mean_ablation.mean_ablated_logits, static_argnums=0)(
+      ckpt.model, ckpt.params, means, inputs, mask)
   params, pruned = mean_ablation.prune_mean_ablated(ckpt.params, config, heads,
                                                     means)
-  logits, _ = Transformer(pruned).apply({"params": params}, inputs)
+  logits = _logits(Transformer(pruned), params, inputs)
   # Float32 sums in another order: the fold is exact up to rounding.
   np.testing.assert_allclose(logits, defined, atol=1e-5, rtol=1e-5)
-  zero = head_masks.masked_logits(ckpt.model, ckpt.params, inputs, mask)
-  assert float(jnp.max(jnp.abs(zero - defined))) > 1e-2  # not zero ablation
+  zero = jax.jit(head_masks.masked_logits, static_argnums=0)(
+      ckpt.model, ckpt.params, inputs, mask)
+  # not zero ablation
+  assert float(np.max(np.abs(np.asarray(zero) - np.asarray(defined)))) > 1e-2
 
 
 def test_every_subset_under_mean_ablation(tiny):

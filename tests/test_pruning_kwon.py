@@ -1,5 +1,7 @@
 """Tests of retraining-free pruning after Kwon et al. (mha.pruning.kwon)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,6 +100,8 @@ def test_rearrangement_never_raises_the_block_estimate():
                           minlength=2)).all()
 
 
+# Jitted, as is _scaled_copy: one program, not an update op by op.
+@functools.partial(jax.jit, static_argnames=("layer", "source", "copy"))
 def _duplicate_head(params, layer, source, copy):
   """Head ``copy`` of ``layer`` made identical to head ``source``."""
   attention = dict(params[f"layer_{layer}"]["attention"])
@@ -119,10 +123,12 @@ def test_tuning_recovers_a_removed_duplicate_where_zero_ablation_fails():
   full model's own predictions. Removing the copy and doubling head 0 is
   the same model, which the fit finds; zero ablation loses tokens."""
   model, params, split = _model_and_split(n=32)
-  params = _duplicate_head(params, 0, source=0, copy=1)
+  params = _duplicate_head(params, layer=0, source=0, copy=1)
   full_mask = head_masks.full_head_mask(CONFIG)
-  logits = core.masked_logits(model, params, split.inputs, full_mask)
-  targets = np.where(split.inputs != 0, np.argmax(logits, -1), 0)
+  # Jitted: the targets come from one program, not op by op.
+  logits = jax.jit(core.masked_logits, static_argnums=0)(
+      model, params, split.inputs, full_mask)
+  targets = np.where(split.inputs != 0, np.argmax(np.asarray(logits), -1), 0)
   split = data.Split(split.inputs, targets.astype(np.int32))
   mask = head_masks.mask_without(CONFIG, [1])  # drop the copy
   tuned = kwon.tune_mask_attention_output(model, params, split, mask)
@@ -169,10 +175,11 @@ def test_fit_scales_recovers_planted_scales_and_intercept():
       1.0, atol=1e-3)
 
 
+@functools.partial(jax.jit, static_argnames=("layer", "source", "copy"))
 def _scaled_copy(params, layer, source, copy, factor):
   """Head ``copy`` of ``layer`` made head ``source`` with its output
   multiplied by ``factor`` (its output-projection rows scaled)."""
-  params = _duplicate_head(params, layer, source, copy)
+  params = _duplicate_head(params, layer=layer, source=source, copy=copy)
   attention = dict(params[f"layer_{layer}"]["attention"])
   kernel = attention["out"]["kernel"]
   attention["out"] = dict(attention["out"],
@@ -190,7 +197,7 @@ def test_tuning_as_kwon_et_al_wrote_it():
   config = TransformerConfig(vocab_size=7, num_layers=3, num_heads=3,
                              d_model=12, mlp_dim=16, max_len=5)
   model, params, split = _model_and_split(config, n=16)
-  planted = _scaled_copy(params, 1, source=1, copy=0, factor=0.5)
+  planted = _scaled_copy(params, layer=1, source=1, copy=0, factor=0.5)
   # Flat indices: layer l, head h is 3 l + h.
   masks = [head_masks.mask_without(config, [4]),      # head 1 of layer 1
            head_masks.mask_without(config, [2, 4])]   # and head 2 of layer 0
@@ -207,7 +214,7 @@ def test_tuning_as_kwon_et_al_wrote_it():
   assert np.abs(tuned.masks[1][1] - [3, 0, 1]).max() > 1e-2
   # Head 0 at 1/20 of head 1 needs a scale of 21: rejected at layer 1, and
   # layer 2 (head 0 removed) is left untuned above it.
-  far = _scaled_copy(params, 1, source=1, copy=0, factor=0.05)
+  far = _scaled_copy(params, layer=1, source=1, copy=0, factor=0.05)
   mask = head_masks.mask_without(config, [4, 6])
   rejected = kwon.tune_masks(model, far, split, [mask])
   assert rejected.rejected_layers == [1]

@@ -57,8 +57,9 @@ def models():
   heads and every head removed (the first through ``core.prune_heads`` too,
   as the table builds it, so that its config is the table's)."""
   model = Transformer(CONFIG)
-  params = model.init(jax.random.key(0),
-                      jnp.ones((1, CONFIG.max_len), jnp.int32))["params"]
+  # Jitted: the initialization runs as one program, not op by op.
+  params = jax.jit(model.init)(
+      jax.random.key(0), jnp.ones((1, CONFIG.max_len), jnp.int32))["params"]
   out = []
   for fraction in [0.0, *FRACTIONS]:
     removed = head_masks.flat_to_pairs(CONFIG, ORDER[:int(fraction * 8)])
