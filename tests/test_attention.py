@@ -24,6 +24,11 @@ def _init(layer, *args, **kwargs):
   return layer.init(jax.random.key(42), *args, **kwargs)
 
 
+def _jit_init(layer, *args):
+  """``_init`` as one program: eagerly, each operation compiles alone."""
+  return jax.jit(layer.init)(jax.random.key(42), *args)
+
+
 def _lengths_mask(valid_lens, length):
   """[B] lengths -> Flax-style key mask [B, 1, 1, L]."""
   return (np.arange(length)[None, :] < np.asarray(valid_lens)[:, None])[
@@ -46,17 +51,19 @@ def test_shapes_any_number_of_batch_dims(batch):
 def test_cross_attention_shapes():
   q, kv = _inputs(2, 3, 8), _inputs(2, 7, 6, seed=1)
   layer = MultiHeadAttention(num_heads=2, qkv_features=10)
-  params = _init(layer, q, kv)
-  out, weights = layer.apply(params, q, kv)
+  params = _jit_init(layer, q, kv)
+  out, weights = jax.jit(layer.apply)(params, q, kv)
   assert out.shape == (2, 3, 8)
   assert weights.shape == (2, 2, 3, 7)
 
 
 def test_parameter_tree_matches_flax():
   x = _inputs(2, 5, 16)
-  ours = _init(MultiHeadAttention(num_heads=4, qkv_features=8), x)
-  theirs = _init(nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=8),
-                 x)
+  # Shapes only: traced, not run (eagerly each operation compiles alone).
+  ours = jax.eval_shape(lambda: _init(
+      MultiHeadAttention(num_heads=4, qkv_features=8), x))
+  theirs = jax.eval_shape(lambda: _init(
+      nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=8), x))
   assert (jax.tree.map(jnp.shape, ours) == jax.tree.map(jnp.shape, theirs))
 
 
@@ -66,9 +73,9 @@ def test_parameter_tree_matches_flax():
 def test_masked_keys_get_exact_zero_and_rows_sum_to_one():
   x = _inputs(3, 6, 16)
   layer = MultiHeadAttention(num_heads=4)
-  params = _init(layer, x)
+  params = _jit_init(layer, x)
   valid_lens = jnp.array([2, 6, 4])
-  _, weights = layer.apply(params, x, valid_lens=valid_lens)
+  _, weights = jax.jit(layer.apply)(params, x, valid_lens=valid_lens)
   key_ok = _lengths_mask(valid_lens, 6)
   masked = np.broadcast_to(~key_ok, weights.shape)
   assert np.all(np.asarray(weights)[masked] == 0.0)
@@ -78,9 +85,9 @@ def test_masked_keys_get_exact_zero_and_rows_sum_to_one():
 def test_valid_lens_per_query_form():
   x = _inputs(2, 4, 8)
   layer = MultiHeadAttention(num_heads=2)
-  params = _init(layer, x)
+  params = _jit_init(layer, x)
   per_query = jnp.array([[1, 2, 3, 4], [4, 4, 1, 1]])
-  _, weights = layer.apply(params, x, valid_lens=per_query)
+  _, weights = jax.jit(layer.apply)(params, x, valid_lens=per_query)
   key_ok = np.arange(4)[None, None, :] < np.asarray(per_query)[..., None]
   assert np.all(np.asarray(weights)[np.broadcast_to(
       ~key_ok[:, None], weights.shape)] == 0.0)
@@ -91,11 +98,14 @@ def test_valid_lens_per_query_form():
 def test_fully_masked_rows_are_zero_not_nan_nor_uniform():
   x = _inputs(2, 4, 8)
   layer = MultiHeadAttention(num_heads=2)
-  params = _init(layer, x)
+  params = _jit_init(layer, x)
   mask = jnp.ones((2, 1, 4, 4), bool).at[0, :, 1, :].set(False)
-  for return_weights in (True, False):
-    out, weights = layer.apply(params, x, mask=mask,
-                               return_weights=return_weights)
+  # The three calls in one program: eagerly each operation compiles alone.
+  paths, (_, no_keys_weights) = jax.jit(lambda p: (
+      [layer.apply(p, x, mask=mask, return_weights=return_weights)
+       for return_weights in (True, False)],
+      layer.apply(p, x, valid_lens=jnp.array([0, 4]))))(params)
+  for return_weights, (out, weights) in zip((True, False), paths):
     assert np.all(np.isfinite(out))
     # The row's context is zero, so its output is the out-projection bias.
     np.testing.assert_allclose(out[0, 1], params["params"]["out"]["bias"],
@@ -103,8 +113,7 @@ def test_fully_masked_rows_are_zero_not_nan_nor_uniform():
     if return_weights:
       assert np.all(weights[0, :, 1] == 0.0)
   # valid_lens of 0 masks every key of that sequence.
-  _, weights = layer.apply(params, x, valid_lens=jnp.array([0, 4]))
-  assert np.all(weights[0] == 0.0)
+  assert np.all(no_keys_weights[0] == 0.0)
 
   # Gradients through a fully masked row stay finite.
   def loss(p):
@@ -153,12 +162,16 @@ def test_parity_with_flax_cross_attention_and_options():
                                                                  seed=2)
   kwargs = dict(num_heads=2, qkv_features=12, out_features=4)
   flax_layer = nn.MultiHeadDotProductAttention(**kwargs)
-  params = _init(flax_layer, q, k, v)
+  params = _jit_init(flax_layer, q, k, v)
   mask = jnp.asarray(_lengths_mask([7, 4], 7))
-  theirs = flax_layer.apply(params, q, k, v, mask=mask)
-  ours, weights = MultiHeadAttention(**kwargs).apply(params, q, k, v,
-                                                     valid_lens=jnp.array(
-                                                         [7, 4]))
+
+  @jax.jit  # one program, not op by op
+  def run(params):
+    theirs = flax_layer.apply(params, q, k, v, mask=mask)
+    return theirs, MultiHeadAttention(**kwargs).apply(
+        params, q, k, v, valid_lens=jnp.array([7, 4]))
+
+  theirs, (ours, weights) = run(params)
   np.testing.assert_allclose(ours, theirs, **TOL)
   assert weights.shape == (2, 2, 3, 7)
 
@@ -188,16 +201,17 @@ def _slice_heads(params, keep):
 def test_head_mask_zero_equals_slicing_the_head_out():
   x = _inputs(2, 5, 16)
   layer = MultiHeadAttention(num_heads=4)
-  params = _init(layer, x)
+  params = _jit_init(layer, x)
   valid_lens = jnp.array([5, 3])
   head_mask = jnp.array([1.0, 0.0, 1.0, 0.0])
-  masked, weights = layer.apply(params, x, valid_lens=valid_lens,
-                                head_mask=head_mask)
   keep = np.array([0, 2])
   sliced_layer = MultiHeadAttention(num_heads=2, qkv_features=8,
                                     out_features=16)
-  sliced, sliced_weights = sliced_layer.apply(
-      _slice_heads(params, keep), x, valid_lens=valid_lens)
+  # Both layers in one program: eagerly each operation compiles alone.
+  (masked, weights), (sliced, sliced_weights) = jax.jit(lambda p: (
+      layer.apply(p, x, valid_lens=valid_lens, head_mask=head_mask),
+      sliced_layer.apply(_slice_heads(p, keep), x, valid_lens=valid_lens)))(
+          params)
   np.testing.assert_allclose(masked, sliced, **TOL)
   np.testing.assert_allclose(weights[:, keep], sliced_weights, **TOL)
 
@@ -226,8 +240,9 @@ def test_head_mask_gradient_is_finite_and_matches_finite_difference():
     return jnp.sum(out ** 2)
 
   ones = jnp.ones(4)
-  grad = jax.grad(loss)(ones)
+  grad = jax.jit(jax.grad(loss))(ones)
   assert np.all(np.isfinite(grad)) and np.any(grad != 0)
+  loss = jax.jit(loss)  # one program for the 8 evaluations, not op by op
   eps = 1e-2  # loss is quadratic in the gate: central differences are exact
   fd = [(loss(ones.at[h].add(eps)) - loss(ones.at[h].add(-eps))) / (2 * eps)
         for h in range(4)]
@@ -354,12 +369,13 @@ def test_vmap_over_batch_equals_batched_call():
 def test_vmap_over_head_masks_equals_loop():
   x = _inputs(2, 5, 8)
   layer = MultiHeadAttention(num_heads=4, qkv_features=8)
-  params = _init(layer, x)
+  params = _jit_init(layer, x)
   masks = 1.0 - jnp.eye(4)  # leave-one-out
   run = lambda hm: layer.apply(params, x, head_mask=hm)[0]
   mapped = jax.jit(jax.vmap(run))(masks)
+  loop = jax.jit(run)  # one program for the loop, not op by op
   for i in range(4):
-    np.testing.assert_allclose(mapped[i], run(masks[i]), **TOL)
+    np.testing.assert_allclose(mapped[i], loop(masks[i]), **TOL)
 
 
 def test_vmap_over_stacked_parameters_equals_loop():
@@ -437,13 +453,15 @@ def test_dot_product_attention_dropout_needs_rng():
 def test_fused_path_equals_weights_path(batch):
   x = _inputs(*batch, 6, 16)
   layer = MultiHeadAttention(num_heads=4)
-  params = _init(layer, x)
+  params = _jit_init(layer, x)
   valid_lens = jnp.full(batch, 4)
   mask = jnp.ones(batch + (1, 6, 6), bool).at[..., 2, :].set(False)
   kwargs = dict(valid_lens=valid_lens, mask=mask,
                 head_mask=jnp.array([1.0, 0.0, 0.5, 1.0]))
-  with_weights, _ = layer.apply(params, x, **kwargs)
-  fused, none = layer.apply(params, x, return_weights=False, **kwargs)
+  # Both paths in one program: eagerly each operation compiles alone.
+  (with_weights, _), (fused, none) = jax.jit(lambda p: (
+      layer.apply(p, x, **kwargs),
+      layer.apply(p, x, return_weights=False, **kwargs)))(params)
   assert none is None
   np.testing.assert_allclose(fused, with_weights, **TOL)
 
@@ -455,22 +473,28 @@ def test_library_path_equals_explicit_math():
   q, k, v = (_inputs(2, 6, 4, 8, seed=s) for s in range(3))  # [B, L, H, Dh]
   mask = jnp.ones((2, 4, 6, 6), bool).at[:, :, 3, :].set(False)
   mask = mask.at[1, :, :, 4:].set(False)
-  expected, _ = dot_product_attention(q, k, v, mask=mask)
+  lengths = jnp.array([0, 4])  # cuDNN's padding form, a length of 0 too
   library = functools.partial(kernels.library_attention, implementation="xla")
-  got, none = jax.jit(lambda q, k, v, m: library(q, k, v, mask=m,
-                                                 kv_lengths=None))(q, k, v,
-                                                                   mask)
+
+  @jax.jit  # one program: eagerly each operation compiles alone
+  def run(q, k, v, m, lengths):
+    return dict(
+        masked=(library(q, k, v, mask=m, kv_lengths=None),
+                dot_product_attention(q, k, v, mask=m)[0]),
+        unmasked=(library(q, k, v, mask=None, kv_lengths=None)[0],
+                  dot_product_attention(q, k, v)[0]),
+        lengths=(library(q, k, v, mask=None, kv_lengths=lengths)[0],
+                 dot_product_attention(q, k, v, mask=(
+                     att.padding_mask_from_lengths(lengths, 6)))[0]))
+
+  r = run(q, k, v, mask, lengths)
+  (got, none), expected = r["masked"]
   assert none is None
   np.testing.assert_allclose(got, expected, **TOL)
   np.testing.assert_array_equal(got[:, 3], 0.0)  # no key: zero context
-  np.testing.assert_allclose(library(q, k, v, mask=None, kv_lengths=None)[0],
-                             dot_product_attention(q, k, v)[0], **TOL)
+  np.testing.assert_allclose(*r["unmasked"], **TOL)
   # Key lengths (cuDNN's padding form), a length of 0 included.
-  lengths = jnp.array([0, 4])
-  np.testing.assert_allclose(
-      library(q, k, v, mask=None, kv_lengths=lengths)[0],
-      dot_product_attention(q, k, v, mask=att.padding_mask_from_lengths(
-          lengths, 6))[0], **TOL)
+  np.testing.assert_allclose(*r["lengths"], **TOL)
 
 
 # ------------------------------------------------- masked rows under autodiff
@@ -489,10 +513,12 @@ def test_gradients_through_masked_keys_and_fully_masked_rows_are_zero():
     context, weights = dot_product_attention(q, k, v, mask=mask)
     return jnp.sum(context ** 2) + jnp.sum(jnp.sin(weights))
 
-  _, weights = dot_product_attention(q, k, v, mask=mask)
+  # One program, not op by op.
+  weights, grads = jax.jit(lambda q, k, v: (
+      dot_product_attention(q, k, v, mask=mask)[1],
+      jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
   assert np.all(np.asarray(weights)[~np.asarray(mask)] == 0.0)
   np.testing.assert_array_equal(weights[1, :, 2], 0.0)
-  grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
   for grad in grads:
     assert np.all(np.isfinite(grad))
   np.testing.assert_array_equal(grads[0][1, 2], 0.0)  # the query's gradient

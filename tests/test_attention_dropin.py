@@ -67,8 +67,9 @@ def test_same_parameters_and_outputs_as_flax(kwargs):
   q, kv = _x(2, 3, 8), _x(2, 5, 8, seed=1)
   ours, theirs = _both(**kwargs)
   mask = att.padding_mask_from_lengths(jnp.array([5, 2]), 5)
-  ours_params = ours.init(jax.random.key(3), q, kv)
-  their_params = theirs.init(jax.random.key(3), q, kv)
+  # Jitted, both: eagerly each operation compiles alone.
+  ours_params = jax.jit(ours.init)(jax.random.key(3), q, kv)
+  their_params = jax.jit(theirs.init)(jax.random.key(3), q, kv)
   jax.tree.map(np.testing.assert_array_equal, ours_params, their_params)
   out, weights = jax.jit(ours.apply)(ours_params, q, kv, mask=mask)
   np.testing.assert_allclose(
@@ -82,13 +83,14 @@ def test_out_initializers_apply_to_the_out_layer_only():
                              bias_init=nn.initializers.zeros,
                              out_bias_init=nn.initializers.ones)
   x = _x(2, 3, 4)
-  params = layer.init(jax.random.key(0), x)["params"]
+  # Jitted: eagerly each operation compiles alone.
+  params = jax.jit(layer.init)(jax.random.key(0), x)["params"]
   for name in ("query", "key", "value"):
     np.testing.assert_array_equal(params[name]["kernel"], 1.0)
     np.testing.assert_array_equal(params[name]["bias"], 0.0)
   np.testing.assert_array_equal(params["out"]["kernel"], 0.0)
   np.testing.assert_array_equal(params["out"]["bias"], 1.0)
-  out, _ = layer.apply({"params": params}, x)
+  out, _ = jax.jit(layer.apply)({"params": params}, x)
   np.testing.assert_array_equal(out, 1.0)  # zero kernel, bias of ones
 
 
@@ -258,15 +260,19 @@ def test_decoding_one_position_at_a_time_equals_causal_attention():
   layer = MultiHeadAttention(num_heads=heads, qkv_features=8,
                              precision=jax.lax.Precision.HIGHEST)
   decoder = layer.clone(decode=True)
-  variables = decoder.init(jax.random.key(0), x)
+  # Jitted (eagerly each operation compiles alone); Flax's cache only traced:
+  # its shapes and dtypes are compared.
+  variables = jax.jit(decoder.init)(jax.random.key(0), x)
   cache = variables["cache"]
-  flax_cache = nn.MultiHeadDotProductAttention(
-      num_heads=heads, qkv_features=8, decode=True).init(
-          jax.random.key(0), x)["cache"]
+  flax_decoder = nn.MultiHeadDotProductAttention(num_heads=heads,
+                                                qkv_features=8, decode=True)
+  flax_cache = jax.eval_shape(flax_decoder.init, jax.random.key(0),
+                              x)["cache"]
   assert jax.tree.map(lambda a: (a.shape, a.dtype), cache) == jax.tree.map(
       lambda a: (a.shape, a.dtype), flax_cache)
   params = {"params": variables["params"]}
-  expected, expected_w = layer.apply(params, x, mask=att.causal_mask(length))
+  expected, expected_w = jax.jit(
+      lambda p: layer.apply(p, x, mask=att.causal_mask(length)))(params)
 
   @jax.jit
   def step(cache, x_t):
@@ -288,7 +294,8 @@ def test_decoding_under_x64():
   with jax.enable_x64(True):
     x = jnp.ones((1, 3, 4))
     decoder = MultiHeadAttention(num_heads=2, decode=True)
-    variables = decoder.init(jax.random.key(0), x)
+    # Jitted: eagerly each operation compiles alone.
+    variables = jax.jit(decoder.init)(jax.random.key(0), x)
     step = jax.jit(lambda v, x_t: decoder.apply(v, x_t, mutable=["cache"]))
     for t in range(2):
       (out, _), state = step(variables, x[:, t:t + 1])
@@ -301,8 +308,9 @@ def test_causal_receptive_field():
   length = 6
   x = _x(1, length, 2)
   layer = MultiHeadAttention(num_heads=1, kernel_init=nn.initializers.ones)
-  params = layer.init(jax.random.key(0), x)
-  mask = nn.make_causal_mask(jnp.ones((1, length)))  # Flax's, float32
+  # Jitted, as the jacobian is: eagerly each operation compiles alone.
+  params = jax.jit(layer.init)(jax.random.key(0), x)
+  mask = jax.jit(nn.make_causal_mask)(jnp.ones((1, length)))  # Flax's: f32
 
   # d out[i] / d x[j] for every i, j at once: nonzero exactly for j <= i.
   jacobian = jax.jit(jax.jacrev(
@@ -539,8 +547,8 @@ def test_a_refused_cudnn_choice_falls_back_to_xla():
   got, weights = jax.jit(lambda q, k, v, m: kernels.fused_attention(
       q, k, v, mask=m, kv_lengths=None, return_weights=True, facts=H100))(
           q, k, v, mask)
-  expected, _ = kernels.library_attention(q, k, v, mask=mask, kv_lengths=None,
-                                          implementation="xla")
+  expected, _ = jax.jit(lambda q, k, v, m: kernels.library_attention(
+      q, k, v, mask=m, kv_lengths=None, implementation="xla"))(q, k, v, mask)
   np.testing.assert_array_equal(got, expected)
   assert weights.shape == (2, 2, 6, 6)
 

@@ -209,7 +209,9 @@ def test_model_dtype_key_trains_in_bfloat16():
   assert config_validation.config_problems(config) == []
   model = build.make_model(config)
   assert model.config.compute_dtype == jnp.bfloat16
-  state = build.create_train_state(config, model, jax.random.key(0))
+  # Jitted: eager initialisation compiles each of its operations alone.
+  state = jax.jit(lambda rng: build.create_train_state(config, model, rng))(
+      jax.random.key(0))
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(state.params))
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(1, 5, (4, config.data.max_len)),
