@@ -24,6 +24,7 @@ of the same function loads what another test compiled. Results do not change
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import os
 import re
@@ -271,19 +272,26 @@ def tiny_config(data_dir: str, *overrides: str) -> ml_collections.ConfigDict:
                                       *overrides]))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def init_params(model, key: jax.Array) -> Any:
+  """``mha.build.init_params(model, key)`` as one jitted program: the same
+  parameters, without compiling each of the initialisation's operations on
+  its own as an eager call does."""
+  from mha import build  # pylint: disable=import-outside-toplevel
+  return build.init_params(model, key)
+
+
 def random_model_and_split(config, *, seed: int = 0, n: int = 24,
                            min_length: int = 1):
   """An untrained ``Transformer(config)``, its parameters (``seed``) and a
   split of ``n`` random examples of ``min_length`` to ``config.max_len``
   tokens whose targets are a fixed function of each token: the pruning
   techniques' tests need a model, not a trained one."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from mha import data  # pylint: disable=import-outside-toplevel
   from mha.model import Transformer  # pylint: disable=import-outside-toplevel
   model = Transformer(config)
-  params = model.init(jax.random.key(seed),
-                      jnp.ones((1, config.max_len), jnp.int32))["params"]
+  params = init_params(model, jax.random.key(seed))
   rng = np.random.default_rng(seed)
   tokens = rng.integers(1, config.vocab_size, (n, config.max_len))
   lengths = rng.integers(min_length, config.max_len + 1, n)

@@ -29,7 +29,7 @@ from mha.pruning.study import report as report_lib
 from mha.pruning.study import seeds as study_seeds
 from mha.model import Transformer, TransformerConfig
 
-from conftest import copy_workdir, run, tiny_config
+from conftest import copy_workdir, init_params, run, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "prune_heads.py")
@@ -46,16 +46,9 @@ def _tokens(rng, n, config=CONFIG):
   return tokens.astype(np.int32)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _init_params(model, key):
-  """Jitted: ``model.init`` runs as one program, not op by op."""
-  tokens = jnp.ones((1, model.config.max_len), jnp.int32)
-  return model.init(key, tokens)["params"]
-
-
 def _init(config=CONFIG, seed=0):
   model = Transformer(config)
-  params = _init_params(model, jax.random.key(seed))
+  params = init_params(model, jax.random.key(seed))
   return model, jax.tree.map(np.asarray, params)
 
 

@@ -2,8 +2,6 @@
 ``--full`` outputs (``gates``, ``retraining``, ``mean_ablation``)."""
 
 import functools
-import json
-import os
 import types
 
 import jax
@@ -25,7 +23,7 @@ from mha.pruning import oracle
 from mha.pruning.study import StudyOptions
 from mha.pruning.study import analysis
 from mha.pruning.study import extensions
-from conftest import random_model_and_split
+from conftest import init_params, random_model_and_split
 
 # Gates, retraining and mean ablation train or evaluate many models.
 pytestmark = pytest.mark.slow
@@ -33,13 +31,6 @@ pytestmark = pytest.mark.slow
 CONFIG = TransformerConfig(vocab_size=8, num_layers=2, num_heads=2, d_model=8,
                            mlp_dim=8, max_len=6)
 PLANTED = (1, 0)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _init_params(model, key):
-  """Jitted: ``model.init`` runs as one program, not op by op."""
-  tokens = jnp.ones((1, model.config.max_len), jnp.int32)
-  return model.init(key, tokens)["params"]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -53,7 +44,7 @@ def _planted():
   head's output projection is zero), its targets its own confident
   predictions."""
   model = Transformer(CONFIG)
-  params = jax.tree.map(np.array, _init_params(model, jax.random.key(0)))
+  params = jax.tree.map(np.array, init_params(model, jax.random.key(0)))
   for layer in range(CONFIG.num_layers):
     out = params[f"layer_{layer}"]["attention"]["out"]["kernel"]
     for head in range(CONFIG.num_heads):

@@ -2,7 +2,6 @@
 and budgets."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -16,18 +15,14 @@ from mha.model import Transformer, TransformerConfig
 from mha.pruning import core
 from mha.pruning import retrain
 
-from conftest import assert_same_bits, random_model_and_split, tiny_config
+from conftest import (assert_same_bits, init_params, random_model_and_split,
+                      tiny_config)
 
 CONFIG = TransformerConfig(vocab_size=8, num_layers=2, num_heads=3,
                            d_model=12, mlp_dim=8, max_len=6)
 #: Removed flat heads (layer * 3 + head) of each mask: one head of layer 0;
 #: layer 1 emptied and one head of layer 0.
 REMOVED = ([1], [0, 3, 4, 5])
-
-
-#: ``build.init_params`` compiled once per architecture (two tests initialise
-#: the same pruned one; eager initialisation runs op by op).
-_init_params = jax.jit(build.init_params, static_argnums=0)
 
 
 def _masks():
@@ -49,7 +44,7 @@ def test_scratch_arms_have_the_pruned_shapes_from_step_0():
     assert pruned_config == retrain.pruned_model_config(CONFIG, _masks()[r])
     # The pruned architecture's own initialisation: its shapes, its values
     # (so the output projection's fan-in is the kept heads').
-    expected = _init_params(Transformer(pruned_config),
+    expected = init_params(Transformer(pruned_config),
                             jax.random.key(int(seeds[r])))
     assert (jax.tree.map(np.shape, pruned)
             == jax.tree.map(np.shape, expected))
@@ -73,7 +68,7 @@ def test_a_masked_scratch_model_trains_as_the_pruned_model():
                                        steps=4)
   pruned_config = retrain.pruned_model_config(CONFIG, mask)
   pruned_model = Transformer(pruned_config)
-  start = _init_params(pruned_model, jax.random.key(3))
+  start = init_params(pruned_model, jax.random.key(3))
   ones = np.ones((1, CONFIG.num_layers, pruned_config.max_heads))
   expected, _ = retrain.finetune_masked(
       pruned_model, retrain.stack(start, 1), ones, split, run, steps=4)

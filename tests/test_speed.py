@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import init_params
 from mha import data
 from mha.model import Transformer, TransformerConfig
 from mha import head_masks
@@ -57,9 +58,7 @@ def models():
   heads and every head removed (the first through ``core.prune_heads`` too,
   as the table builds it, so that its config is the table's)."""
   model = Transformer(CONFIG)
-  # Jitted: the initialization runs as one program, not op by op.
-  params = jax.jit(model.init)(
-      jax.random.key(0), jnp.ones((1, CONFIG.max_len), jnp.int32))["params"]
+  params = init_params(model, jax.random.key(0))
   out = []
   for fraction in [0.0, *FRACTIONS]:
     removed = head_masks.flat_to_pairs(CONFIG, ORDER[:int(fraction * 8)])

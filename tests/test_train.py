@@ -11,7 +11,6 @@ import time
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl import flags
@@ -25,7 +24,6 @@ from mha import build
 from mha.run import config_validation
 from mha import data
 from mha import evaluate
-from mha.run import sharding
 from mha import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -219,37 +217,18 @@ def _initial_state(config, model):
       config, model, build.run_rngs(config)[0]))()
 
 
-def _run_programs(config, model):
-  """A run's initial state and train step as ``train.train_and_evaluate``
-  jits them (its mesh and shardings, the state donated to the step): for the
-  ``tiny`` config the programs ``tiny_run`` compiled, loaded from the
-  session's compilation cache. Returns ``(init, step)``: ``init()`` gives
-  the initial state, ``step(state, batch, rng)`` what the run's steps give."""
-  mesh = sharding.make_mesh(config.mesh.data)
-  fresh_state = functools.partial(build.create_train_state, config, model,
-                                  tx=build.make_optimizer(config))
-  shardings = sharding.state_shardings(
-      jax.eval_shape(lambda: fresh_state(build.run_rngs(config)[0])), mesh,
-      shard_params=config.mesh.shard_params)
-  init = jax.jit(lambda: fresh_state(build.run_rngs(config)[0]),
-                 out_shardings=shardings)
-  step = train._train_program(  # pylint: disable=protected-access
-      config, model, mesh, shardings)
-  return init, step
-
-
 def test_train_step_says_whether_the_new_state_is_finite():
   config = _get_config("tiny")
   model = build.make_model(config)
-  # The run's own programs (tiny_run's): the step donates its state, so
-  # each call gets an initial state of its own.
-  init, step = _run_programs(config, model)
+  state = _initial_state(config, model)
+  step = jax.jit(functools.partial(
+      train.train_step, model=model,
+      schedule=build.learning_rate_schedule(config)))
   tokens = np.ones((config.batch_size, config.data.max_len), np.int32)
   batch = {"inputs": tokens, "targets": tokens}
   rng = jax.random.key(0)
-  assert bool(step(init(), batch, rng)[1]["state_finite"])
+  assert bool(step(state, batch, rng)[1]["state_finite"])
   # A non-finite moment of the optimizer (not a parameter) is seen too.
-  state = init()
   broken = state.replace(opt_state=jax.tree.map(
       lambda x: np.full(x.shape, np.inf, x.dtype) if x.ndim == 2 else x,
       state.opt_state))
