@@ -99,12 +99,13 @@ def test_fully_masked_rows_are_zero_not_nan_nor_uniform():
   x = _inputs(2, 4, 8)
   layer = MultiHeadAttention(num_heads=2)
   params = _jit_init(layer, x)
-  mask = jnp.ones((2, 1, 4, 4), bool).at[0, :, 1, :].set(False)
+  mask = np.ones((2, 1, 4, 4), bool)  # host arrays: no eager programs
+  mask[0, :, 1, :] = False
   # The three calls in one program: eagerly each operation compiles alone.
-  paths, (_, no_keys_weights) = jax.jit(lambda p: (
+  paths, (_, no_keys_weights) = jax.device_get(jax.jit(lambda p: (
       [layer.apply(p, x, mask=mask, return_weights=return_weights)
        for return_weights in (True, False)],
-      layer.apply(p, x, valid_lens=jnp.array([0, 4]))))(params)
+      layer.apply(p, x, valid_lens=jnp.array([0, 4]))))(params))
   for return_weights, (out, weights) in zip((True, False), paths):
     assert np.all(np.isfinite(out))
     # The row's context is zero, so its output is the out-projection bias.
@@ -124,16 +125,21 @@ def test_fully_masked_rows_are_zero_not_nan_nor_uniform():
 
 
 def test_mask_helpers():
+  # The helpers in one program: eagerly each operation compiles alone.
+  @jax.jit
+  def masks(tokens, lengths):
+    m = att.padding_mask_from_tokens(tokens)
+    return (att.causal_mask(3), m, att.padding_mask_from_lengths(lengths, 3),
+            att.combine_masks(att.causal_mask(3), m, None))
+
+  causal, m, from_lengths, combined = jax.device_get(masks(
+      np.array([[5, 3, 0]], np.int32), np.array([2], np.int32)))
   np.testing.assert_array_equal(
-      att.causal_mask(3)[0],
+      causal[0],
       [[1, 0, 0], [1, 1, 0], [1, 1, 1]])
-  tokens = jnp.array([[5, 3, 0]])
-  m = att.padding_mask_from_tokens(tokens)
   assert m.shape == (1, 1, 3, 3)
   np.testing.assert_array_equal(m[0, 0], [[1, 1, 0], [1, 1, 0], [0, 0, 0]])
-  np.testing.assert_array_equal(
-      att.padding_mask_from_lengths(jnp.array([2]), 3)[0, 0, 0], [1, 1, 0])
-  combined = att.combine_masks(att.causal_mask(3), m, None)
+  np.testing.assert_array_equal(from_lengths[0, 0, 0], [1, 1, 0])
   np.testing.assert_array_equal(combined[0, 0],
                                 [[1, 0, 0], [1, 1, 0], [0, 0, 0]])
   assert att.combine_masks(None, None) is None
@@ -146,12 +152,17 @@ def test_mask_helpers():
 def test_parity_with_flax_self_attention(use_mask):
   x = _inputs(3, 6, 16)
   flax_layer = nn.MultiHeadDotProductAttention(num_heads=4)
-  params = _init(flax_layer, x)  # a Flax checkpoint loads into ours
-  mask = jnp.asarray(_lengths_mask([6, 3, 1], 6)) if use_mask else None
-  theirs, inter = flax_layer.apply(params, x, mask=mask, sow_weights=True,
-                                   mutable=["intermediates"])
-  their_weights = inter["intermediates"]["attention_weights"][0]
-  ours, weights = MultiHeadAttention(num_heads=4).apply(params, x, mask=mask)
+  params = _jit_init(flax_layer, x)  # a Flax checkpoint loads into ours
+  mask = _lengths_mask([6, 3, 1], 6) if use_mask else None
+
+  @jax.jit  # one program, not op by op
+  def run(params):
+    theirs, inter = flax_layer.apply(params, x, mask=mask, sow_weights=True,
+                                     mutable=["intermediates"])
+    return ((theirs, inter["intermediates"]["attention_weights"][0]),
+            MultiHeadAttention(num_heads=4).apply(params, x, mask=mask))
+
+  (theirs, their_weights), (ours, weights) = run(params)
   np.testing.assert_allclose(ours, theirs, **TOL)
   np.testing.assert_allclose(weights, their_weights, **TOL)
 
@@ -179,9 +190,11 @@ def test_parity_with_flax_cross_attention_and_options():
 def test_parity_with_flax_without_bias():
   x = _inputs(2, 5, 8)
   kwargs = dict(num_heads=2, use_bias=False)
-  params = _init(MultiHeadAttention(**kwargs), x)
-  theirs = nn.MultiHeadDotProductAttention(**kwargs).apply(params, x)
-  ours, _ = MultiHeadAttention(**kwargs).apply(params, x)
+  params = _jit_init(MultiHeadAttention(**kwargs), x)
+  # Both layers in one program: eagerly each operation compiles alone.
+  theirs, (ours, _) = jax.jit(lambda p: (
+      nn.MultiHeadDotProductAttention(**kwargs).apply(p, x),
+      MultiHeadAttention(**kwargs).apply(p, x)))(params)
   np.testing.assert_allclose(ours, theirs, **TOL)
 
 
@@ -208,10 +221,11 @@ def test_head_mask_zero_equals_slicing_the_head_out():
   sliced_layer = MultiHeadAttention(num_heads=2, qkv_features=8,
                                     out_features=16)
   # Both layers in one program: eagerly each operation compiles alone.
-  (masked, weights), (sliced, sliced_weights) = jax.jit(lambda p: (
-      layer.apply(p, x, valid_lens=valid_lens, head_mask=head_mask),
-      sliced_layer.apply(_slice_heads(p, keep), x, valid_lens=valid_lens)))(
-          params)
+  (masked, weights), (sliced, sliced_weights) = jax.device_get(jax.jit(
+      lambda p: (
+          layer.apply(p, x, valid_lens=valid_lens, head_mask=head_mask),
+          sliced_layer.apply(_slice_heads(p, keep), x,
+                             valid_lens=valid_lens)))(params))
   np.testing.assert_allclose(masked, sliced, **TOL)
   np.testing.assert_allclose(weights[:, keep], sliced_weights, **TOL)
 
@@ -219,13 +233,16 @@ def test_head_mask_zero_equals_slicing_the_head_out():
 def test_zero_heads_layer_is_the_masked_layer():
   x = _inputs(2, 5, 16)
   layer = MultiHeadAttention(num_heads=4)
-  params = _init(layer, x)
-  masked, _ = layer.apply(params, x, head_mask=jnp.zeros(4))
+  params = _jit_init(layer, x)
   empty = MultiHeadAttention(num_heads=0, qkv_features=0, out_features=16)
   empty_params = {"params": {"out": {"bias": params["params"]["out"]["bias"]}}}
-  assert (jax.tree.map(jnp.shape, _init(empty, x)) ==
+  # Shapes only: traced, not run (eagerly each operation compiles alone).
+  assert (jax.tree.map(jnp.shape, jax.eval_shape(lambda: _init(empty, x))) ==
           jax.tree.map(jnp.shape, empty_params))
-  out, weights = empty.apply(empty_params, x)
+  # Both layers in one program.
+  (masked, _), (out, weights) = jax.jit(lambda p, e: (
+      layer.apply(p, x, head_mask=jnp.zeros(4)), empty.apply(e, x)))(
+          params, empty_params)
   np.testing.assert_allclose(out, masked, **TOL)
   assert weights.shape == (2, 0, 5, 5)
 
@@ -233,19 +250,21 @@ def test_zero_heads_layer_is_the_masked_layer():
 def test_head_mask_gradient_is_finite_and_matches_finite_difference():
   x = _inputs(2, 5, 16)
   layer = MultiHeadAttention(num_heads=4)
-  params = _init(layer, x)
+  params = _jit_init(layer, x)
 
   def loss(head_mask):
     out, _ = layer.apply(params, x, head_mask=head_mask)
     return jnp.sum(out ** 2)
 
-  ones = jnp.ones(4)
-  grad = jax.jit(jax.grad(loss))(ones)
+  ones = np.ones(4, np.float32)  # host arrays: no eager programs
+  grad = np.asarray(jax.jit(jax.grad(loss))(ones))
   assert np.all(np.isfinite(grad)) and np.any(grad != 0)
   loss = jax.jit(loss)  # one program for the 8 evaluations, not op by op
   eps = 1e-2  # loss is quadratic in the gate: central differences are exact
-  fd = [(loss(ones.at[h].add(eps)) - loss(ones.at[h].add(-eps))) / (2 * eps)
-        for h in range(4)]
+  # ones.at[h].add(+-eps), on the host: the same float32 gates.
+  nudges = np.eye(4, dtype=np.float32) * np.float32(eps)
+  fd = [(np.asarray(loss(ones + nudge)) - np.asarray(loss(ones - nudge)))
+        / (2 * eps) for nudge in nudges]
   np.testing.assert_allclose(grad, fd, rtol=1e-3, atol=1e-3)
 
 
@@ -256,8 +275,9 @@ def _grouped_qkv():
   """Queries of 4 heads, keys and values of 2, a mask with a few holes."""
   q = _inputs(2, 5, 4, 8)
   k, v = _inputs(2, 6, 2, 8, seed=1), _inputs(2, 6, 2, 8, seed=2)
-  mask = jax.random.bernoulli(jax.random.key(3), 0.7, (2, 4, 5, 6))
-  return q, k, v, mask.at[..., 0].set(True)  # no fully masked row
+  mask = np.array(jax.random.bernoulli(jax.random.key(3), 0.7, (2, 4, 5, 6)))
+  mask[..., 0] = True  # no fully masked row (on the host: no eager program)
+  return q, k, v, mask
 
 
 def test_grouped_query_attention_equals_jax_nn():
@@ -446,7 +466,9 @@ def test_dropout_only_when_not_deterministic():
 def test_dot_product_attention_dropout_needs_rng():
   q = _inputs(4, 2, 3)
   with pytest.raises(ValueError, match="dropout_rng"):
-    dot_product_attention(q, q, q, dropout_rate=0.1, deterministic=False)
+    # Traced, not run: the check is Python's, the same eagerly.
+    jax.eval_shape(lambda q: dot_product_attention(
+        q, q, q, dropout_rate=0.1, deterministic=False), q)
 
 
 @pytest.mark.parametrize("batch", [(), (2,), (2, 3)])
@@ -454,8 +476,9 @@ def test_fused_path_equals_weights_path(batch):
   x = _inputs(*batch, 6, 16)
   layer = MultiHeadAttention(num_heads=4)
   params = _jit_init(layer, x)
-  valid_lens = jnp.full(batch, 4)
-  mask = jnp.ones(batch + (1, 6, 6), bool).at[..., 2, :].set(False)
+  valid_lens = np.full(batch, 4, np.int32)  # host arrays: no eager programs
+  mask = np.ones(batch + (1, 6, 6), bool)
+  mask[..., 2, :] = False
   kwargs = dict(valid_lens=valid_lens, mask=mask,
                 head_mask=jnp.array([1.0, 0.0, 0.5, 1.0]))
   # Both paths in one program: eagerly each operation compiles alone.
@@ -471,9 +494,10 @@ def test_library_path_equals_explicit_math():
   # On CPU the fused path runs the explicit math; the branch other platforms
   # take (jax.nn.dot_product_attention) must agree, fully masked rows too.
   q, k, v = (_inputs(2, 6, 4, 8, seed=s) for s in range(3))  # [B, L, H, Dh]
-  mask = jnp.ones((2, 4, 6, 6), bool).at[:, :, 3, :].set(False)
-  mask = mask.at[1, :, :, 4:].set(False)
-  lengths = jnp.array([0, 4])  # cuDNN's padding form, a length of 0 too
+  mask = np.ones((2, 4, 6, 6), bool)  # host arrays: no eager programs
+  mask[:, :, 3, :] = False
+  mask[1, :, :, 4:] = False
+  lengths = np.array([0, 4], np.int32)  # cuDNN's padding form, a 0 too
   library = functools.partial(kernels.library_attention, implementation="xla")
 
   @jax.jit  # one program: eagerly each operation compiles alone
@@ -487,7 +511,7 @@ def test_library_path_equals_explicit_math():
                  dot_product_attention(q, k, v, mask=(
                      att.padding_mask_from_lengths(lengths, 6)))[0]))
 
-  r = run(q, k, v, mask, lengths)
+  r = jax.device_get(run(q, k, v, mask, lengths))
   (got, none), expected = r["masked"]
   assert none is None
   np.testing.assert_allclose(got, expected, **TOL)
@@ -506,18 +530,19 @@ def test_gradients_through_masked_keys_and_fully_masked_rows_are_zero():
   zero weight and gradient, and a query with no key to attend to an all-zero
   row and a zero gradient, never NaN."""
   q, k, v = (_inputs(2, 4, 2, 8, seed=s) for s in range(3))  # [B, L, H, Dh]
-  mask = jnp.ones((2, 2, 4, 4), bool).at[0, :, :, 3:].set(False)
-  mask = mask.at[1, :, 2, :].set(False)  # a query with no key
+  mask = np.ones((2, 2, 4, 4), bool)  # host arrays: no eager programs
+  mask[0, :, :, 3:] = False
+  mask[1, :, 2, :] = False  # a query with no key
 
   def loss(q, k, v):
     context, weights = dot_product_attention(q, k, v, mask=mask)
     return jnp.sum(context ** 2) + jnp.sum(jnp.sin(weights))
 
   # One program, not op by op.
-  weights, grads = jax.jit(lambda q, k, v: (
+  weights, grads = jax.device_get(jax.jit(lambda q, k, v: (
       dot_product_attention(q, k, v, mask=mask)[1],
-      jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
-  assert np.all(np.asarray(weights)[~np.asarray(mask)] == 0.0)
+      jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v))
+  assert np.all(weights[~mask] == 0.0)
   np.testing.assert_array_equal(weights[1, :, 2], 0.0)
   for grad in grads:
     assert np.all(np.isfinite(grad))
@@ -558,6 +583,6 @@ def test_bad_shapes_raise_value_error_naming_the_argument(call, match):
 def test_bad_shapes_raise_at_trace_time_under_jit():
   x = _inputs(2, 5, 16)
   layer = MultiHeadAttention(num_heads=4)
-  params = _init(layer, x)
+  params = _jit_init(layer, x)
   with pytest.raises(ValueError, match="head_mask"):
     jax.jit(lambda p: layer.apply(p, x, head_mask=jnp.ones(5)))(params)
