@@ -128,7 +128,7 @@ def test_keys_and_values_arguments_resolve_as_in_flax():
   with pytest.raises(ValueError, match="`inputs_kv` must be None"):
     layer.apply(params, q, kv, inputs_kv=kv)
   # A mask passed where inputs_v goes: Flax's warning, then a shape error.
-  square = jnp.ones((1, 5, 5), bool)
+  square = np.ones((1, 5, 5), bool)  # a host array: no eager program
   with pytest.warns(DeprecationWarning, match="intended to pass it to the"):
     with pytest.raises(ValueError, match="inputs_v"):
       layer.apply(params, q[None], kv[None], square)
@@ -152,8 +152,10 @@ def test_dropout_equals_flax_with_the_same_key(broadcast):
 
 
 def test_broadcast_dropout_shares_one_mask_over_batch_and_heads():
-  value = jnp.broadcast_to(jnp.eye(5)[None, :, None, :], (3, 5, 2, 5))
-  q = jnp.zeros((3, 4, 2, 5))  # uniform weights, value = identity per key
+  # Host arrays: no eager programs.
+  value = np.broadcast_to(np.eye(5, dtype=np.float32)[None, :, None, :],
+                          (3, 5, 2, 5))
+  q = np.zeros((3, 4, 2, 5), np.float32)  # uniform weights, value = identity
   for broadcast in (True, False):
     context, _ = jax.jit(dot_product_attention, static_argnames=(
         "broadcast_dropout", "dropout_rate", "deterministic"))(
@@ -280,19 +282,25 @@ def test_decoding_one_position_at_a_time_equals_causal_attention():
                                           mutable=["cache"])
     return state["cache"], out, weights
 
+  # Slices on the host: eagerly each slice compiles alone.
+  x_host, expected, expected_w = jax.device_get((x, expected, expected_w))
   for t in range(length):
-    cache, out, weights = step(cache, x[..., t:t + 1, :])
+    cache, out, weights = step(cache, x_host[..., t:t + 1, :])
+    out, weights = jax.device_get((out, weights))
     np.testing.assert_allclose(out[..., 0, :], expected[..., t, :], **TOL)
     np.testing.assert_allclose(weights[..., 0, :], expected_w[..., t, :],
                                **TOL)
   assert int(cache["cache_index"]) == length
   with pytest.raises(ValueError, match="Autoregressive cache shape error"):
-    decoder.apply(params | {"cache": cache}, x[..., :2, :], mutable=["cache"])
+    # Traced, not run: the check is on shapes, the same eagerly.
+    jax.eval_shape(lambda c, x: decoder.apply(params | {"cache": c}, x,
+                                              mutable=["cache"]),
+                   cache, x[..., :2, :])
 
 
 def test_decoding_under_x64():
   with jax.enable_x64(True):
-    x = jnp.ones((1, 3, 4))
+    x = np.ones((1, 3, 4))  # float64, on the host: no eager programs
     decoder = MultiHeadAttention(num_heads=2, decode=True)
     # Jitted: eagerly each operation compiles alone.
     variables = jax.jit(decoder.init)(jax.random.key(0), x)
@@ -310,12 +318,14 @@ def test_causal_receptive_field():
   layer = MultiHeadAttention(num_heads=1, kernel_init=nn.initializers.ones)
   # Jitted, as the jacobian is: eagerly each operation compiles alone.
   params = jax.jit(layer.init)(jax.random.key(0), x)
-  mask = jax.jit(nn.make_causal_mask)(jnp.ones((1, length)))  # Flax's: f32
+  mask = jax.jit(nn.make_causal_mask)(
+      np.ones((1, length), np.float32))  # Flax's: f32
 
   # d out[i] / d x[j] for every i, j at once: nonzero exactly for j <= i.
   jacobian = jax.jit(jax.jacrev(
       lambda x: layer.apply(params, x, mask=mask)[0]))(x)
-  reached = np.any(np.abs(jacobian[0]) > 0, axis=(1, 2, 4))  # [i, j]
+  reached = np.any(np.abs(np.asarray(jacobian)[0]) > 0,
+                   axis=(1, 2, 4))  # [i, j]
   np.testing.assert_array_equal(reached, np.tril(np.ones((length, length))))
 
 
@@ -485,8 +495,10 @@ def test_select_implementation_refuses_an_unknown_mask_form():
 
 def _qkv_mask(dtype=jnp.float32):
   q, k, v = (_x(2, 6, 2, 8, seed=s, dtype=dtype) for s in range(3))
-  mask = jnp.ones((2, 2, 6, 6), bool).at[:, :, 3, :].set(False)  # no key
-  return q, k, v, mask.at[1, :, :, 4:].set(False)
+  mask = np.ones((2, 2, 6, 6), bool)  # host arrays: no eager programs
+  mask[:, :, 3, :] = False  # no key
+  mask[1, :, :, 4:] = False
+  return q, k, v, mask
 
 
 @pytest.mark.slow
@@ -496,16 +508,21 @@ def test_weights_rebuilt_from_the_log_sum_exp_equal_the_unfused_ones():
       q, k, v, mask=mask, kv_lengths=lengths, implementation="xla",
       return_weights=True)
   one_head = mask[:, :1]  # [B, 1, Lq, Lk]: one mask for every head
-  for m, lengths in ((mask, None), (one_head, None),
-                     (None, jnp.array([6, 0]))):
+
+  @jax.jit  # the reference in one program: eagerly each op compiles alone
+  def reference(m, lengths):
     full = m if lengths is None else att.padding_mask_from_lengths(lengths, 6)
     full = jnp.broadcast_to(full, (2, 2, 6, 6))
+    return dot_product_attention(q, k, v, mask=full)
+
+  for m, lengths in ((mask, None), (one_head, None),
+                     (None, np.array([6, 0], np.int32))):
     context, weights = jax.jit(rebuild)(q, k, v, m, lengths)
-    expected_context, expected = dot_product_attention(q, k, v, mask=full)
+    expected_context, expected = reference(m, lengths)
     assert weights.dtype == jnp.float32
     np.testing.assert_allclose(weights, expected, **TOL)
     np.testing.assert_allclose(context, expected_context, **TOL)
-  np.testing.assert_array_equal(weights[1], 0.0)  # length 0: zero rows
+  np.testing.assert_array_equal(np.asarray(weights)[1], 0.0)  # zero rows
 
   # Gradients through the rebuilt weights equal the unfused ones.
   def loss(attention, q, k):
@@ -524,9 +541,10 @@ def test_bfloat16_residual_is_renormalised():
   _, weights = jax.jit(lambda q, k, v, m: kernels.library_attention(
       q, k, v, mask=m, kv_lengths=None, implementation="xla",
       return_weights=True))(q, k, v, mask)
-  _, expected = jax.jit(dot_product_attention)(
+  # The casts in the reference's program: eagerly each compiles alone.
+  _, expected = jax.jit(lambda q, k, v, m: dot_product_attention(
       q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-      mask=mask)
+      mask=m))(q, k, v, mask)
   # The logits come from the same bfloat16 inputs, in float32: the weights
   # agree to float32 rounding once the bfloat16 log-sum-exp is renormalised
   # (without, rows would sum to 1 +- ~1%).
