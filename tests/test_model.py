@@ -10,8 +10,9 @@ from mha.model import Transformer, TransformerConfig
 TOL = dict(atol=1e-5, rtol=1e-5)
 CFG = TransformerConfig(vocab_size=11, num_layers=2, num_heads=4, d_model=32,
                         mlp_dim=64, max_len=8)
-TOKENS = jnp.array([[3, 1, 4, 1, 5, 0, 0, 0],
-                    [9, 2, 6, 5, 3, 5, 8, 9]])
+# Put from the host: jnp.array would compile a conversion program.
+TOKENS = jax.device_put(np.array([[3, 1, 4, 1, 5, 0, 0, 0],
+                                  [9, 2, 6, 5, 3, 5, 8, 9]], np.int32))
 
 
 def _init(cfg=CFG, tokens=TOKENS):
@@ -26,7 +27,7 @@ def test_shapes_and_attention_per_layer():
   assert len(attention) == 2
   assert all(a.shape == (2, 4, 8, 8) for a in attention)
   # Padding keys get zero weight, padding queries attend to nothing.
-  a = np.asarray(attention[0][0])
+  a = np.asarray(attention[0])[0]
   assert np.all(a[:, :, 5:] == 0) and np.all(a[:, 5:, :] == 0)
   np.testing.assert_allclose(a[:, :5].sum(-1), 1.0, **TOL)
 
@@ -37,7 +38,7 @@ def test_unbatched_and_vmapped_calls_equal_batched():
   model = Transformer(CFG)
   batched, _ = model.apply(params, TOKENS)
   single, _ = model.apply(params, TOKENS[1])
-  np.testing.assert_allclose(single, batched[1], **TOL)
+  np.testing.assert_allclose(single, np.asarray(batched)[1], **TOL)
   # Jitted: one program, not each vmapped op compiled on its own.
   mapped, _ = jax.jit(jax.vmap(lambda t: model.apply(params, t)))(TOKENS)
   np.testing.assert_allclose(mapped, batched, **TOL)
@@ -47,11 +48,12 @@ def test_unbatched_and_vmapped_calls_equal_batched():
 def test_padding_invariance():
   params = _init()
   model = Transformer(CFG)
-  other = TOKENS.at[1].set(jnp.array([1, 1, 1, 0, 0, 0, 0, 0]))
+  other = np.array(TOKENS)  # on the host: no eager programs
+  other[1] = [1, 1, 1, 0, 0, 0, 0, 0]
   # The three calls in one program: eagerly each operation compiles alone.
-  logits, short, changed = jax.jit(lambda p: [
+  logits, short, changed = jax.device_get(jax.jit(lambda p: [
       model.apply(p, tokens)[0] for tokens in (TOKENS, TOKENS[:1, :6],
-                                               other)])(params)
+                                               other)])(params))
   # Shorter padding (a shorter array) gives the same valid logits.
   np.testing.assert_allclose(short[0, :5], logits[0, :5], **TOL)
   # Another batch row's content never leaks into this one.
@@ -67,8 +69,8 @@ def test_finite_gradients_for_params_and_head_mask():
     logits, attention = model.apply(p, TOKENS, head_mask=hm)
     return jnp.mean(logits ** 2) + sum(jnp.sum(a) for a in attention)
 
-  g_params, g_mask = jax.jit(jax.grad(loss, argnums=(0, 1)))(
-      params, jnp.ones((2, 4)))
+  g_params, g_mask = jax.device_get(jax.jit(jax.grad(loss, argnums=(0, 1)))(
+      params, np.ones((2, 4), np.float32)))
   assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(g_params))
   assert g_mask.shape == (2, 4) and np.all(np.isfinite(g_mask))
   assert np.any(g_mask != 0)
@@ -82,10 +84,10 @@ def test_head_mask_array_and_sequence_agree_and_vmap():
   a, _ = model.apply(params, TOKENS, head_mask=hm)
   b, _ = model.apply(params, TOKENS, head_mask=[hm[0], hm[1]])
   np.testing.assert_allclose(a, b, **TOL)
-  masks = jnp.stack([hm, jnp.ones_like(hm)])
+  masks = np.stack([hm, np.ones(hm.shape, np.float32)])  # on the host
   mapped, _ = jax.jit(jax.vmap(  # one program, not op by op
       lambda m: model.apply(params, TOKENS, head_mask=m)))(masks)
-  np.testing.assert_allclose(mapped[0], a, **TOL)
+  np.testing.assert_allclose(np.asarray(mapped)[0], a, **TOL)
 
 
 @pytest.mark.slow  # 3.2 s on 2 cores: the fused path run eagerly, op by op
@@ -142,7 +144,10 @@ def test_causal_positions_never_see_later_tokens():
   model = Transformer(cfg)
   logits, attention = model.apply(params, TOKENS)
   assert all(np.all(np.triu(np.asarray(a), 1) == 0) for a in attention)
-  changed, _ = model.apply(params, TOKENS.at[1, 5].set(1))
+  tokens = np.array(TOKENS)  # changed on the host: no eager programs
+  tokens[1, 5] = 1
+  changed, _ = model.apply(params, jax.device_put(tokens))
+  changed, logits = jax.device_get((changed, logits))  # sliced on the host
   np.testing.assert_array_equal(changed[1, :5], logits[1, :5])
   assert not np.allclose(changed[1, 5:], logits[1, 5:])
   # Same parameters as the encoder's: only the mask differs.
@@ -183,9 +188,10 @@ def test_bad_inputs():
   params = _init()
   model = Transformer(CFG)
   with pytest.raises(ValueError, match=r"`tokens` has shape \(1, 9\)"):
-    model.apply(params, jnp.ones((1, 9), jnp.int32))
+    model.apply(params, jax.device_put(np.ones((1, 9), np.int32)))
   with pytest.raises(ValueError, match=r"`head_mask` has shape \(2, 3\)"):
-    model.apply(params, TOKENS, head_mask=jnp.ones((2, 3)))
+    model.apply(params, TOKENS,
+                head_mask=jax.device_put(np.ones((2, 3), np.float32)))
   with pytest.raises(ValueError, match=r"3 per-layer entries"):
     model.apply(params, TOKENS, head_mask=[jnp.ones(4)] * 3)
 
@@ -207,6 +213,7 @@ def test_bfloat16_compute_dtype():
   np.testing.assert_allclose(np.asarray(attention[1], np.float32),
                              expected_attention[1], atol=2e-2)
   assert np.all(np.isfinite(np.asarray(logits, np.float32)))
+  logits, expected = jax.device_get((logits, expected))  # NumPy's argmax
   assert np.mean(np.argmax(logits, -1) == np.argmax(expected, -1)) > 0.9
   assert TransformerConfig(**{**CFG.__dict__, "dtype": jnp.bfloat16}
                            ).dtype == "bfloat16"
