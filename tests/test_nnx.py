@@ -207,20 +207,23 @@ def test_decoding_from_the_cache_like_flax():
                 decode=True, precision=jax.lax.Precision.HIGHEST)
   ours, theirs = _both(**kwargs)
   x = _x(2, 3, 8)
+  x_host = np.asarray(x)  # sliced on the host: no eager programs
   with pytest.raises(ValueError, match="call ``init_cache`` first"):
-    ours(x[:, :1])
+    # Traced, not run: the check is Python's, raised the same way eagerly.
+    nnx.jit(lambda m: m(x_host[:, :1]))(ours)
   for layer in (ours, theirs):
     layer.init_cache(x.shape)
   assert ours.cached_key.shape == (2, 3, 2, 2)
   expected, _ = nnx.jit(lambda m: m(x, decode=False, is_causal=True))(ours)
   step = nnx.jit(lambda m, f, x_t: (m(x_t), f(x_t)))
+  expected = np.asarray(expected)
   for t in range(3):
-    (out, _), flax_out = step(ours, theirs, x[:, t:t + 1])
+    (out, _), flax_out = jax.device_get(step(ours, theirs, x_host[:, t:t + 1]))
     np.testing.assert_allclose(out[:, 0], expected[:, t], **TOL)
     np.testing.assert_allclose(out, flax_out, **TOL)
   assert int(ours.cache_index[...]) == 3
   with pytest.raises(ValueError, match="Autoregressive cache shape error"):
-    ours(x[:, :2])
+    nnx.jit(lambda m: m(x_host[:, :2]))(ours)  # traced, not run
   view = nnx.view(mha_nnx.MultiHeadAttention(**kwargs, rngs=nnx.Rngs(0)),
                   decode=True, batch_size=2, max_length=3)
   assert view.cached_key.shape == (2, 3, 2, 2)
@@ -286,9 +289,11 @@ def test_transformer_from_checkpoint_equals_the_linen_model(tiny_run):
   model = transformer_from_checkpoint(tiny_run.workdir)
   jax.tree.map(np.testing.assert_array_equal,
                nnx.to_pure_dict(nnx.state(model, nnx.Param)), loaded.params)
-  tokens = jnp.array([[3, 4, 5, 0], [5, 6, 0, 0]])
-  head_mask = jnp.ones((loaded.model_config.num_layers,
-                        loaded.model_config.max_heads)).at[0, 0].set(0.0)
+  # Host arrays: no eager programs.
+  tokens = np.array([[3, 4, 5, 0], [5, 6, 0, 0]], np.int32)
+  head_mask = np.ones((loaded.model_config.num_layers,
+                       loaded.model_config.max_heads), np.float32)
+  head_mask[0, 0] = 0.0
   (logits, attention), (want_logits, want_attention) = nnx.jit(
       lambda m: (m(tokens, head_mask=head_mask), loaded.model.apply(
           {"params": loaded.params}, tokens, head_mask=head_mask)))(model)
