@@ -17,7 +17,9 @@ from mha.model import Transformer, TransformerConfig
 TOL = dict(atol=1e-5, rtol=1e-5)
 CFG = TransformerConfig(vocab_size=11, num_layers=2, num_heads=2, d_model=16,
                         mlp_dim=32, max_len=8, causal=True)
-TOKENS = jax.random.randint(jax.random.key(1), (2, 8), 1, 11)
+# Jitted: one program, not one per operation.
+TOKENS = jax.jit(lambda: jax.random.randint(jax.random.key(1), (2, 8), 1,
+                                            11))()
 
 
 def _params(cfg):
@@ -52,23 +54,26 @@ def test_greedy_generation_is_the_argmax_of_the_full_pass():
   prompt = TOKENS[:, :3]
   out = decode.generate(cfg, params, prompt, 5, rng=jax.random.key(0))
   assert out.shape == (2, 8)
+  out = np.asarray(out)
   np.testing.assert_array_equal(out[:, :3], prompt)
   full, _ = Transformer(cfg).apply({"params": params}, out)
-  best = jnp.argmax(full[:, :, 1:], -1) + 1  # never the padding token
+  # On the host: the argmax of each position's logits, never padding.
+  best = np.argmax(np.asarray(full)[:, :, 1:], -1) + 1
   np.testing.assert_array_equal(out[:, 3:], best[:, 2:-1])
 
 
 def test_sampling_draws_from_the_tempered_distribution():
   logits = jnp.log(jnp.array([[0.5, 0.1, 0.3, 0.6]] * 4000))
-  greedy = decode.next_token(logits, jax.random.key(0), 0.0)
+  next_token = jax.jit(decode.next_token)  # one program for the three
+  greedy = np.asarray(next_token(logits, jax.random.key(0), 0.0))
   assert np.all(greedy == 3)
-  drawn = np.asarray(decode.next_token(logits, jax.random.key(0), 1.0))
+  drawn = np.asarray(next_token(logits, jax.random.key(0), 1.0))
   # Token 0 is never drawn; 1..3 in proportion 0.1 : 0.3 : 0.6, each within
   # 0.03 (a binomial standard deviation at n = 4000 is under 0.008).
   assert not np.any(drawn == 0)
   np.testing.assert_allclose(np.bincount(drawn, minlength=4)[1:] / 4000,
                              [0.1, 0.3, 0.6], atol=0.03)
-  sharp = np.asarray(decode.next_token(logits, jax.random.key(0), 0.05))
+  sharp = np.asarray(next_token(logits, jax.random.key(0), 0.05))
   assert np.mean(sharp == 3) > 0.99
 
 

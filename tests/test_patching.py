@@ -40,8 +40,9 @@ def _random_params(model: Transformer, scale: float = 0.5):
   shapes = jax.eval_shape(lambda: model.init(jax.random.key(0),
                                              jnp.asarray(CLEAN))["params"])
   rng = np.random.default_rng(0)
-  return jax.tree.map(lambda s: jnp.asarray(
-      scale * rng.standard_normal(s.shape), s.dtype), shapes)
+  # Cast in NumPy (jnp.asarray compiles a conversion for each shape).
+  return jax.tree.map(lambda s: jax.device_put(np.asarray(
+      scale * rng.standard_normal(s.shape), s.dtype)), shapes)
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +62,11 @@ def test_cache_holds_the_contexts_and_the_residual_stream(model_and_params):
   np.testing.assert_array_equal(logits, _logits(model, params, CLEAN))
   assert [c.shape for c in acts.contexts] == [(2, 8, 2, 8)] * 2
   assert acts.residual.shape == (3, 2, 8, 16)
-  np.testing.assert_array_equal(acts.residual[0], model.apply(
+  residual = np.asarray(acts.residual)  # indexed on the host
+  np.testing.assert_array_equal(residual[0], model.apply(
       {"params": params}, CLEAN, method="embed"))
   np.testing.assert_array_equal(logits, model.apply(
-      {"params": params}, acts.residual[2], method="readout"))
+      {"params": params}, jax.device_put(residual[2]), method="readout"))
   # Layer 1's contexts: its attention weights times its values.
   _, weights = model.apply({"params": params}, CLEAN)
   block = params["layer_1"]
@@ -83,13 +85,14 @@ def test_own_activations_change_nothing(model_and_params):
   expected = _logits(model, params, CLEAN)
   _, own = patching.run_with_cache(model, params, CLEAN)
   everything = patching.run_patched(
-      model, params, CLEAN, own, heads=jnp.ones((2, 2), bool),
-      positions=jnp.ones((3, 8), bool))
+      model, params, CLEAN, own, heads=jax.device_put(np.ones((2, 2), bool)),
+      positions=jax.device_put(np.ones((3, 8), bool)))
   np.testing.assert_array_equal(everything, expected)  # bitwise
   heads = patching.patch_heads(model, params, CLEAN, CLEAN, PATCHES)
   assert heads.shape == (4, 2, 8, 11)
-  np.testing.assert_allclose(heads, jnp.broadcast_to(expected, heads.shape),
-                             atol=VMAP_ATOL)
+  np.testing.assert_allclose(
+      heads, np.broadcast_to(np.asarray(expected), heads.shape),
+      atol=VMAP_ATOL)
 
 
 def test_the_residual_everywhere_before_a_block_is_the_corrupt_run(
@@ -100,12 +103,14 @@ def test_the_residual_everywhere_before_a_block_is_the_corrupt_run(
   before_block_0 = np.zeros((3, 8), bool)
   before_block_0[0] = True
   np.testing.assert_array_equal(patching.run_patched(
-      model, params, CLEAN, source, positions=jnp.asarray(before_block_0)),
+      model, params, CLEAN, source,
+      positions=jax.device_put(before_block_0)),
       expected)  # bitwise
   layers = [[(layer, p) for p in range(8)] for layer in range(3)]
   patched = patching.patch_residual(model, params, CLEAN, CORRUPT, layers)
   np.testing.assert_allclose(
-      patched, jnp.broadcast_to(expected, patched.shape), atol=VMAP_ATOL)
+      patched, np.broadcast_to(np.asarray(expected), patched.shape),
+      atol=VMAP_ATOL)
 
 
 def test_every_head_carries_the_corrupt_run_where_tokens_agree(
@@ -114,9 +119,10 @@ def test_every_head_carries_the_corrupt_run_where_tokens_agree(
   from the corrupt run, a position whose token is the same in both inputs
   computes what it computes in the corrupt run; a changed one does not."""
   model, params = model_and_params
-  expected = _logits(model, params, CORRUPT)
+  expected = np.asarray(_logits(model, params, CORRUPT))  # host indexing
   assert PATCHES[-1] == patching.every_head(CONFIG)
-  patched = patching.patch_heads(model, params, CLEAN, CORRUPT, PATCHES)[-1]
+  patched = np.asarray(
+      patching.patch_heads(model, params, CLEAN, CORRUPT, PATCHES))[-1]
   same = CLEAN == CORRUPT
   np.testing.assert_allclose(patched[same], expected[same], atol=VMAP_ATOL)
   assert np.all(np.abs(patched[~same] - expected[~same]).max(-1) > 1e-2)
@@ -128,9 +134,9 @@ def test_the_vmapped_call_equals_a_loop(model_and_params):
   _, source = patching.run_with_cache(model, params, CORRUPT)
   masks = patching.head_patch_masks(CONFIG, PATCHES)
   assert masks.sum() == 8 and masks[1, 0, 0] and masks[1, 1, 1]
-  for mask, logits in zip(masks, batched):
+  for mask, logits in zip(masks, np.asarray(batched)):
     np.testing.assert_allclose(logits, patching.run_patched(
-        model, params, CLEAN, source, heads=jnp.asarray(mask)),
+        model, params, CLEAN, source, heads=jax.device_put(mask)),
         atol=VMAP_ATOL)
 
 
@@ -142,14 +148,17 @@ def test_jit_vmap_and_grad_pass_through(model_and_params):
   # [P, B, L, V].
   mapped = jax.jit(jax.vmap(lambda c, k: patching.patch_heads(
       model, params, c, k, PATCHES)))(CLEAN, CORRUPT)
-  np.testing.assert_allclose(mapped, eager.transpose(1, 0, 2, 3),
+  np.testing.assert_allclose(mapped, np.asarray(eager).transpose(1, 0, 2, 3),
                              atol=VMAP_ATOL)
   # Attribution patching: the gradient of a logit with respect to the
   # source's contexts is nonzero only for the patched head.
   _, source = patching.run_with_cache(model, params, CORRUPT)
-  heads = jnp.zeros((2, 2), bool).at[1, 0].set(True)
+  heads = np.zeros((2, 2), bool)
+  heads[1, 0] = True
+  heads = jax.device_put(heads)
   grads = jax.jit(jax.grad(lambda s: patching.run_patched(
       model, params, CLEAN, s, heads=heads)[0, 0, 3]))(source)
+  grads = jax.tree.map(np.asarray, grads)  # read on the host
   assert np.abs(grads.contexts[1][..., 0, :]).max() > 0
   assert not np.any(grads.contexts[1][..., 1, :])
   assert not np.any(grads.contexts[0]) and not np.any(grads.residual)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import init_params
 from mha import data
 from mha import evaluate as eval_lib
 from mha.model import Transformer, TransformerConfig
@@ -169,8 +170,7 @@ def test_a_decoders_subsets_score_the_positions_its_weights_choose():
                              d_model=8, mlp_dim=8, max_len=10, causal=True,
                              num_kv_heads=1)
   model = Transformer(config)
-  params = model.init(jax.random.key(1),
-                      jnp.ones((1, config.max_len), jnp.int32))["params"]
+  params = init_params(model, jax.random.key(1))
   rng = np.random.default_rng(1)
   inputs = rng.integers(1, 9, (12, 10)).astype(np.int32)
   targets = rng.integers(1, 9, (12, 10)).astype(np.int32)
@@ -188,7 +188,7 @@ def test_a_decoders_subsets_score_the_positions_its_weights_choose():
     logits, _ = model.apply({"params": params}, inputs, head_mask=mask)
     return eval_lib.metric_sums(logits, targets, inputs, weights)
   for mask in masks:
-    got = eval_lib.summarize(jax.device_get(masked_sums(jnp.asarray(mask))))
+    got = eval_lib.summarize(jax.device_get(masked_sums(mask)))
     for key in reference:
       reference[key].append(got[key])
   for per_example in (False, True):
@@ -246,7 +246,7 @@ def test_streamed_oracle_equals_the_per_example_table():
         oracle.shapley_values(new["token_accuracy"], config),
         oracle.shapley_values(old["token_accuracy"], config))
   # Mean ablation: the bias shifts are affine in the mask too.
-  shifts = jnp.asarray(np.random.default_rng(3).normal(
+  shifts = jax.device_put(np.random.default_rng(3).normal(
       size=(2, 4, 16)).astype(np.float32))
   shifted = oracle.evaluate_subsets(model, params, split, per_example=True,
                                     batch_size=16, bias_shifts=shifts)
@@ -470,7 +470,7 @@ def _planted():
   # Every parameter zero but those set below: init's shapes, not its values.
   params = jax.tree.map(lambda a: np.zeros(a.shape, np.float32),
                         jax.eval_shape(model.init, jax.random.key(0),
-                                       jnp.ones((1, 4), jnp.int32))["params"])
+                                       np.ones((1, 4), np.int32))["params"])
   embed = np.zeros((6, 8), np.float32)
   for t in _TYPES:
     embed[t, t - 1] = 1.0  # coordinates 0-2: the type
@@ -482,8 +482,7 @@ def _planted():
   params["ln_final"]["scale"] = np.ones(8, np.float32)
   # Values: head h's first value unit is d_h(type) (LN(embedding) -> d).
   normed = np.asarray(jax.jit(nn.LayerNorm().apply)(  # one program, not 13
-      {"params": {"scale": np.ones(8), "bias": np.zeros(8)}},
-      jnp.asarray(embed[1:4])))
+      {"params": {"scale": np.ones(8), "bias": np.zeros(8)}}, embed[1:4]))
   wanted = np.asarray([_TYPES[t][1] for t in (1, 2, 3)])  # [3 types, 4 heads]
   kernel, *_ = np.linalg.lstsq(normed, wanted, rcond=None)
   block["attention"]["value"]["kernel"][:, :, 0] = kernel

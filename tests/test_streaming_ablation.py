@@ -105,17 +105,23 @@ def test_streaming_logits_equal_the_direct_window_masks(kv_heads):
   model, params, split = _decoder(num_kv_heads=kv_heads)
   abl = ablation_lib.build(model, params, "streaming:2,3", split, split)
   assert abl.spec == "streaming:2,3" and abl.streaming
+  # Jitted, each one program for the three masks (op by op, each call
+  # compiles dozens of programs).
+  ablated = lambda ablation: jax.jit(lambda mask: ablation_lib.ablated_logits(
+      model, params, split.inputs, mask, ablation))
+  streamed = ablated(abl)
+  direct = jax.jit(
+      lambda mask: _direct_logits(model, params, split.inputs, mask, 2, 3))
   rng = np.random.default_rng(0)
   for mask in (rng.integers(0, 2, (2, 4)).astype(np.float32),
                np.zeros((2, 4), np.float32), np.ones((2, 4), np.float32)):
-    got = ablation_lib.ablated_logits(model, params, split.inputs, mask, abl)
-    want = _direct_logits(model, params, split.inputs, mask, 2, 3)
+    got = streamed(mask)
+    want = direct(mask)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-  plain, _ = model.apply({"params": params}, split.inputs)
+  plain, _ = jax.jit(model.apply)({"params": params}, split.inputs)
   everything = ablation_lib.Ablation("streaming", sinks=0, window=12)
   np.testing.assert_allclose(
-      ablation_lib.ablated_logits(model, params, split.inputs,
-                                  np.zeros((2, 4), np.float32), everything),
+      ablated(everything)(np.zeros((2, 4), np.float32)),
       plain, rtol=1e-5, atol=1e-5)
 
 
@@ -128,7 +134,7 @@ def _direct_metrics(model, params, split, masks, sinks, window):
       jnp.maximum(split.targets, 0), split.inputs,
       data.scored(split.inputs, split.targets).astype(jnp.float32))))
   masks = np.asarray(masks, np.float32)
-  parts = [jax.device_get(run(jnp.asarray(masks[start:start + 256])))
+  parts = [jax.device_get(run(masks[start:start + 256]))
            for start in range(0, len(masks), 256)]
   got = eval_lib.summarize({k: np.concatenate([p[k] for p in parts])
                             for k in parts[0]})
@@ -230,11 +236,13 @@ def test_duo_gates_close_a_head_whose_window_changes_nothing():
   model, params, split = _decoder(1, 2, length=12, n=32, seed=3)
   value = params["layer_0"]["attention"]["value"]
   params = jax.tree_util.tree_map(lambda x: x, params)
+  # Zeroed in NumPy (op by op, each update compiles programs).
+  kernel, bias = np.array(value["kernel"]), np.array(value["bias"])
+  kernel[:, 0], bias[0] = 0.0, 0.0
   params["layer_0"]["attention"]["value"] = dict(
-      value, kernel=value["kernel"].at[:, 0].set(0.0),
-      bias=value["bias"].at[0].set(0.0))
+      value, kernel=jax.device_put(kernel), bias=jax.device_put(bias))
   abl = ablation_lib.build(model, params, "streaming:1,2", split, split)
-  ones = jnp.ones((1, 2))
+  ones = jax.device_put(np.ones((1, 2), np.float32))
   _, distance = duo_gates.distillation_loss(
       ones, model, params, split.inputs, split.targets, abl, 0.05)
   assert float(distance) == 0.0
@@ -256,16 +264,20 @@ def test_duo_gates_loss_and_schedule_as_their_code_writes_them():
   model, params, split = _decoder(2, 4, length=12, n=6, seed=5)
   abl = ablation_lib.build(model, params, "streaming:1,2", split, split)
   alpha = jnp.asarray([[1.0, 0.25, 0.0, 0.5], [0.75, 1.0, 1.0, 0.0]])
-  loss, distill = duo_gates.distillation_loss(
-      alpha, model, params, split.inputs, split.targets, abl, 0.05)
+  # Jitted, as training runs them (op by op, each compiles dozens of
+  # programs); compared to a tolerance.
+  loss, distill = jax.jit(lambda a: duo_gates.distillation_loss(
+      a, model, params, split.inputs, split.targets, abl, 0.05))(alpha)
   exists = np.ones((2, 4), np.float32)
-  full = duo_gates.hidden_states(model, params, split.inputs, exists, abl)
-  mixed = duo_gates.hidden_states(model, params, split.inputs, alpha, abl)
+  hidden = jax.jit(lambda a: duo_gates.hidden_states(
+      model, params, split.inputs, a, abl))
+  full = hidden(exists)
+  mixed = hidden(alpha)
   scored = np.asarray(data.scored(split.inputs, split.targets))
   want = np.square(np.asarray(mixed) - np.asarray(full)).mean(-1)[scored]
   np.testing.assert_allclose(distill, want.mean(), rtol=1e-5)
   np.testing.assert_allclose(loss - distill, 0.05 * 4.5 / 8, rtol=1e-5)
-  schedule = duo_gates.learning_rate_schedule(0.02, 200)
+  schedule = jax.jit(duo_gates.learning_rate_schedule(0.02, 200))
   np.testing.assert_allclose(
       [schedule(s) for s in (0, 19, 39, 100, 160, 180, 199)],
       [0.002, 0.01, 0.02, 0.02, 0.02, 0.01, 0.002], rtol=1e-6)
