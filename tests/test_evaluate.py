@@ -1,5 +1,6 @@
 """Tests of mha.evaluate's metric sums: weighted positions."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,24 +9,28 @@ from mha import evaluate
 
 
 def test_weights_choose_the_positions_the_metrics_count():
-  logits = jnp.log(jnp.array([[[0.1, 0.9], [0.9, 0.1], [0.5, 0.5]]]))
-  targets = jnp.array([[1, 1, 0]])
-  inputs = jnp.array([[3, 3, 0]])
-  plain = evaluate.metric_sums(logits, targets, inputs)
-  ones = evaluate.metric_sums(logits, targets, inputs,
-                              jnp.array([[1.0, 1.0, 0.0]]))
+  # The sums jitted, one program: op by op, each operation compiled alone.
+  @jax.jit
+  def sums(probabilities, targets, inputs, ones, first):
+    logits = jnp.log(probabilities)
+    return (evaluate.metric_sums(logits, targets, inputs),
+            evaluate.metric_sums(logits, targets, inputs, ones),
+            evaluate.batch_metric_sums(logits, {
+                "inputs": inputs, "targets": targets, "weights": first}))
+  plain, ones, first = sums(
+      np.array([[[0.1, 0.9], [0.9, 0.1], [0.5, 0.5]]], np.float32),
+      np.array([[1, 1, 0]], np.int32), np.array([[3, 3, 0]], np.int32),
+      np.array([[1.0, 1.0, 0.0]], np.float32),
+      np.array([[1.0, 0.0, 0.0]], np.float32))
   for key in evaluate.SUM_KEYS:  # Weights of 1 on the valid positions.
     np.testing.assert_allclose(ones[key], plain[key], rtol=1e-6)
-  first = evaluate.summarize(evaluate.batch_metric_sums(logits, {
-      "inputs": inputs, "targets": targets,
-      "weights": jnp.array([[1.0, 0.0, 0.0]])}))
+  first = evaluate.summarize(first)
   assert first["token_accuracy"] == first["exact_match"] == 1.0
   np.testing.assert_allclose(first["loss"], -np.log(0.9), rtol=1e-6)
 
 
 @pytest.mark.slow
 def test_recall_by_distance_buckets_the_models_answers():
-  import jax  # pylint: disable=import-outside-toplevel
   from mha import data  # pylint: disable=import-outside-toplevel
   from mha.model import Transformer, TransformerConfig  # pylint: disable=import-outside-toplevel
   config = TransformerConfig(vocab_size=12, max_len=6, num_layers=1,
@@ -38,7 +43,8 @@ def test_recall_by_distance_buckets_the_models_answers():
   split = data.Split(inputs=inputs, targets=targets, task="mqar",
                      weights=(distances > 0).astype(np.float32),
                      distances=distances)
-  params = model.init(jax.random.key(0), inputs[:1])["params"]
+  # Jitted: eagerly each op of the initialisation compiles alone.
+  params = jax.jit(model.init)(jax.random.key(0), inputs[:1])["params"]
   got = evaluate.recall_by_distance(model, params, split, batch_size=2)
   # The reference jitted: op by op, it compiles dozens of programs.
   logits, _ = jax.jit(model.apply)({"params": params}, inputs)

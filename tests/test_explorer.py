@@ -425,6 +425,7 @@ def test_show_a_workdir(page, page_arguments, tmp_path, monkeypatch):
 
 
 def test_payload_matches_the_model(page, tiny_run):
+  import jax
   path, workdir = page
   payload = _payload(path)
   ckpt = checkpoint.load_checkpoint(workdir)
@@ -439,16 +440,22 @@ def test_payload_matches_the_model(page, tiny_run):
   n = e["n"]
   tokens = split.inputs[e["index"]][None]
   weights = np.frombuffer(base64.b64decode(e["attention"]), np.uint8)
-  _, attention = ckpt.model.apply({"params": ckpt.params}, tokens)
+  mask = np.ones((2, 2), np.float32)
+  mask[1, 0] = 0.0
+
+  # Both references jitted, one program (op by op, each of the model's
+  # operations compiled on its own), and sliced on the host.
+  @jax.jit
+  def references(params, tokens, mask):
+    _, attention = ckpt.model.apply({"params": params}, tokens)
+    logits, _ = ckpt.model.apply({"params": params}, tokens, head_mask=mask)
+    return attention, logits
+  attention, logits = jax.device_get(references(ckpt.params, tokens, mask))
   expected = np.concatenate([a[0, :, :n, :n] for a in attention])
   # Bytes round(255 w): within half a step (and float32 rounding).
   np.testing.assert_allclose(weights.reshape(4, n, n) / 255.0, expected,
                              atol=0.5 / 255 + 1e-6)
   # Removing one head: what the head mask gives.
-  mask = np.ones((2, 2), np.float32)
-  mask[1, 0] = 0.0
-  logits, _ = ckpt.model.apply({"params": ckpt.params}, tokens,
-                               head_mask=mask)
   assert e["ablated"][payload["ablation_heads"].index([1, 0])] == \
       np.argmax(logits[0, :n], -1).tolist()
   study = payload["study"]
@@ -596,7 +603,7 @@ def test_causal_payload_at_256_tokens(causal_page):
   weights = np.frombuffer(base64.b64decode(e["attention"]), np.uint8)
   _, attention = jax.jit(model.apply)({"params": params},
                                       split.inputs[e["index"]][None])
-  heads = np.concatenate([np.asarray(a[0]) for a in attention])
+  heads = np.concatenate([np.asarray(a)[0] for a in attention])
   assert np.all(np.triu(heads, 1) == 0)  # Causal: nothing above.
   np.testing.assert_allclose(
       weights.reshape(4, -1) / 255.0, explorer.lower_triangle(heads),

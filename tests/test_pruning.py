@@ -321,16 +321,16 @@ def test_pruned_model_equals_masked_model(heads):
   assert sum(config.heads_per_layer) == 6 - len(heads)
   assert config.head_dim == CONFIG.resolved_head_dim
   flat = [l * 3 + h for l, h in heads]
-  mask = jnp.asarray(pruning.mask_without(CONFIG, flat))
+  mask = pruning.mask_without(CONFIG, flat)
   masked = _masked_logits(model, params, inputs, mask)
   pruned, weights = _apply(Transformer(config), pruned_params, inputs)
   np.testing.assert_allclose(pruned, masked, atol=1e-5)
   assert [w.shape[1] for w in weights] == list(config.heads_per_layer)
   assert pruning.count_params(pruned_params) < pruning.count_params(params)
-  # The fused path of the pruned model agrees too.
+  # The fused path of the pruned model agrees too (host inputs: a device
+  # copy compiled a program of its own).
   fused = pruning.compile_prediction(Transformer(config), pruned_params,
-                                     jnp.asarray(inputs))(pruned_params,
-                                                          jnp.asarray(inputs))
+                                     inputs)(pruned_params, inputs)
   np.testing.assert_allclose(fused, masked, atol=1e-5)
 
 

@@ -107,7 +107,7 @@ def test_rotation_puts_every_model_in_every_slot():
 
 
 def test_compiled_costs_reads_xla_cost_analysis():
-  x = jnp.ones((8, 8))
+  x = np.ones((8, 8), np.float32)  # host: jnp.ones compiles a program
   compiled = jax.jit(lambda a: jnp.exp(a) @ a).lower(x).compile()
   costs = speed.compiled_costs(compiled)
   assert set(costs) == {"flops", "bytes_accessed", "transcendentals"}
