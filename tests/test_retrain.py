@@ -45,7 +45,7 @@ def test_scratch_arms_have_the_pruned_shapes_from_step_0():
     # The pruned architecture's own initialisation: its shapes, its values
     # (so the output projection's fan-in is the kept heads').
     expected = init_params(Transformer(pruned_config),
-                            jax.random.key(int(seeds[r])))
+                           jax.random.key(int(seeds[r])))
     assert (jax.tree.map(np.shape, pruned)
             == jax.tree.map(np.shape, expected))
     jax.tree.map(np.testing.assert_array_equal, pruned, expected)
