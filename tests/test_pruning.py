@@ -680,16 +680,28 @@ def _check_extensions_contract(results, out):
     assert os.path.getsize(os.path.join(out, png)) > 10_000
 
 
-@pytest.mark.slow
-def test_a_study_under_resample_ablation(tiny_run, tmp_path):
-  options = study.StudyOptions(num_seeds=1, speed=False, num_bootstrap=20,
-                               num_random_orders=1, reestimate=False,
-                               batch_size=64, searches=False,
-                               plots=False, ablation="resample",
-                               over_training=False,
+@pytest.fixture(scope="module")
+def resample_study_beyond_the_oracle(tiny_run, tmp_path_factory):
+  """One in-process study shared by the two tests below: resample ablation,
+  with an oracle limit (3 heads) below the tiny model's 4 heads, no plots
+  (the script's end-to-end test renders them). Batches of 32, as that
+  test's: some of its programs load from the compilation cache.
+  ``(options, out, results)``."""
+  options = study.StudyOptions(num_seeds=1, speed=False, oracle_max_heads=3,
+                               num_bootstrap=20, num_random_orders=1,
+                               reestimate=False, batch_size=32, plots=False,
+                               ablation="resample", over_training=False,
                                bootstrap_importance=False)
-  out = str(tmp_path / "out")
+  out = str(tmp_path_factory.mktemp("resample_study") / "out")
   results = study.run(tiny_run.workdir, out, options, log=lambda _: None)
+  return types.SimpleNamespace(options=options, out=out, results=results)
+
+
+@pytest.mark.slow
+def test_a_study_under_resample_ablation(tiny_run, tmp_path,
+                                         resample_study_beyond_the_oracle):
+  shared = resample_study_beyond_the_oracle
+  options, out, results = shared.options, shared.out, shared.results
   assert results["ablation"] == "resample"
   seed = results["seeds"][0]
   # The tunings assume zero ablation.
@@ -715,21 +727,13 @@ def test_a_study_under_resample_ablation(tiny_run, tmp_path):
   assert "refits the kept heads' mask values" not in report
   _check_the_study_is_not_mixed_with_another(tiny_run, out, options,
                                              tmp_path)
-  # Every head removed, on test: each replaced by its context on the
-  # test example's donor (drawn as the study draws them).
-  model, params = build.make_model(tiny_run.config), tiny_run.state.params
-  splits = data.load_splits(build.data_spec(tiny_run.config),
-                            tiny_run.config.data.data_dir)
-  abl = ablation_lib.build(
-      model, params, "resample", splits["validation"], splits["test"],
-      rng=np.random.default_rng([0, 4, 1]))
-  none = np.zeros((1, 2, 2), np.float32)
-  want = core.evaluate_masks(model, params, splits["test"], none,
-                                     ablation=abl)["token_accuracy"][0]
-  zero = core.evaluate_masks(model, params, splits["test"],
-                                     none)["token_accuracy"][0]
-  got = seed["oracle"][-1]["test"]["token_accuracy"]
-  assert got == pytest.approx(want, abs=1e-6) and got != zero
+  # Every head removed, on test (each curve's last point): each replaced by
+  # its context on the test example's donor (drawn as the study draws them).
+  want = _none_accuracy(tiny_run, "test", "resample")
+  zero = _none_accuracy(tiny_run, "test")
+  for name in ("gradient", "random", "attribution_resample"):
+    got = seed["curves"][name]["token_accuracy"][-1]
+    assert got == pytest.approx(want, abs=1e-6) and got != zero, name
 
 
 def _check_the_study_is_not_mixed_with_another(tiny_run, out, options,
@@ -768,15 +772,10 @@ def _check_the_study_is_not_mixed_with_another(tiny_run, out, options,
 
 
 @pytest.mark.slow
-def test_oracle_skipped_above_oracle_max_heads(tiny_run, tmp_path):
-  options = study.StudyOptions(num_seeds=1, speed=False, oracle_max_heads=3,
-                               num_bootstrap=20, num_random_orders=1,
-                               reestimate=False, batch_size=64,
-                               attribution=False, kwon=False,
-                               over_training=False,
-                               bootstrap_importance=False)
-  results = study.run(tiny_run.workdir, str(tmp_path / "out"), options,
-                      log=lambda _: None)
+def test_oracle_skipped_above_oracle_max_heads(
+    tiny_run, tmp_path, resample_study_beyond_the_oracle):
+  out = resample_study_beyond_the_oracle.out
+  results = resample_study_beyond_the_oracle.results
   seed = results["seeds"][0]
   assert seed["oracle"] == [] and "oracle_max_heads=3" in seed[
       "oracle_skipped"]
@@ -788,10 +787,11 @@ def test_oracle_skipped_above_oracle_max_heads(tiny_run, tmp_path):
   assert ci.shape == values.shape + (2,)
   assert np.all(ci[..., 0] <= values) and np.all(values <= ci[..., 1])
   # Efficiency holds for every sampled order, so for their mean: v(all) -
-  # v(none) on validation (float64 sums of per-example shares).
+  # v(none) on validation (float64 sums of per-example shares), every head
+  # removed as the study removes them (resample ablation).
   assert values.sum() == pytest.approx(
-      seed["validation"]["token_accuracy"] - _none_accuracy(tiny_run),
-      abs=1e-6)
+      seed["validation"]["token_accuracy"] -
+      _none_accuracy(tiny_run, "validation", "resample"), abs=1e-6)
   assert sorted(seed["orders"]["shapley"]) == list(range(4))
   assert "oracle" not in seed["curve_summary"]
   # Beyond the oracle's reach the searches still run: a subset per k, with
@@ -800,14 +800,16 @@ def test_oracle_skipped_above_oracle_max_heads(tiny_run, tmp_path):
     assert [e["k"] for e in seed["searches"][name]] == list(range(5))
     assert "auc_token_accuracy_minus_oracle" not in seed["curve_summary"][
         name]
-  report = (tmp_path / "out" / "report.md").read_text()
+  with open(os.path.join(out, "report.md"), encoding="utf-8") as f:
+    report = f.read()
   assert "oracle_max_heads=3" in report
   # The report's text again from results.json alone (NaNs are nulls there);
   # the --full study's test re-renders the plots too.
-  with open(tmp_path / "out" / "results.json", encoding="utf-8") as f:
+  with open(os.path.join(out, "results.json"), encoding="utf-8") as f:
     loaded = json.load(f)
-  again = "\n".join(report_lib.report_lines(loaded))
-  assert again == report
+  report_lib.write(loaded, str(tmp_path))
+  assert (tmp_path / "report.md").read_text() == report
+  assert os.listdir(tmp_path) == ["report.md"]  # no plots: --noplots
   # --plot_format pdf: report.md links the figures as PDF files (Markdown
   # viewers do not inline PDF); test_pruning_plots writes one.
   pdf = dict(loaded, options=dict(loaded["options"], plot_format="pdf"))
@@ -816,15 +818,19 @@ def test_oracle_skipped_above_oracle_max_heads(tiny_run, tmp_path):
   assert "![" not in text and ".png" not in text
 
 
-def _none_accuracy(tiny_run):
-  """Validation token accuracy of the tiny model with every head removed."""
+def _none_accuracy(tiny_run, split, ablation="zero"):
+  """Token accuracy on ``split`` of the tiny model with every head removed
+  under ``ablation`` (resample's donors drawn as the study draws them)."""
   model, params = build.make_model(tiny_run.config), tiny_run.state.params
   splits = data.load_splits(build.data_spec(tiny_run.config),
                             tiny_run.config.data.data_dir)
+  abl = None if ablation == "zero" else ablation_lib.build(
+      model, params, ablation, splits["validation"], splits[split],
+      rng=np.random.default_rng([0, 4, ("validation", "test").index(split)]))
   none = np.zeros((1,) + head_masks.existing_heads(model.config).shape,
                   np.float32)
-  return float(core.evaluate_masks(model, params, splits["validation"],
-                                   none)["token_accuracy"][0])
+  return float(core.evaluate_masks(model, params, splits[split], none,
+                                   ablation=abl)["token_accuracy"][0])
 
 
 @pytest.mark.slow
