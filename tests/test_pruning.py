@@ -686,15 +686,17 @@ def _check_extensions_contract(results, out):
 @pytest.fixture(scope="module")
 def resample_study_beyond_the_oracle(tiny_run, tmp_path_factory):
   """One in-process study shared by the two tests below: resample ablation,
-  with an oracle limit (3 heads) below the tiny model's 4 heads, no plots
-  (the script's end-to-end test renders them). Batches of 32, as that
-  test's: some of its programs load from the compilation cache.
+  with an oracle limit (3 heads) below the tiny model's 4 heads (Shapley
+  values sampled: 4 antithetic pairs of permutations, not 32; efficiency
+  holds for each), no plots (the script's end-to-end test renders them).
+  Batches of 32, as that test's: some of its programs load from the
+  compilation cache.
   ``(options, out, results)``."""
   options = study.StudyOptions(num_seeds=1, speed=False, oracle_max_heads=3,
                                num_bootstrap=20, num_random_orders=1,
                                reestimate=False, batch_size=32, plots=False,
                                ablation="resample", over_training=False,
-                               bootstrap_importance=False)
+                               bootstrap_importance=False, shapley_pairs=4)
   out = str(tmp_path_factory.mktemp("resample_study") / "out")
   results = study.run(tiny_run.workdir, out, options, log=lambda _: None)
   return types.SimpleNamespace(options=options, out=out, results=results)
