@@ -395,12 +395,17 @@ def test_the_study_runs_on_a_grouped_decoder_scoring_its_answers(
   """The head study on a decoder (issue 57) scores the positions the task's
   weights choose: its unpruned validation figures are the training run's
   own (answer tokens of a recall task). On a GQA model it also prunes whole
-  KV groups, with the head-level study's keys."""
+  KV groups, with the head-level study's keys. One layer of 4 query heads
+  in 2 groups, since what each study traces and compiles (programs of this
+  test alone) grows with the layers; the groups' layout over layers and a
+  decoder's oracle through the layers below the last are tested on
+  2-layer models (test_pruning_kv_groups.py, test_pruning_oracle.py,
+  test_streaming_ablation.py)."""
   from configs import default  # pylint: disable=import-outside-toplevel
   from mha import train  # pylint: disable=import-outside-toplevel
   workdir = str(tmp_path / "mqar")
   train.train_and_evaluate(default.get_config(
-      f"tiny,mqar,model.num_heads=4,gqa,num_train_steps=2,"
+      f"tiny,mqar,model.num_layers=1,model.num_heads=4,gqa,num_train_steps=2,"
       f"data.data_dir={data_dir},data.context_length=24,data.num_pairs=2,"
       "data.num_train_examples=64,data.num_eval_examples=16,"
       "eval_batch_size=16,batch_size=8"), workdir)
@@ -417,10 +422,10 @@ def test_the_study_runs_on_a_grouped_decoder_scoring_its_answers(
   for key in ("loss", "token_accuracy", "exact_match"):
     np.testing.assert_allclose(unpruned[key], final[f"validation/{key}"],
                                rtol=1e-5)
-  assert [e["k"] for e in seed["oracle"]] == list(range(9))  # 8 heads
-  groups = seed["kv_groups"]  # 2 layers x 2 groups of 2 query heads
-  assert groups["num_groups"] == 4 and groups["heads_per_group"] == [2, 2]
-  assert [e["k"] for e in groups["oracle"]] == list(range(5))
+  assert [e["k"] for e in seed["oracle"]] == list(range(5))  # 4 heads
+  groups = seed["kv_groups"]  # 1 layer of 2 groups of 2 query heads
+  assert groups["num_groups"] == 2 and groups["heads_per_group"] == [2]
+  assert [e["k"] for e in groups["oracle"]] == list(range(3))
   # The unpruned model at both levels (one of them may come from the table
   # of every subset, the other from its mask: float32 rounding apart).
   for key, value in seed["oracle"][0]["validation"].items():
@@ -428,8 +433,8 @@ def test_the_study_runs_on_a_grouped_decoder_scoring_its_answers(
                                rtol=1e-6)
   # Removing every group is removing every head.
   for split in ("validation", "test"):
-    np.testing.assert_allclose(groups["oracle"][4][split]["token_accuracy"],
-                               seed["oracle"][8][split]["token_accuracy"])
+    np.testing.assert_allclose(groups["oracle"][2][split]["token_accuracy"],
+                               seed["oracle"][4][split]["token_accuracy"])
   for name in ("oracle", "random"):  # the head-level study's keys
     assert set(groups["curve_summary"][name]) <= set(
         seed["curve_summary"][name])
@@ -447,19 +452,19 @@ def test_the_study_runs_on_a_grouped_decoder_scoring_its_answers(
   streamed = results["seeds"][0]
   assert results["ablation"] == "streaming:2,4"
   assert results["options"]["duo_gates_steps"] == 8
-  np.testing.assert_allclose(  # k full heads of 8 at 24 tokens, 6 kept
-      streamed["kv_memory"], [(k * 24 + (8 - k) * 6) / (8 * 24)
-                              for k in range(8, -1, -1)])
+  np.testing.assert_allclose(  # k full heads of 4 at 24 tokens, 6 kept
+      streamed["kv_memory"], [(k * 24 + (4 - k) * 6) / (4 * 24)
+                              for k in range(4, -1, -1)])
   assert streamed["curves"]["oracle"]["kv_memory"] == streamed["kv_memory"]
-  # The groups stream too: the KV memory counts groups (4 of them), and a
+  # The groups stream too: the KV memory counts groups (2 of them), and a
   # group streaming is its query heads streaming, so none streaming and all
   # streaming are the head level's (float32 rounding apart).
   groups = streamed["kv_groups"]
   assert groups["ablation"] == "streaming:2,4"
   np.testing.assert_allclose(groups["kv_memory"], [
-      (k * 24 + (4 - k) * 6) / (4 * 24) for k in range(4, -1, -1)])
+      (k * 24 + (2 - k) * 6) / (2 * 24) for k in range(2, -1, -1)])
   assert groups["curves"]["oracle"]["kv_memory"] == groups["kv_memory"]
-  for g, h in ((0, 0), (4, 8)):
+  for g, h in ((0, 0), (2, 4)):
     for split in ("validation", "test"):
       for key, value in streamed["oracle"][h][split].items():
         np.testing.assert_allclose(groups["oracle"][g][split][key], value,
