@@ -38,12 +38,18 @@ CONFIG_FILE = os.path.join(ROOT, "configs", "default.py")
 # The run every resumed run is compared with: four checkpoints, so that a
 # run can be stopped (at named steps: ``MHA_TEST_SIGNAL_AT``) between them;
 # with dropout, so that a resumed run must draw the dropout masks of an
-# uninterrupted one. 20 steps: the ``tiny`` config's count, so that its
-# program is compiled once for the runs of this file (and test_train's).
+# uninterrupted one. One layer: faults, resumes and checkpoints are under
+# test, not the model, and most of the CPU of each of the file's two dozen
+# train.py processes goes to tracing its programs and loading them from the
+# compilation cache afresh, less for one layer than for the ``tiny``
+# config's two (measured 2026-12-07, the file in one process: 82 -> 65 s of
+# CPU, the chaos test's 12 processes 31 -> 26 s).
 STEPS, EVERY = 20, 5
+MODEL = "model.num_layers=1"
 RUN_OVERRIDES = (f"num_train_steps={STEPS}", f"checkpoint_every_steps={EVERY}",
                  "eval_every_steps=1000", "log_every_steps=1000",
-                 "model.dropout_rate=0.1", "model.attention_dropout_rate=0.1")
+                 "model.dropout_rate=0.1", "model.attention_dropout_rate=0.1",
+                 MODEL)
 
 
 def _run_config(data_dir, *overrides):
@@ -354,7 +360,7 @@ def test_resuming_with_another_model_data_or_optimizer_is_refused(reference):
   resumable = default.get_config(
       "tiny,data.data_dir=/elsewhere,num_train_steps=900,log_every_steps=7,"
       "eval_every_steps=9,checkpoint_every_steps=11,max_checkpoints_to_keep=1,"
-      "eval_batch_size=16,model.dropout_rate=0.1,"
+      f"eval_batch_size=16,model.dropout_rate=0.1,{MODEL},"
       "model.attention_dropout_rate=0.1")
   assert config_validation.resume_conflicts(saved, resumable) == []
 
@@ -1036,14 +1042,15 @@ def _event(record):
 # Chaos: kill -9 at ten chosen moments, resume each time.
 # --------------------------------------------------------------------------
 
-# The reference run (its steps, seed and dropout) with a row per step and
-# validation every 10 steps: cadences, which change no bit of the state, so
+# The reference run (its steps, seed, model and dropout) with a row per step
+# and validation every 10 steps: cadences, which change no bit of the state, so
 # the reference's final state is the uninterrupted run's.
 CHAOS_STEPS, CHAOS_EVERY = STEPS, EVERY
 CHAOS_OVERRIDES = (f"num_train_steps={CHAOS_STEPS}",
                    f"checkpoint_every_steps={CHAOS_EVERY}",
                    "eval_every_steps=10", "log_every_steps=1",
-                   "model.dropout_rate=0.1", "model.attention_dropout_rate=0.1")
+                   "model.dropout_rate=0.1", "model.attention_dropout_rate=0.1",
+                   MODEL)
 
 
 def _chaos_moments(seed, count=10):
