@@ -352,11 +352,17 @@ def test_chaos_kill_9_through_a_two_seed_study_then_it_ends_as_if_never_killed(
               env=subprocess_env, timeout=600)
   assert plain.returncode == 0, plain.stderr[-3000:]
   assert plain.stdout.count("distinct masks on validation") == 2
+  # The only two-seed study through the script: the run's seed and the
+  # next one, trained by the study in its own folder.
+  first = tiny_run.config.seed
+  seeds = json.loads((plain_out / "results.json").read_text())["seeds"]
+  assert [s["seed"] for s in seeds] == [first, first + 1]
+  assert seeds[1]["config"]["seed"] == first + 1
+  assert (plain_out / "seeds" / f"seed_{first + 1}" / "checkpoints").is_dir()
   # Each seed's searches are estimated first (issue 59).
   estimate = plain.stdout.find("  Estimate: the searches evaluate ")
   assert -1 < estimate < plain.stdout.find("surrogate search")
   args = [sys.executable, STUDY, f"--out={killed_out}", *options]
-  first = tiny_run.config.seed
   for stop, code in _STUDY_STOPS:
     stopped = run(args, env=dict(subprocess_env, **stop), timeout=600)
     assert stopped.returncode == code, (stop, stopped.stderr[-3000:])
