@@ -186,8 +186,8 @@ def test_resume_with_dropout_equals_an_uninterrupted_run(tiny_run, tmp_path,
                                                          data_dir):
   # Dropout draws its masks from fold_in(rng, step): a run resumed from step
   # 10 must draw those of steps 11..20 again, and end bitwise the same.
-  # (Rates of 0.1: tests/test_reliability.py's runs, whose programs these
-  # runs load from the compilation cache.)
+  # (tiny's two layers, unlike tests/test_reliability.py's one-layer runs:
+  # the comparison with tiny_run below needs the same model.)
   config = tiny_config(data_dir, "model.dropout_rate=0.1",
                        "model.attention_dropout_rate=0.1")
   whole = train.train_and_evaluate(config, str(tmp_path / "whole"))
