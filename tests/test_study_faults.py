@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import run
+from conftest import run, tiny_config
 
 from mha.run import interrupt
 from mha.pruning.study import grid
@@ -344,9 +344,15 @@ _STUDY_STOPS = (
 
 @pytest.mark.slow
 def test_chaos_kill_9_through_a_two_seed_study_then_it_ends_as_if_never_killed(
-    tiny_run, tmp_path, subprocess_env, sigint_not_ignored):
+    tmp_path, data_dir, subprocess_env, sigint_not_ignored):
+  # tiny on one layer: the study's kills and reruns are under test, not the
+  # model, and each of its nine processes traces and loads half the layers.
+  from mha import train  # pylint: disable=import-outside-toplevel
+  config = tiny_config(data_dir, "model.num_layers=1")
+  workdir = str(tmp_path / "run")
+  train.train_and_evaluate(config, workdir)
   killed_out, plain_out = tmp_path / "killed", tmp_path / "plain"
-  options = [f"--workdir={tiny_run.workdir}", *_SMALL, "--num_seeds=2",
+  options = [f"--workdir={workdir}", *_SMALL, "--num_seeds=2",
              "--mean_ablation"]
   plain = run([sys.executable, STUDY, f"--out={plain_out}", *options],
               env=subprocess_env, timeout=600)
@@ -354,7 +360,7 @@ def test_chaos_kill_9_through_a_two_seed_study_then_it_ends_as_if_never_killed(
   assert plain.stdout.count("distinct masks on validation") == 2
   # The only two-seed study through the script: the run's seed and the
   # next one, trained by the study in its own folder.
-  first = tiny_run.config.seed
+  first = config.seed
   seeds = json.loads((plain_out / "results.json").read_text())["seeds"]
   assert [s["seed"] for s in seeds] == [first, first + 1]
   assert seeds[1]["config"]["seed"] == first + 1
@@ -501,7 +507,6 @@ def test_the_study_runs_on_a_grouped_decoder_scoring_its_answers(
 
 def test_max_examples_keeps_evenly_spaced_examples_of_validation_and_test(
     data_dir):
-  from conftest import tiny_config  # pylint: disable=import-outside-toplevel
   from mha.pruning.study import StudyOptions  # pylint: disable=import-outside-toplevel
   from mha.pruning.study import experiment  # pylint: disable=import-outside-toplevel
   config = tiny_config(data_dir)
