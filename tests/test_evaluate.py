@@ -70,10 +70,12 @@ def test_eval_script_on_a_recall_task_splits_its_answers_two_ways(
   from conftest import ROOT, run, tiny_config  # pylint: disable=import-outside-toplevel
   from mha import train  # pylint: disable=import-outside-toplevel
   workdir = str(tmp_path / "mqar")
-  # The grouped decoder of test_study_faults.py's study on a decoder, the
-  # same config: its programs are in the session's compilation cache.
+  # The grouped decoder of test_study_faults.py's study on a decoder (one
+  # layer), the same config: its programs may be in the session's
+  # compilation cache.
   train.train_and_evaluate(tiny_config(
-      data_dir, "mqar", "model.num_heads=4", "gqa", "num_train_steps=2",
+      data_dir, "mqar", "model.num_layers=1", "model.num_heads=4", "gqa",
+      "num_train_steps=2",
       "data.context_length=24", "data.num_pairs=2",
       "data.num_train_examples=64", "data.num_eval_examples=16",
       "eval_batch_size=16", "batch_size=8"), workdir)
