@@ -262,7 +262,7 @@ def test_the_run_config_passes_through_at_most_8_modules(tmp_path, data_dir):
       modules.add(os.path.relpath(code.co_filename, package))
 
   config = tiny_config(data_dir, "num_train_steps=2", "eval_every_steps=1",
-                       "checkpoint_every_steps=1")
+                       "checkpoint_every_steps=1", "model.num_layers=1")
   sys.setprofile(profile)
   try:
     train.train_and_evaluate(config, str(tmp_path / "run"))
