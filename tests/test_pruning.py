@@ -177,14 +177,12 @@ def test_vmapped_masks_equal_the_loop_and_jit_vmap_pass_through():
   # Stacked parameters of two "seeds", one vmapped call.
   _, params_b = _init(seed=1)
   stacked = jax.tree.map(lambda a, b: np.stack([a, b]), params, params_b)
-  fn = jax.jit(jax.vmap(
-      lambda p: pruning.masked_metric_sums(model, p, inputs, split.targets,
-                                           jnp.asarray(masks[1]))))
-  both = fn(stacked)
+  sums = lambda p: pruning.masked_metric_sums(model, p, inputs, split.targets,
+                                              jnp.asarray(masks[1]))
+  both = jax.jit(jax.vmap(sums))(stacked)
   # Each model alone, jitted too: an eager call compiled each operation of
   # the model on its own (1.8 s of 2 s).
-  one = jax.jit(lambda p: pruning.masked_metric_sums(
-      model, p, inputs, split.targets, jnp.asarray(masks[1])))
+  one = jax.jit(sums)
   for i, p in enumerate((params, params_b)):
     single = one(p)
     np.testing.assert_allclose(both["loss_sum"][i], single["loss_sum"],
